@@ -1,0 +1,393 @@
+"""The `Accelerator`: Hugging Face Accelerate's training API over one ND device mesh.
+
+It only orchestrates: the mesh comes from `ndparallel.mesh`, models are parallelised by `ndparallel.parallel`,
+data loaders sharded by `ndparallel.data`, the loss made right by `ndparallel.loss`, clipping done by
+`ndparallel.clip`.
+
+Differences from Accelerate, on purpose:
+- the LR scheduler steps once per optimizer step (Accelerate steps it once per process), so a run on N
+  processes follows the same schedule as one process on the global batch;
+- `backward` weights each rank's loss by its share of the optimizer step's loss tokens (see `ndparallel.loss`),
+  so unequal numbers of -100 labels over ranks and micro-steps give the single-process gradient;
+- `reduce` and `gather` run over the ranks that hold distinct data (the ``loss`` and ``batch`` views), never
+  counting tensor-parallel copies twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from . import clip, parallel
+from .config import MIXED_PRECISION, SIZE_FIELDS, FullyShardedDataParallelPlugin, ParallelismConfig, size_env_var
+from .data import PreparedDataLoader
+from .loss import GradientState
+from .mesh import ParallelMesh
+from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .parallel import comm
+from .parallel.precision import DTYPES
+from .runtime import init_runtime
+from .utils import progress_bar
+
+MIXED_PRECISION_ENV = "NDPARALLEL_MIXED_PRECISION"
+ACCUMULATION_ENV = "NDPARALLEL_GRADIENT_ACCUMULATION_STEPS"
+
+
+class DistributedType(str, enum.Enum):
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
+
+
+def _axis_property(axis: str, what: str) -> property:
+    def get(self: Accelerator) -> int:
+        return self.mesh.rank(axis) if what == "rank" else self.mesh.size(axis)
+
+    get.__doc__ = f"This process's coordinate along ``{axis}``." if what == "rank" else f"Size of ``{axis}``."
+    return property(get)
+
+
+class Accelerator:
+    """Trains a model with the parallelisms of a `ParallelismConfig` (plain DDP over all processes without one).
+
+    Args:
+        parallelism_config: sizes of each parallelism; None reads the sizes ``ndparallel launch`` passed, or
+            uses DDP over every process when none were passed.
+        fsdp_plugin: FSDP2 settings; FSDP2 is used when ``dp_shard * cp * sp > 1`` or a plugin is given.
+        mixed_precision: "no", "bf16" or "fp16" (None: ``$NDPARALLEL_MIXED_PRECISION`` or "no").
+        gradient_accumulation_steps: micro-steps per optimizer step (None: ``$NDPARALLEL_GRADIENT_ACCUMULATION_STEPS``
+            or 1).
+        cpu: train on the CPU with gloo even where CUDA is available.
+        device_placement: move batches of prepared data loaders to this rank's device.
+    """
+
+    def __init__(self, parallelism_config: ParallelismConfig | None = None,
+                 fsdp_plugin: FullyShardedDataParallelPlugin | None = None, mixed_precision: str | None = None,
+                 gradient_accumulation_steps: int | None = None, cpu: bool = False,
+                 device_placement: bool = True) -> None:
+        # Every check on user input comes before the first collective.
+        if parallelism_config is not None and not isinstance(parallelism_config, ParallelismConfig):
+            raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(parallelism_config).__name__}")
+        if fsdp_plugin is not None and not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
+            raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin, got {type(fsdp_plugin).__name__}")
+        mixed_precision = mixed_precision or os.environ.get(MIXED_PRECISION_ENV) or "no"
+        if mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision must be one of {list(MIXED_PRECISION)}, got {mixed_precision!r}")
+        if gradient_accumulation_steps is None:
+            gradient_accumulation_steps = int(os.environ.get(ACCUMULATION_ENV, "1"))
+        if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
+                or gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        if parallelism_config is None:
+            launched = any(os.environ.get(size_env_var(f)) for f in SIZE_FIELDS)
+            parallelism_config = ParallelismConfig() if launched else ParallelismConfig(dp_replicate_size=-1)
+
+        self.runtime = init_runtime(cpu)
+        self.parallelism_config = parallelism_config.resolve(self.runtime.world_size)
+        self.mesh = ParallelMesh(self.parallelism_config, self.device.type)
+        self.fsdp_plugin = fsdp_plugin
+        self.mixed_precision = mixed_precision
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.device_placement = device_placement
+        self.gradient_state = GradientState(gradient_accumulation_steps, self.mesh.size("loss"))
+        self.scaler = torch.amp.GradScaler(self.device.type) if mixed_precision == "fp16" else None
+        self._models: list[nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._dataloaders: list[PreparedDataLoader] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        # id(original parameter) -> (weak reference to it, the parameter that replaced it in prepare()).
+        self._param_map: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+        self._data_seed: int | None = None
+
+    # ---- processes and mesh ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def process_index(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.runtime.local_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.runtime.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def torch_device_mesh(self):
+        """The world `DeviceMesh`; its flattened views (``fsdp``, ``batch``, ``dp``...) can be indexed by name."""
+        return self.mesh.world
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        if parallel.uses_fsdp(self.mesh, self.fsdp_plugin):
+            return DistributedType.FSDP
+        if self.num_processes == 1:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    dp_replicate_rank, dp_replicate_size = _axis_property("dp_replicate", "rank"), _axis_property("dp_replicate", "size")
+    dp_shard_rank, dp_shard_size = _axis_property("dp_shard", "rank"), _axis_property("dp_shard", "size")
+    cp_rank, cp_size = _axis_property("cp", "rank"), _axis_property("cp", "size")
+    sp_rank, sp_size = _axis_property("sp", "rank"), _axis_property("sp", "size")
+    tp_rank, tp_size = _axis_property("tp", "rank"), _axis_property("tp", "size")
+    data_parallel_rank = _axis_property("batch", "rank")
+    data_parallel_size = _axis_property("batch", "size")
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-step whose backward synchronises gradients and after which the optimizer steps."""
+        return self.gradient_state.sync_gradients
+
+    # ---- prepare -------------------------------------------------------------------------------------
+    def prepare(self, *args: Any) -> Any:
+        """Prepare models, optimizers, data loaders and LR schedulers, in any order and number.
+
+        Returns them in the order given (a single object when one was given). Models are prepared first, so an
+        optimizer built from a model's parameters before `prepare` is pointed at the parameters that replace them.
+        """
+        kinds = [self._kind(i, obj) for i, obj in enumerate(args)]
+        out = list(args)
+        for kind in ("model", "optimizer", "dataloader", "scheduler"):
+            for i, obj in enumerate(args):
+                if kinds[i] == kind:
+                    out[i] = getattr(self, f"prepare_{kind}")(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    @staticmethod
+    def _kind(index: int, obj: Any) -> str:
+        if isinstance(obj, nn.Module):
+            return "model"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, (DataLoader, PreparedDataLoader)):
+            return "dataloader"
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            return "scheduler"
+        raise TypeError(
+            f"prepare(): argument {index} is a {type(obj).__module__}.{type(obj).__name__}; prepare() takes "
+            "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader and "
+            "torch.optim.lr_scheduler.LRScheduler objects"
+        )
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, (DistributedDataParallel, FSDPModule)) or any(model is m for m in self._models):
+            raise ValueError(
+                f"prepare(): this {type(model).__name__} is already wrapped for data parallelism; pass the plain "
+                "model, once"
+            )
+        old = dict(model.named_parameters())
+        dtype = DTYPES[self.mixed_precision]
+        prepared = parallel.parallelize(model, self.mesh, self.fsdp_plugin, dtype, self.device)
+        new = dict(self.unwrap_model(prepared).named_parameters())
+        for name, param in old.items():
+            if new.get(name) is not None and new[name] is not param:
+                self._param_map[id(param)] = (weakref.ref(param), new[name])
+        self._models.append(prepared)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        if isinstance(optimizer, AcceleratedOptimizer):
+            raise ValueError("prepare(): this optimizer is already prepared; pass the plain optimizer, once")
+        remapped = False
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                entry = self._param_map.get(id(p))
+                if entry is not None and entry[0]() is p:
+                    p, remapped = entry[1], True
+                params.append(p)
+            group["params"] = params
+        if remapped and optimizer.state:
+            raise ValueError(
+                "prepare(): the optimizer already has state (it stepped before prepare), and its parameters were "
+                "replaced by sharded ones; build the optimizer, prepare it, then train"
+            )
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_dataloader(self, dataloader: DataLoader) -> PreparedDataLoader:
+        if isinstance(dataloader, PreparedDataLoader):
+            raise ValueError("prepare(): this data loader is already prepared; pass the plain DataLoader, once")
+        if self._data_seed is None:
+            # One shuffling seed for every rank: rank 0's, so unseeded runs still agree across ranks.
+            seed = torch.tensor([torch.initial_seed() % 2**31], dtype=torch.long, device=self.device)
+            if self.num_processes > 1:
+                dist.broadcast(seed, src=0)
+            self._data_seed = int(seed.item())
+        prepared = PreparedDataLoader(
+            dataloader, num_shards=self.mesh.size("batch"), shard_index=self.mesh.rank("batch"),
+            seed=self._data_seed, device=self.device if self.device_placement else torch.device("cpu"),
+            window=self.gradient_accumulation_steps, window_group=self.mesh.group("batch"),
+            on_batch=self.gradient_state.on_batch,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    prepare_data_loader = prepare_dataloader  # Accelerate's spelling
+
+    def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> AcceleratedScheduler:
+        optimizers = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
+        if not optimizers:
+            raise ValueError(
+                "prepare(): the LR scheduler's optimizer has not been prepared; pass the optimizer to prepare() "
+                "in the same call or before the scheduler"
+            )
+        wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    # ---- the training step --------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, with the loss weighted so gradients equal the single-process ones.
+
+        `loss` must be this rank's mean loss over its own tokens (what HF models return); see `ndparallel.loss`
+        for the factor and why.
+        """
+        loss = loss * self.gradient_state.loss_factor()
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """One micro-step: gradients synchronise (and the optimizer steps) only on the last of a window."""
+        sync = self.gradient_state.advance()
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for model in models or self._models:
+                    stack.enter_context(self.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip the gradient reduction of backward passes inside (gradients accumulate locally)."""
+        if isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+        elif isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
+                               buffer_seq_dims: list[int] | None = None,
+                               no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
+        """Shard `buffers` along the sequence for context/sequence parallelism; a no-op without CP or SP."""
+        if buffers is not None and buffer_seq_dims is not None and len(buffers) != len(buffer_seq_dims):
+            raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
+        parallel.check_supported(self.mesh)
+        yield
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        dtype = DTYPES[self.mixed_precision]
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            yield
+
+    def unscale_gradients(self) -> None:
+        if self.scaler is None:
+            return
+        for opt in self._optimizers:
+            try:
+                self.scaler.unscale_(opt.optimizer)
+            except RuntimeError as exc:  # already unscaled since the last update(): nothing to do
+                if "already been called" not in str(exc):
+                    raise
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the total gradient norm, computed correctly over sharded (DTensor) and plain gradients."""
+        self.unscale_gradients()
+        return clip.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    # ---- collectives for metrics ----------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate tensors (or dicts/lists of them) along dim 0 over the ranks with distinct samples."""
+        return comm.gather(tensor, self.mesh["batch"])
+
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """`gather`, minus the samples repeated to even out the last batch across ranks."""
+        drop = self.gradient_state.remainder
+        if use_gather_object or not isinstance(data, (torch.Tensor, dict, list, tuple)):
+            parts: list[Any] = [None] * self.mesh.size("batch")
+            dist.all_gather_object(parts, data, group=self.mesh.group("batch"))
+            flat = [x for part in parts for x in (part if isinstance(part, list) else [part])]
+            return flat[: len(flat) - drop]
+        gathered = self.gather(data)
+        return comm.map_tensors(gathered, lambda t: t[: t.shape[0] - drop]) if drop else gathered
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Sum or average over the ranks whose values are distinct contributions (the ``loss`` view)."""
+        return comm.reduce(tensor, self.mesh["loss"], reduction, scale)
+
+    # ---- process control -------------------------------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        if self.num_processes > 1:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
+
+    def progress_bar(self, iterable: Any = None, **kwargs: Any):
+        """A tqdm bar drawn by the main process only."""
+        return progress_bar(iterable, main_process=self.is_main_process, **kwargs)
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+        """The model without its DDP wrapper (FSDP2 and checkpointing change no parameter names)."""
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def end_training(self) -> None:
+        """Release the process group (call once, at the end of the script)."""
+        if dist.is_initialized():
+            self.wait_for_everyone()
+            dist.destroy_process_group()
+
+    def __repr__(self) -> str:
+        return (f"Accelerator({self.mesh!r}, rank={self.process_index}/{self.num_processes}, "
+                f"device={self.device}, mixed_precision={self.mixed_precision!r})")

@@ -1,0 +1,65 @@
+"""Gradient-norm clipping over parameters that may be DTensors on different meshes, or plain tensors.
+
+The total norm is (sum over all parameters of sum |g|^p)^(1/p). Each rank can compute its own part of the sum
+for the shards it holds; those parts must be added over exactly the mesh dimensions along which a gradient is
+*sharded*, and not over the dimensions along which it is replicated (that would count it twice). So gradients
+are grouped by (mesh, sharded dimensions), each group's partial sum is all-reduced over those dimensions only,
+and the groups' results are added. Plain tensors are the same on every rank (DDP reduced them) and need no
+reduction. Every rank sees the parameters in the same order, so the collectives match across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+
+def _local_and_key(grad: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    if not isinstance(grad, DTensor):
+        return grad, (None, ())
+    if any(isinstance(p, Partial) for p in grad.placements):
+        grad = grad.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in grad.placements])
+    sharded = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+    return grad.to_local(), (grad.device_mesh, sharded)
+
+
+@torch.no_grad()
+def total_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        local, key = _local_and_key(g)
+        groups.setdefault(key, []).append(local)
+    inf = math.isinf(norm_type)
+    total: torch.Tensor | None = None
+    for (mesh, sharded), locals_ in groups.items():
+        device = locals_[0].device
+        norms = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) if t.numel() else
+                             torch.zeros((), device=device) for t in locals_])
+        part = norms.max() if inf else (norms ** norm_type).sum()
+        for dim in sharded:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        part = part.to(grads[0].device if not isinstance(grads[0], DTensor) else device)
+        total = part if total is None else (torch.maximum(total, part.to(total.device)) if inf else total + part.to(total.device))
+    assert total is not None
+    return total if inf else total ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients in place so their total `norm_type` norm is at most `max_norm`; return the total norm."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norm = total_grad_norm(grads, float(norm_type))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(local.device, local.dtype))
+    return norm

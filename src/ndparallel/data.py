@@ -1,0 +1,259 @@
+"""Sharding data loaders along the ``batch`` view.
+
+Each rank of ``batch`` (dp_replicate x dp_shard) receives distinct samples; every rank of the other axes (cp,
+sp, tp) receives exactly the samples of its ``batch`` coordinate -- which rank is which is asked of the mesh,
+never computed from the global rank.
+
+Global batches. The original loader's batches are taken ``D`` at a time (D = size of ``batch``): one optimizer
+micro-step consumes D consecutive original batches, and batch-rank d gets the d-th. With the usual
+``BatchSampler`` that is the slice ``[d*B, (d+1)*B)`` of ``D*B`` consecutive samples, so step k sees exactly the
+samples a single process would see with ``batch_size=D*B``.
+
+The last uneven batch. When the samples left at the end fill fewer than D batches:
+- ``drop_last=True``: they are dropped (on every rank, so every rank takes the same number of steps);
+- ``drop_last=False``: they are split evenly over the D ranks, each rank getting ceil(m / D) samples, the
+  shortfall filled with samples from the start of the epoch. `Accelerator.gather_for_metrics` drops those
+  repeats again.
+
+Shuffling. A ``RandomSampler`` (``shuffle=True``) is replaced by a permutation seeded with a seed that all
+ranks share plus the epoch, so all ranks agree on it, and ``set_epoch`` (called automatically with 0, 1, 2...
+at each new pass unless you call it) reshuffles deterministically.
+
+Iterable datasets. Every rank iterates the whole dataset (it must yield the same order on every rank) and
+keeps its share of each run of D*B samples, with the same end-of-data rule as above.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+from .loss import BatchInfo, count_loss_tokens
+
+
+class SeededRandomSampler(Sampler[int]):
+    """A random permutation of ``range(n)`` fixed by (seed, epoch): the same on every rank."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """This shard's batch of each group of `num_shards` consecutive batches of `batch_sampler`."""
+
+    def __init__(self, batch_sampler: Any, num_shards: int, shard_index: int, drop_last: bool) -> None:
+        self.batch_sampler = batch_sampler
+        self.num_shards = num_shards
+        self.shard_index = shard_index
+        self.drop_last = drop_last
+        self.last_padding = 0  # samples repeated in the final batch of the last pass
+
+    def set_epoch(self, epoch: int) -> None:
+        for obj in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.last_padding = 0
+        group: list[list[int]] = []
+        first: list[int] = []
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            if len(first) < self.num_shards * len(batch):
+                first.extend(batch)
+            group.append(batch)
+            if len(group) == self.num_shards:
+                yield group[self.shard_index]
+                group = []
+        if group and not self.drop_last:
+            rest = [i for b in group for i in b]
+            per_shard = math.ceil(len(rest) / self.num_shards)
+            needed = per_shard * self.num_shards - len(rest)
+            rest += [first[i % len(first)] for i in range(needed)]
+            self.last_padding = needed
+            yield rest[self.shard_index * per_shard:(self.shard_index + 1) * per_shard]
+
+    def __len__(self) -> int:
+        n = len(self.batch_sampler)
+        return n // self.num_shards if self.drop_last else math.ceil(n / self.num_shards)
+
+
+class IterableDatasetShard(IterableDataset):
+    """This shard's part of each run of ``num_shards * batch_size`` samples of an iterable dataset."""
+
+    def __init__(self, dataset: IterableDataset, batch_size: int, num_shards: int, shard_index: int,
+                 drop_last: bool) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_shards = num_shards
+        self.shard_index = shard_index
+        self.drop_last = drop_last
+        self.last_padding = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Samples this shard yields per pass (needs a dataset with a length)."""
+        n = len(self.dataset)  # TypeError for datasets of unknown length, as DataLoader would raise
+        run = self.num_shards * self.batch_size
+        rest = n % run
+        return n // run * self.batch_size + (0 if self.drop_last else math.ceil(rest / self.num_shards))
+
+    def __iter__(self) -> Iterator[Any]:
+        self.last_padding = 0
+        run = self.num_shards * self.batch_size
+        first: list[Any] = []
+        buffer: list[Any] = []
+        lo, hi = self.shard_index * self.batch_size, (self.shard_index + 1) * self.batch_size
+        for sample in self.dataset:
+            if len(first) < run:
+                first.append(sample)
+            buffer.append(sample)
+            if len(buffer) == run:
+                yield from buffer[lo:hi]
+                buffer = []
+        if buffer and not self.drop_last:
+            per_shard = math.ceil(len(buffer) / self.num_shards)
+            needed = per_shard * self.num_shards - len(buffer)
+            buffer += [first[i % len(first)] for i in range(needed)]
+            self.last_padding = needed
+            yield from buffer[self.shard_index * per_shard:(self.shard_index + 1) * per_shard]
+
+
+def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: move_to_device(v, device, non_blocking) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(move_to_device(v, device, non_blocking) for v in obj)
+    return obj
+
+
+_LOADER_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                  "generator", "persistent_workers")
+
+
+class PreparedDataLoader:
+    """A data loader that yields this rank's share of each global batch, on this rank's device.
+
+    It also reads one gradient-accumulation window of batches ahead to tell the Accelerator where windows end
+    and how many loss tokens each batch and window hold (see `ndparallel.loss`). Attributes it does not define
+    are looked up on the wrapped `torch.utils.data.DataLoader`.
+    """
+
+    def __init__(self, loader: DataLoader, *, num_shards: int, shard_index: int, seed: int,
+                 device: torch.device, window: int, window_group: dist.ProcessGroup | None,
+                 on_batch: Callable[[BatchInfo], None] | None = None) -> None:
+        self.base_loader = loader
+        self.device = device
+        self.window = window
+        self.window_group = window_group
+        self.on_batch = on_batch
+        self.epoch = 0
+        kwargs = {k: getattr(loader, k) for k in _LOADER_KWARGS}
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        if isinstance(loader.dataset, IterableDataset):
+            if loader.batch_size is None:
+                raise ValueError("prepare(): an iterable dataset's DataLoader needs a batch_size to shard batches")
+            self._shard = IterableDatasetShard(loader.dataset, loader.batch_size, num_shards, shard_index,
+                                               loader.drop_last)
+            self.loader = DataLoader(self._shard, batch_size=loader.batch_size, drop_last=False, **kwargs)
+        else:
+            batch_sampler = self._seeded(loader.batch_sampler, seed)
+            drop_last = getattr(batch_sampler, "drop_last", False)
+            self._shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last)
+            self.loader = DataLoader(loader.dataset, batch_sampler=self._shard, **kwargs)
+
+    @staticmethod
+    def _seeded(batch_sampler: Any, seed: int) -> Any:
+        if batch_sampler is None:
+            raise ValueError("prepare(): a DataLoader with batch_size=None cannot be sharded; give it a batch_size")
+        sampler = getattr(batch_sampler, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            raise ValueError(
+                "prepare(): this DataLoader already uses a DistributedSampler; pass a plain DataLoader -- "
+                "prepare() shards it along the mesh's `batch` view itself"
+            )
+        if isinstance(sampler, RandomSampler) and type(batch_sampler) is BatchSampler:
+            if sampler.replacement or sampler._num_samples is not None:
+                raise ValueError("prepare(): RandomSampler with replacement or num_samples is not supported")
+            return BatchSampler(SeededRandomSampler(len(sampler.data_source), seed), batch_sampler.batch_size,
+                                batch_sampler.drop_last)
+        return batch_sampler  # any other sampler must yield the same order on every rank
+
+    # ---- DataLoader-like surface -------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Use `epoch` for the next pass (passes otherwise count 0, 1, 2, ...)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("base_loader", "loader"):
+            raise AttributeError(name)
+        return getattr(self.base_loader, name)
+
+    @property
+    def dataset(self) -> Any:
+        return self.base_loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.base_loader.batch_size
+
+    # ---- iteration -------------------------------------------------------------------------------------
+    def _window_total(self, counts: list[int | None]) -> int | None:
+        if any(c is None for c in counts):
+            return None
+        total = torch.tensor([sum(counts)], dtype=torch.long, device=self.device)
+        if self.window_group is not None and dist.get_world_size(self.window_group) > 1:
+            dist.all_reduce(total, group=self.window_group)
+        return int(total.item())
+
+    def __iter__(self) -> Iterator[Any]:
+        self._shard.set_epoch(self.epoch)
+        iterator = iter(self.loader)
+        pending = next(iterator, _END)
+        while pending is not _END:
+            window = [pending]
+            while len(window) < self.window and (pending := next(iterator, _END)) is not _END:
+                window.append(pending)
+            pending = next(iterator, _END) if len(window) == self.window else _END
+            counts = [count_loss_tokens(b) for b in window]
+            total = self._window_total(counts)
+            for i, batch in enumerate(window):
+                last = i == len(window) - 1
+                end = last and pending is _END
+                if self.on_batch is not None:
+                    self.on_batch(BatchInfo(local_tokens=counts[i], window_tokens=total, window_batches=len(window),
+                                            ends_window=last, end_of_dataloader=end,
+                                            padding=self._shard.last_padding if end else 0))
+                yield move_to_device(batch, self.device, non_blocking=self.loader.pin_memory)
+        self.epoch += 1
+
+
+_END = object()

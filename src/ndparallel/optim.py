@@ -1,0 +1,108 @@
+"""Optimizer and LR-scheduler wrappers that respect gradient accumulation and the fp16 grad scaler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .loss import GradientState
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer: `step` and `zero_grad` do nothing on accumulation steps that don't synchronise.
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own objects, so an LR scheduler
+    built on the original optimizer keeps working.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        self.optimizer = optimizer
+        self.gradient_state = gradient_state
+        self.scaler = scaler
+        self._step_was_skipped = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last `step` skipped the update: not a sync step, or fp16 found inf/nan gradients."""
+        return self._step_was_skipped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        if not self.gradient_state.sync_gradients:
+            self._step_was_skipped = True
+            return None
+        if self.scaler is None:
+            self._step_was_skipped = False
+            return self.optimizer.step(closure)
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self._step_was_skipped = self.scaler.get_scale() < scale_before
+        return None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+class AcceleratedScheduler:
+    """Wraps an LR scheduler: it steps once per optimizer step that really happened.
+
+    Unlike Accelerate (which steps the scheduler once per process when batches are not split), the schedule
+    advances once per global optimizer step, exactly as the single-process run on the global batch does.
+    """
+
+    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: GradientState) -> None:
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.gradient_state = gradient_state
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.gradient_state.sync_gradients:
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

@@ -1,0 +1,139 @@
+"""Data parallelism in its three forms, always the outermost wrapper (applied last).
+
+- FSDP2 (`fully_shard`) over the ``fsdp`` view (dp_shard x cp x sp) when that view has more than one rank or
+  an FSDP plugin was given; HSDP (replicate over ``dp_replicate``, shard over ``fsdp``) when dp_replicate > 1
+  too.
+- DDP over the ``loss`` view when nothing is sharded but several ranks see different data.
+- Nothing on a world of one rank without an FSDP plugin.
+
+Either way gradients end up *averaged* over the ``loss`` view; `ndparallel.loss` relies on that.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import FullyShardedDataParallelPlugin
+from ..mesh import ParallelMesh
+
+
+def uses_fsdp(mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None) -> bool:
+    return plugin is not None or mesh.size("fsdp") > 1
+
+
+def block_classes(model: nn.Module, names: Iterable[str] | None) -> list[type[nn.Module]]:
+    """Classes of the transformer blocks to wrap: `names`, or the model's ``_no_split_modules``.
+
+    Raises when a requested name matches no module of the model, listing the classes it has.
+    """
+    explicit = names is not None
+    names = list(names) if explicit else list(getattr(model, "_no_split_modules", None) or [])
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in present]
+    if missing and explicit:
+        raise ValueError(
+            f"transformer_cls_names_to_wrap: {missing} not found in {type(model).__name__}; "
+            f"its module classes are: {sorted(present)}"
+        )
+    return [present[n] for n in names if n in present]
+
+
+def _ignored_params(model: nn.Module, ignored) -> set[nn.Parameter]:
+    if ignored is None:
+        return set()
+    if isinstance(ignored, str):
+        pattern = re.compile(ignored)
+        modules = [m for name, m in model.named_modules() if pattern.fullmatch(name) or pattern.search(name)]
+        if not modules:
+            raise ValueError(f"ignored_modules regex {ignored!r} matches no module name of {type(model).__name__}")
+    else:
+        modules = list(ignored)
+        owned = set(map(id, model.modules()))
+        stray = [type(m).__name__ for m in modules if id(m) not in owned]
+        if stray:
+            raise ValueError(f"ignored_modules: {stray} are not submodules of the model being prepared")
+    return {p for m in modules for p in m.parameters()}
+
+
+def mixed_precision_policy(plugin: FullyShardedDataParallelPlugin | None, dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """The plugin's policy when it sets one; else compute in `dtype`, reduce gradients in fp32."""
+    if plugin is not None and plugin.mixed_precision_policy is not None:
+        return plugin.mixed_precision_policy
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+@torch.no_grad()
+def broadcast_module_states(model: nn.Module, src: int = 0) -> None:
+    """Make every rank hold rank `src`'s parameters and buffers (as DDP does when it is built).
+
+    FSDP2 shards whatever each rank holds, so ranks that were initialised differently would otherwise train
+    replicas (HSDP) or shards that never agreed.
+    """
+    if dist.get_world_size() == 1:
+        return
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=src)
+
+
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None,
+               dtype: torch.dtype | None, device: torch.device) -> nn.Module:
+    """Shard each transformer block, then the root, over ``fsdp`` (HSDP when dp_replicate > 1)."""
+    plugin = plugin or FullyShardedDataParallelPlugin()
+    dp_mesh = mesh.hsdp() if mesh.size("dp_replicate") > 1 else mesh["fsdp"]
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda") if plugin.cpu_offload else OffloadPolicy()
+    )
+    kwargs = dict(
+        mesh=dp_mesh,
+        reshard_after_forward=plugin.reshard_after_forward,
+        mp_policy=mixed_precision_policy(plugin, dtype),
+        offload_policy=offload,
+        ignored_params=_ignored_params(model, plugin.ignored_modules) or None,
+    )
+    blocks = block_classes(model, plugin.transformer_cls_names_to_wrap)
+    if plugin.auto_wrap_policy == "transformer_based_wrap":
+        if not blocks:
+            warnings.warn(
+                f"{type(model).__name__} names no transformer block classes (no _no_split_modules and no "
+                "transformer_cls_names_to_wrap): FSDP2 shards the root module only",
+                stacklevel=3,
+            )
+        for module in model.modules():
+            if isinstance(module, tuple(blocks)) and module is not model:
+                fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
+    return DistributedDataParallel(
+        model,
+        process_group=mesh.group("loss"),
+        device_ids=[device.index] if device.type == "cuda" else None,
+    )
+
+
+def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None,
+                        dtype: torch.dtype | None, device: torch.device) -> nn.Module:
+    if uses_fsdp(mesh, plugin):
+        broadcast_module_states(model)
+        return apply_fsdp(model, mesh, plugin, dtype, device)
+    if mesh.size("loss") > 1:
+        return apply_ddp(model, mesh, device)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn the gradient reduction of an FSDP2 model on or off (used for accumulation steps)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

@@ -1,0 +1,33 @@
+"""Small helpers with Accelerate's names: `set_seed` and a main-process progress bar."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def set_seed(seed: int, device_specific: bool = False) -> None:
+    """Seed Python, NumPy (if installed) and torch; with `device_specific`, add this process's rank."""
+    if device_specific:
+        seed += int(os.environ.get("RANK", "0"))
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def progress_bar(iterable: Iterable[Any] | None = None, *, main_process: bool = True, **kwargs: Any):
+    """A tqdm progress bar, shown only when `main_process` is True."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=not main_process or kwargs.pop("disable", False), **kwargs)

@@ -1,0 +1,97 @@
+"""A training script in Hugging Face Accelerate's ND-parallel style; only the imports name ndparallel.
+
+With Accelerate the imports would read:
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, set_seed
+
+Run it under `ndparallel launch` or the test harness; `main(argv)` returns the per-step losses (and, with
+--return-params, the trained parameters gathered in full) so tests can compare them with `reference.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, set_seed
+from tiny_models import TokenDataset, build_model, make_optimizer
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama")
+    for axis in ("dp_replicate", "dp_shard", "tp", "cp", "sp"):
+        p.add_argument(f"--{axis.replace('_', '-')}-size", type=int, default=None)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--uneven-labels", action="store_true")
+    p.add_argument("--mixed-precision", default="no")
+    p.add_argument("--no-fsdp-plugin", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--return-params", action="store_true")
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    pc = ParallelismConfig(dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size,
+                           tp_size=args.tp_size, cp_size=args.cp_size, sp_size=args.sp_size)
+    plugin = None if args.no_fsdp_plugin else FullyShardedDataParallelPlugin(
+        fsdp_version=2, activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
+    accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=args.mixed_precision,
+                              gradient_accumulation_steps=args.accum)
+
+    set_seed(0)
+    model = build_model(args.model)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    global_batch = args.micro_batch * accelerator.data_parallel_size * args.accum
+    dataset = TokenDataset(args.steps * global_batch, args.seq_len, model.config.vocab_size, args.uneven_labels)
+    dataloader = DataLoader(dataset, batch_size=args.micro_batch, shuffle=False)
+    model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+
+    losses: list[float] = []
+    step_losses: list[torch.Tensor] = []
+    model.train()
+    for batch in dataloader:
+        with accelerator.accumulate(model):
+            buffers = [batch["input_ids"], batch["labels"]]
+            with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1],
+                                                    no_restore_buffers=set(buffers)):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        step_losses.append(accelerator.reduce(loss.detach(), "mean"))
+        if accelerator.sync_gradients:
+            losses.append(float(torch.stack(step_losses).mean()))
+            step_losses = []
+
+    result: dict = {"losses": losses, "lr": scheduler.get_last_lr()[0]}
+    if args.return_params:
+        result["params"] = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+                            for name, p in accelerator.unwrap_model(model).named_parameters()}
+    if args.json_out and accelerator.is_main_process:
+        with open(args.json_out, "w") as f:
+            json.dump({"losses": losses, "world_size": accelerator.num_processes}, f)
+    accelerator.print(json.dumps({"losses": losses}))
+    accelerator.end_training()
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

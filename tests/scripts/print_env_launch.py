@@ -1,0 +1,28 @@
+"""Launched by tests/test_cli.py: print what this rank received from `ndparallel launch`, as one JSON line.
+
+Does not import ndparallel's Accelerator. ``--fail-rank R --exit-code C`` makes rank R exit with code C.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from ndparallel.config import ParallelismConfig
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--fail-rank", type=int, default=None)
+parser.add_argument("--exit-code", type=int, default=1)
+args = parser.parse_args()
+
+rank = int(os.environ["RANK"])
+record = {
+    "rank": rank,
+    "world_size": int(os.environ["WORLD_SIZE"]),
+    "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NDPARALLEL_")},
+    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    "sizes": {k: v for k, v in ParallelismConfig().to_dict().items() if k.endswith("_size")},
+}
+print("RESULT " + json.dumps(record), flush=True)
+if args.fail_rank == rank:
+    sys.exit(args.exit_code)

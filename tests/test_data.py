@@ -1,0 +1,129 @@
+"""Data-loader sharding along the mesh's `batch` view, checked from first principles.
+
+A rank's batch coordinate is computed here independently of the library: the row-major unravel of the rank
+over (dp_replicate, dp_shard, cp, sp, tp), then dp_replicate * dp_shard_size + dp_shard.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from harness import run_ranks
+
+
+def batch_coordinate(rank: int, sizes: dict[str, int]) -> int:
+    shape = [sizes.get(a, 1) for a in ("dp_replicate", "dp_shard", "cp", "sp", "tp")]
+    coords = np.unravel_index(rank, shape)
+    return int(coords[0]) * shape[1] + int(coords[1])
+
+
+class Numbers(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def _iterate(sizes: dict, n: int, batch_size: int, shuffle: bool, iterable: bool, epochs: int = 1,
+             drop_last: bool = False, set_epoch: list[int] | None = None, num_workers: int = 0) -> dict:
+    from ndparallel import Accelerator, ParallelismConfig
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}))
+    dataset = Numbers(n) if iterable else list(range(n))
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                        num_workers=num_workers)
+    loader = acc.prepare(loader)
+    passes, gathered = [], []
+    for e in range(epochs):
+        if set_epoch is not None:
+            loader.set_epoch(set_epoch[e])
+        batches = []
+        for batch in loader:
+            batches.append(batch.tolist())
+            gathered.append(acc.gather_for_metrics(batch).tolist())
+        passes.append(batches)
+    return {"passes": passes, "gathered": gathered, "len": None if iterable else len(loader)}
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
+@pytest.mark.parametrize("sizes", [dict(dp_replicate=2, dp_shard=2, tp=2), dict(dp_shard=2, cp=2, sp=2)],
+                         ids=["dp2x2_tp2", "dp2_cp2_sp2"])
+def test_batch_ranks_get_distinct_samples_and_peers_the_same(sizes, iterable):
+    world = int(np.prod(list(sizes.values())))
+    n, b = 48, 3
+    results = run_ranks(_iterate, world, sizes, n, b, not iterable, iterable)
+    dp = sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1)
+    by_coord: dict[int, list] = {}
+    for rank, res in enumerate(results):
+        batches = res["passes"][0]
+        coord = batch_coordinate(rank, sizes)
+        if coord in by_coord:
+            assert batches == by_coord[coord], f"rank {rank} got other samples than its batch peers"
+        by_coord[coord] = batches
+    assert sorted(by_coord) == list(range(dp))
+    steps = n // (dp * b)
+    for step in range(steps):
+        global_batch = list(itertools.chain.from_iterable(by_coord[c][step] for c in range(dp)))
+        assert len(set(global_batch)) == dp * b  # distinct samples across batch ranks
+        if iterable:  # iterable data arrives in order: step k holds samples [k*D*B, (k+1)*D*B)
+            assert global_batch == list(range(step * dp * b, (step + 1) * dp * b))
+    everything = sorted(x for c in by_coord.values() for batch in c for x in batch)
+    assert everything == list(range(n))
+    # gather_for_metrics returns the global batch, in rank order, without duplicates from tp/cp/sp peers
+    assert results[0]["gathered"][0] == list(itertools.chain.from_iterable(by_coord[c][0] for c in range(dp)))
+
+
+def test_shuffle_is_deterministic_and_set_epoch_reshuffles():
+    results = run_ranks(_iterate, 2, {"dp_shard": 2}, 40, 4, True, False, 3, False, [0, 1, 0])
+    first, second, again = results[0]["passes"]
+    assert first != second  # a new epoch, a new order
+    assert first == again  # set_epoch(0) repeats epoch 0's order
+    auto = run_ranks(_iterate, 2, {"dp_shard": 2}, 40, 4, True, False, 2)
+    assert auto[0]["passes"][1] != auto[0]["passes"][0]  # passes count epochs by themselves
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
+def test_last_uneven_batch_is_padded_and_gather_for_metrics_drops_the_padding(iterable):
+    # 9 samples, batch 2, 2 ranks: steps [0..3], [4..7], then sample 8 alone -> rank 1 gets a repeat.
+    results = run_ranks(_iterate, 2, {"dp_shard": 2}, 9, 2, False, iterable)
+    assert [len(r["passes"][0]) for r in results] == [3, 3]  # same number of steps on every rank
+    assert results[0]["passes"][0][-1] == [8] and results[1]["passes"][0][-1] == [0]
+    gathered = list(itertools.chain.from_iterable(results[0]["gathered"]))
+    assert gathered == list(range(9))
+
+
+def test_drop_last_drops_the_incomplete_global_batch():
+    results = run_ranks(_iterate, 2, {"dp_shard": 2}, 9, 2, False, False, 1, True)
+    assert [r["passes"][0] for r in results] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert results[0]["len"] == 2
+
+
+def test_worker_processes_are_supported():
+    results = run_ranks(_iterate, 2, {"dp_shard": 2}, 16, 2, True, False, 1, False, None, 1)
+    seen = sorted(x for r in results for batch in r["passes"][0] for x in batch)
+    assert seen == list(range(16))
+
+
+def _accumulation_flags(n_batches: int, accum: int) -> list[bool]:
+    from ndparallel import Accelerator
+
+    acc = Accelerator(gradient_accumulation_steps=accum)
+    model = torch.nn.Linear(2, 1)
+    loader = acc.prepare(DataLoader([{"x": torch.ones(2)}] * n_batches, batch_size=1))
+    model = acc.prepare(model)
+    flags = []
+    for _ in loader:
+        with acc.accumulate(model):
+            flags.append(acc.sync_gradients)
+    return flags
+
+
+def test_accumulation_windows_follow_the_data_loader_and_sync_at_its_end():
+    assert run_ranks(_accumulation_flags, 1, 5, 2)[0] == [False, True, False, True, True]
+    assert run_ranks(_accumulation_flags, 1, 3, 1)[0] == [True, True, True]

@@ -1,0 +1,177 @@
+"""Tier 1 (no processes): the mesh's named views for every shape up to 16 ranks.
+
+The mesh is built once per (shape, rank) inside this one process on torch's *fake* process group, which
+answers as if it were rank r of n without talking to anyone. The expected groups are computed here from first
+principles (row-major coordinates, itertools), never by asking the code under test.
+
+torch 2.13 notes: `destroy_process_group()` followed by a fresh `init_process_group("fake", ...)` works any
+number of times, and there is no global mesh cache to clear: the old `_mesh_resources` child->root and
+flatten maps are gone (`_mesh_resources` only keeps the `with mesh:` stack), and flattened meshes are cached
+on their own root mesh, which is rebuilt every time.
+
+Every rank of every shape is checked (3,826 builds, ~15 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import re
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from ndparallel.config import ParallelismConfig
+from ndparallel.mesh import VIEWS, ParallelMesh
+
+# Mesh axes, outermost first (DESIGN.md), and what each flattened view spans, written out independently.
+AXES = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+EXPECTED_VIEWS = {
+    "batch": ("dp_replicate", "dp_shard"),
+    "fsdp": ("dp_shard", "cp", "sp"),
+    "loss": ("dp_replicate", "dp_shard", "cp", "sp"),
+    "dp": ("dp_replicate", "dp_shard"),  # Accelerate's names
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+ALL_VIEWS = {**{axis: (axis,) for axis in AXES}, **EXPECTED_VIEWS}
+MAX_WORLD = 16
+
+
+def shapes(n: int) -> list[tuple[int, ...]]:
+    """Every assignment of sizes to the 5 axes whose product is n."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return [s for s in itertools.product(divisors, repeat=len(AXES)) if math.prod(s) == n]
+
+
+SHAPES = [s for n in range(1, MAX_WORLD + 1) for s in shapes(n)]
+
+
+def unravel(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major (C-order) coordinates of `rank`: the last axis varies fastest."""
+    coords = []
+    for size in reversed(shape):
+        rank, c = divmod(rank, size)
+        coords.append(c)
+    return tuple(reversed(coords))
+
+
+def ravel(coords: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    rank = 0
+    for c, size in zip(coords, shape):
+        rank = rank * size + c
+    return rank
+
+
+def expected_ranks(rank: int, shape: tuple[int, ...], axes: tuple[str, ...]) -> list[int]:
+    """Ranks sharing `rank`'s coordinates on every axis outside `axes`, row-major over `axes`."""
+    mine = unravel(rank, shape)
+    idx = [AXES.index(a) for a in axes]
+    out = []
+    for sub in itertools.product(*(range(shape[i]) for i in idx)):  # row-major over the view's axes
+        coords = list(mine)
+        for i, c in zip(idx, sub):
+            coords[i] = c
+        out.append(ravel(tuple(coords), shape))
+    return out
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    assert not dist.is_initialized(), "a process group leaked from another test"
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build(shape: tuple[int, ...]) -> ParallelMesh:
+    return ParallelMesh(ParallelismConfig(**{f"{a}_size": s for a, s in zip(AXES, shape)}), "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _no_ndparallel_env(monkeypatch):
+    """Sizes not given are read from NDPARALLEL_*; make sure none leaks in from the environment."""
+    for name in list(os.environ):
+        if name.startswith("NDPARALLEL_"):
+            monkeypatch.delenv(name)
+
+
+# ---- the independent helpers themselves -----------------------------------------------------------
+def test_helpers():
+    assert len(SHAPES) == 341  # sum over n <= 16 of the ordered factorisations of n into 5 factors
+    assert shapes(8).count((2, 2, 1, 1, 2)) == 1
+    assert [unravel(r, (2, 3)) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    # (dp_replicate=2, dp_shard=2, cp=1, sp=1, tp=2): rank 5 = (1, 0, 0, 0, 1)
+    shape = (2, 2, 1, 1, 2)
+    assert expected_ranks(5, shape, ("tp",)) == [4, 5]
+    assert expected_ranks(5, shape, ("dp_shard",)) == [5, 7]
+    assert expected_ranks(5, shape, ("dp_replicate", "dp_shard")) == [1, 3, 5, 7]
+    assert expected_ranks(5, shape, AXES) == list(range(8))
+
+
+def test_view_table_matches_design():
+    assert dict(VIEWS) == EXPECTED_VIEWS
+
+
+# ---- every shape, every rank ----------------------------------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_views(shape):
+    n = math.prod(shape)
+    sizes = dict(zip(AXES, shape))
+    fsdp_size = sizes["dp_shard"] * sizes["cp"] * sizes["sp"]
+    for rank in range(n):
+        with fake_world(rank, n):
+            mesh = build(shape)
+            assert set(mesh.names) == set(ALL_VIEWS)
+            assert mesh.config.sizes() == sizes
+            for name, axes in ALL_VIEWS.items():
+                want = expected_ranks(rank, shape, axes)
+                where = f"view {name!r}, shape {shape}, rank {rank}"
+                assert mesh.ranks(name) == want, where
+                assert mesh.size(name) == len(want) == math.prod(sizes[a] for a in axes), where
+                assert mesh.rank(name) == want.index(rank), where
+            hsdp = mesh.hsdp()
+            assert tuple(hsdp.mesh.shape) == (sizes["dp_replicate"], fsdp_size)
+            assert hsdp.mesh_dim_names == ("dp_replicate", "fsdp")
+            # rows: replicas; columns: the fsdp group; every rank with this rank's tp coordinate
+            assert hsdp.mesh.flatten().tolist() == expected_ranks(rank, shape, AXES[:-1])
+            assert hsdp.get_local_rank("dp_replicate") == mesh.rank("dp_replicate")
+            assert hsdp.get_local_rank("fsdp") == mesh.rank("fsdp")
+
+
+def test_minus_one_is_resolved_against_the_world():
+    with fake_world(3, 8):
+        mesh = ParallelMesh(ParallelismConfig(dp_shard_size=-1, tp_size=2), "cpu")
+        assert mesh.config.dp_shard_size == 4
+        assert mesh.ranks("tp") == [2, 3]
+        assert mesh.ranks("fsdp") == [1, 3, 5, 7]
+
+
+def test_wrong_world_size_raises():
+    with fake_world(0, 6):
+        with pytest.raises(ValueError, match=r"dp_shard\(2\) \* tp\(2\) = 4 != world size 6"):
+            ParallelMesh(ParallelismConfig(dp_shard_size=2, tp_size=2), "cpu")
+
+
+def test_unknown_view_lists_valid_names():
+    with fake_world(0, 4):
+        mesh = build((1, 2, 1, 1, 2))
+        valid = ", ".join(mesh.names)
+        for call in (mesh.__getitem__, mesh.size, mesh.rank, mesh.ranks, mesh.group):
+            with pytest.raises(KeyError, match=r"no mesh view named 'pp'; valid names: " + re.escape(valid)):
+                call("pp")
+        with pytest.raises(KeyError) as info:
+            mesh["dp_shard_tp"]
+        message = str(info.value)
+        assert all(name in message for name in ALL_VIEWS)
+
+
+def test_mesh_needs_initialised_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"torch.distributed must be initialised"):
+        build((1, 1, 1, 1, 1))
