@@ -67,7 +67,7 @@ def test_resolve_valid(kwargs, world, expected):
     "kwargs, world, match",
     [
         (dict(dp_replicate_size=2, dp_shard_size=2, tp_size=2), 6,
-         r"dp_replicate\(2\) \* dp_shard\(2\) \* tp\(2\) = 8 != world size 6\..*-1.*--nproc-per-node 8"),
+         r"dp_replicate\(2\) \* dp_shard\(2\) \* tp\(2\) = 8 != world size 6\..*-1.*8 processes in all"),
         (dict(cp_size=2, sp_size=2), 8, r"cp\(2\) \* sp\(2\) = 4 != world size 8"),
         (dict(), 4, r"^1 = 1 != world size 4"),
         (dict(dp_shard_size=-1, tp_size=4), 6,

@@ -127,3 +127,91 @@ def _accumulation_flags(n_batches: int, accum: int) -> list[bool]:
 def test_accumulation_windows_follow_the_data_loader_and_sync_at_its_end():
     assert run_ranks(_accumulation_flags, 1, 5, 2)[0] == [False, True, False, True, True]
     assert run_ranks(_accumulation_flags, 1, 3, 1)[0] == [True, True, True]
+
+
+# ---- every random sampler of torch: one order shared by all ranks, whatever each rank's own torch seed --------
+SAMPLERS = ("weighted", "subset", "num_samples", "replacement", "shuffle+generator")
+
+
+def _sampled(sizes: dict, n: int, batch_size: int, seed: int, epochs: int = 2) -> dict[str, list]:
+    """Per sampler kind, this rank's batches of `epochs` passes of a prepared DataLoader over ``range(n)``.
+
+    Each rank seeds torch differently (rank 0 with `seed`), as independently launched processes may: a sampler
+    drawing from its process's own RNG would then give each rank another order.
+    """
+    import os
+
+    from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+    from ndparallel import Accelerator, ParallelismConfig
+
+    torch.manual_seed(seed + 7919 * int(os.environ["RANK"]))
+    acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}))
+    dataset = list(range(n))
+    loaders = {
+        "weighted": DataLoader(dataset, batch_size=batch_size, sampler=WeightedRandomSampler(
+            [1.0 + i % 3 for i in range(n)], num_samples=n, replacement=False)),
+        "subset": DataLoader(dataset, batch_size=batch_size, sampler=SubsetRandomSampler(range(0, n, 2))),
+        "num_samples": DataLoader(dataset, batch_size=batch_size, sampler=RandomSampler(dataset, num_samples=n // 2)),
+        "replacement": DataLoader(dataset, batch_size=batch_size, sampler=RandomSampler(dataset, replacement=True)),
+        "shuffle+generator": DataLoader(dataset, batch_size=batch_size, shuffle=True,
+                                        generator=torch.Generator().manual_seed(seed + 1)),
+    }
+    out = {}
+    for name, loader in loaders.items():
+        loader = acc.prepare(loader)
+        out[name] = [[batch.tolist() for batch in loader] for _ in range(epochs)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sampled() -> dict[str, list]:
+    """One process (the single sequence), two ranks, and the same two ranks again (reproducibility)."""
+    n, b, seed = 32, 2, 1234
+    return {
+        "single": run_ranks(_sampled, 1, {}, n, b, seed)[0],
+        "two": run_ranks(_sampled, 2, {"dp_shard": 2}, n, b, seed),
+        "again": run_ranks(_sampled, 2, {"dp_shard": 2}, n, b, seed),
+        "n": n,
+    }
+
+
+def _split_check(sampled: dict, name: str) -> None:
+    """Step k of the two ranks holds batches 2k and 2k+1 of the one-process run: one order, split in two."""
+    single, (rank0, rank1) = sampled["single"][name], sampled["two"]
+    for epoch, batches in enumerate(single):
+        assert len(batches) % 2 == 0
+        steps = list(zip(rank0[name][epoch], rank1[name][epoch], strict=True))
+        assert len(steps) == len(batches) // 2
+        for k, (b0, b1) in enumerate(steps):
+            assert [b0, b1] == batches[2 * k:2 * k + 2], f"{name}, epoch {epoch}, step {k}"
+    assert single[0] != single[1], f"{name}: the second pass should reshuffle"
+
+
+@pytest.mark.parametrize("name", [s for s in SAMPLERS if s != "replacement"])
+def test_random_samplers_give_ranks_disjoint_samples_in_a_reproducible_order(sampled, name):
+    """WeightedRandomSampler, SubsetRandomSampler, RandomSampler(num_samples=...) and a DataLoader generator: at
+    world 2 the ranks' samples are disjoint within each step, a pass covers what the sampler draws, and a rerun
+    gives every rank the same order again."""
+    rank0, rank1 = (r[name] for r in sampled["two"])
+    expected = {"subset": set(range(0, sampled["n"], 2)), "num_samples": None}.get(name, set(range(sampled["n"])))
+    for epoch in range(2):
+        for b0, b1 in zip(rank0[epoch], rank1[epoch], strict=True):
+            assert not set(b0) & set(b1), f"{name}, epoch {epoch}: ranks share samples {set(b0) & set(b1)}"
+        drawn = [x for batches in (rank0[epoch], rank1[epoch]) for batch in batches for x in batch]
+        assert len(drawn) == len(set(drawn))  # no sample twice in a pass
+        if expected is not None:
+            assert set(drawn) == expected
+        else:
+            assert len(drawn) == sampled["n"] // 2
+    assert [r[name] for r in sampled["again"]] == [rank0, rank1]
+    _split_check(sampled, name)
+
+
+def test_random_sampler_with_replacement_draws_one_shared_sequence(sampled):
+    """RandomSampler(replacement=True) at world 2: the ranks get different batches, drawn from one sequence (the
+    one-process sequence split in two), and the same ones on a rerun."""
+    rank0, rank1 = (r["replacement"] for r in sampled["two"])
+    assert rank0 != rank1
+    assert [r["replacement"] for r in sampled["again"]] == [rank0, rank1]
+    _split_check(sampled, "replacement")

@@ -82,14 +82,22 @@ class Accelerator:
             raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(parallelism_config).__name__}")
         if fsdp_plugin is not None and not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
             raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin, got {type(fsdp_plugin).__name__}")
-        mixed_precision = mixed_precision or os.environ.get(MIXED_PRECISION_ENV) or "no"
+        where = "mixed_precision"
+        if mixed_precision is None:
+            mixed_precision, where = os.environ.get(MIXED_PRECISION_ENV, "no"), f"${MIXED_PRECISION_ENV}"
         if mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"mixed_precision must be one of {list(MIXED_PRECISION)}, got {mixed_precision!r}")
+            raise ValueError(f"{where} must be one of {list(MIXED_PRECISION)}, got {mixed_precision!r}")
+        where = "gradient_accumulation_steps"
         if gradient_accumulation_steps is None:
-            gradient_accumulation_steps = int(os.environ.get(ACCUMULATION_ENV, "1"))
-        if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
-                or gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+            raw, where = os.environ.get(ACCUMULATION_ENV, "1"), f"${ACCUMULATION_ENV}"
+            try:
+                gradient_accumulation_steps = int(raw)
+            except ValueError:
+                raise ValueError(f"{where} must be an int >= 1, got {raw!r}") from None
+        if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int):
+            raise TypeError(f"{where} must be an int >= 1, got {gradient_accumulation_steps!r}")
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"{where} must be an int >= 1, got {gradient_accumulation_steps!r}")
         if parallelism_config is None:
             launched = any(os.environ.get(size_env_var(f)) for f in SIZE_FIELDS)
             parallelism_config = ParallelismConfig() if launched else ParallelismConfig(dp_replicate_size=-1)
@@ -109,7 +117,7 @@ class Accelerator:
         self._schedulers: list[AcceleratedScheduler] = []
         # id(original parameter) -> (weak reference to it, the parameter that replaced it in prepare()).
         self._param_map: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
-        self._data_seed: int | None = None
+        self._prepared: set[int] = set()  # ids of every object prepare() has taken, to refuse a second time
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @property
@@ -170,11 +178,22 @@ class Accelerator:
         optimizer built from a model's parameters before `prepare` is pointed at the parameters that replace them.
         """
         kinds = [self._kind(i, obj) for i, obj in enumerate(args)]
+        seen: set[int] = set()
+        for i, obj in enumerate(args):
+            if id(obj) in self._prepared or id(obj) in seen or isinstance(
+                    obj, (DistributedDataParallel, FSDPModule, AcceleratedOptimizer, PreparedDataLoader,
+                          AcceleratedScheduler)):
+                raise ValueError(
+                    f"prepare(): argument {i} (a {type(obj).__name__}) is already prepared; pass each plain "
+                    "object to prepare() once"
+                )
+            seen.add(id(obj))
         out = list(args)
         for kind in ("model", "optimizer", "dataloader", "scheduler"):
             for i, obj in enumerate(args):
                 if kinds[i] == kind:
                     out[i] = getattr(self, f"prepare_{kind}")(obj)
+                    self._prepared.add(id(obj))  # only once prepared: a failed prepare() may be retried
         return out[0] if len(out) == 1 else tuple(out)
 
     @staticmethod
@@ -185,7 +204,7 @@ class Accelerator:
             return "optimizer"
         if isinstance(obj, (DataLoader, PreparedDataLoader)):
             return "dataloader"
-        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, AcceleratedScheduler)):
             return "scheduler"
         raise TypeError(
             f"prepare(): argument {index} is a {type(obj).__module__}.{type(obj).__name__}; prepare() takes "
@@ -194,11 +213,6 @@ class Accelerator:
         )
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        if isinstance(model, (DistributedDataParallel, FSDPModule)) or any(model is m for m in self._models):
-            raise ValueError(
-                f"prepare(): this {type(model).__name__} is already wrapped for data parallelism; pass the plain "
-                "model, once"
-            )
         old = dict(model.named_parameters())
         dtype = DTYPES[self.mixed_precision]
         prepared = parallel.parallelize(model, self.mesh, self.fsdp_plugin, dtype, self.device)
@@ -207,11 +221,18 @@ class Accelerator:
             if new.get(name) is not None and new[name] is not param:
                 self._param_map[id(param)] = (weakref.ref(param), new[name])
         self._models.append(prepared)
+        for opt in self._optimizers:  # optimizers prepared before this model follow its new parameters too
+            self._remap(opt.optimizer)
         return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        if isinstance(optimizer, AcceleratedOptimizer):
-            raise ValueError("prepare(): this optimizer is already prepared; pass the plain optimizer, once")
+        self._remap(optimizer)
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _remap(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point `optimizer` at the parameters that replaced the ones it was built with."""
         remapped = False
         for group in optimizer.param_groups:
             params = []
@@ -226,22 +247,19 @@ class Accelerator:
                 "prepare(): the optimizer already has state (it stepped before prepare), and its parameters were "
                 "replaced by sharded ones; build the optimizer, prepare it, then train"
             )
-        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
-        self._optimizers.append(wrapped)
-        return wrapped
 
     def prepare_dataloader(self, dataloader: DataLoader) -> PreparedDataLoader:
-        if isinstance(dataloader, PreparedDataLoader):
-            raise ValueError("prepare(): this data loader is already prepared; pass the plain DataLoader, once")
-        if self._data_seed is None:
-            # One shuffling seed for every rank: rank 0's, so unseeded runs still agree across ranks.
-            seed = torch.tensor([torch.initial_seed() % 2**31], dtype=torch.long, device=self.device)
-            if self.num_processes > 1:
-                dist.broadcast(seed, src=0)
-            self._data_seed = int(seed.item())
+        # One shuffling seed for every rank, rank 0's: its sampler's or data loader's generator seed if either
+        # has one, else its torch seed -- so ranks seeded differently (or not at all) still draw one order.
+        generator = getattr(getattr(dataloader.batch_sampler, "sampler", None), "generator", None) \
+            or dataloader.generator
+        seed = torch.tensor([(generator.initial_seed() if generator is not None else torch.initial_seed()) % 2**62],
+                            dtype=torch.long, device=self.device)
+        if self.num_processes > 1:
+            dist.broadcast(seed, src=0)
         prepared = PreparedDataLoader(
             dataloader, num_shards=self.mesh.size("batch"), shard_index=self.mesh.rank("batch"),
-            seed=self._data_seed, device=self.device if self.device_placement else torch.device("cpu"),
+            seed=int(seed.item()), device=self.device if self.device_placement else torch.device("cpu"),
             window=self.gradient_accumulation_steps, window_group=self.mesh.group("batch"),
             on_batch=self.gradient_state.on_batch,
         )
@@ -251,7 +269,7 @@ class Accelerator:
     prepare_data_loader = prepare_dataloader  # Accelerate's spelling
 
     def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> AcceleratedScheduler:
-        optimizers = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
+        optimizers = [o for o in self._optimizers if scheduler.optimizer in (o, o.optimizer)]
         if not optimizers:
             raise ValueError(
                 "prepare(): the LR scheduler's optimizer has not been prepared; pass the optimizer to prepare() "
@@ -305,7 +323,7 @@ class Accelerator:
         """Shard `buffers` along the sequence for context/sequence parallelism; a no-op without CP or SP."""
         if buffers is not None and buffer_seq_dims is not None and len(buffers) != len(buffer_seq_dims):
             raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
-        parallel.check_supported(self.mesh)
+        parallel.check_supported(self.mesh, axes=("cp", "sp"))
         yield
 
     @contextlib.contextmanager

@@ -34,17 +34,21 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor
         local, key = _local_and_key(g)
         groups.setdefault(key, []).append(local)
     inf = math.isinf(norm_type)
-    total: torch.Tensor | None = None
+    parts = []
     for (mesh, sharded), locals_ in groups.items():
-        device = locals_[0].device
-        norms = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) if t.numel() else
-                             torch.zeros((), device=device) for t in locals_])
+        # Half-precision gradients are summed in fp32; fp32 and fp64 keep their own precision. A rank may hold
+        # an empty shard: its part is 0 (the inf norm of an empty tensor is undefined, so it is skipped).
+        wide = [t if t.element_size() >= 4 else t.float() for t in locals_]
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in wide) else torch.float32
+        norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=dtype) if t.numel() else
+                             t.new_zeros((), dtype=dtype) for t in wide])
         part = norms.max() if inf else (norms ** norm_type).sum()
         for dim in sharded:
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
-        part = part.to(grads[0].device if not isinstance(grads[0], DTensor) else device)
-        total = part if total is None else (torch.maximum(total, part.to(total.device)) if inf else total + part.to(total.device))
-    assert total is not None
+        parts.append(part)
+    device, dtype = parts[0].device, max((p.dtype for p in parts), key=lambda d: torch.finfo(d).bits)
+    stacked = torch.stack([p.to(device, dtype) for p in parts])
+    total = stacked.max() if inf else stacked.sum()
     return total if inf else total ** (1.0 / norm_type)
 
 

@@ -150,7 +150,7 @@ class ParallelismConfig:
         if total != world_size:
             hint = (
                 " Set one size to -1 to give it the ranks that are left, or launch with "
-                f"--nproc-per-node {total}."
+                f"{total} processes in all."
             )
             raise ValueError(f"{resolved._formula()} = {total} != world size {world_size}.{hint}")
         return resolved
@@ -311,7 +311,23 @@ class FullyShardedDataParallelPlugin:
                 re.compile(self.ignored_modules)
             except re.error as exc:
                 raise ValueError(f"ignored_modules={self.ignored_modules!r} is not a valid regex: {exc}") from None
+        elif self.ignored_modules is not None:
+            self.ignored_modules = self._module_list(self.ignored_modules)
         self.mixed_precision_policy = self._parse_mp_policy(self.mixed_precision_policy)
+
+    @staticmethod
+    def _module_list(value: Any) -> list[torch.nn.Module]:
+        usage = "ignored_modules must be a regex over module names (a str) or an iterable of nn.Module objects"
+        if isinstance(value, torch.nn.Module):
+            return [value]
+        try:
+            modules = list(value)
+        except TypeError:
+            raise TypeError(f"{usage}, got {type(value).__name__} {value!r}") from None
+        bad = [m for m in modules if not isinstance(m, torch.nn.Module)]
+        if bad:
+            raise TypeError(f"{usage}; these are not modules: {bad!r} (to select by name, pass one regex string)")
+        return modules
 
     @staticmethod
     def _parse_mp_policy(policy: Any) -> Any:

@@ -15,9 +15,11 @@ The last uneven batch. When the samples left at the end fill fewer than D batche
   shortfall filled with samples from the start of the epoch. `Accelerator.gather_for_metrics` drops those
   repeats again.
 
-Shuffling. A ``RandomSampler`` (``shuffle=True``) is replaced by a permutation seeded with a seed that all
-ranks share plus the epoch, so all ranks agree on it, and ``set_epoch`` (called automatically with 0, 1, 2...
-at each new pass unless you call it) reshuffles deterministically.
+Shuffling. Every random sampler of torch (``RandomSampler`` from ``shuffle=True``, ``SubsetRandomSampler``,
+``WeightedRandomSampler``) is given, at each pass, a generator seeded with (seed + epoch), where the seed is rank
+0's: its sampler's or DataLoader's generator seed if either has one, its torch seed otherwise. All ranks draw the same
+order, and each pass (epoch 0, 1, 2... unless ``set_epoch`` says otherwise) reshuffles deterministically. A
+custom sampler must yield the same order on every rank itself.
 
 Iterable datasets. Every rank iterates the whole dataset (it must yield the same order on every rank) and
 keeps its share of each run of D*B samples, with the same end-of-data rule as above.
@@ -31,46 +33,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .loss import BatchInfo, count_loss_tokens
 
 
-class SeededRandomSampler(Sampler[int]):
-    """A random permutation of ``range(n)`` fixed by (seed, epoch): the same on every rank."""
-
-    def __init__(self, num_samples: int, seed: int) -> None:
-        self.num_samples = num_samples
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=g).tolist())
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-
 class ShardedBatchSampler(Sampler[list[int]]):
     """This shard's batch of each group of `num_shards` consecutive batches of `batch_sampler`."""
 
-    def __init__(self, batch_sampler: Any, num_shards: int, shard_index: int, drop_last: bool) -> None:
+    def __init__(self, batch_sampler: Any, num_shards: int, shard_index: int, drop_last: bool, seed: int) -> None:
         self.batch_sampler = batch_sampler
         self.num_shards = num_shards
         self.shard_index = shard_index
         self.drop_last = drop_last
+        self.seed = seed
         self.last_padding = 0  # samples repeated in the final batch of the last pass
 
     def set_epoch(self, epoch: int) -> None:
+        """Make every random sampler draw from a generator seeded with (seed + epoch): the same on all ranks."""
         for obj in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
             if hasattr(obj, "set_epoch"):
                 obj.set_epoch(epoch)
+            if hasattr(obj, "generator"):  # RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+                obj.generator = torch.Generator().manual_seed((self.seed + epoch) % 2**63)
 
     def __iter__(self) -> Iterator[list[int]]:
         self.last_padding = 0
@@ -182,27 +168,21 @@ class PreparedDataLoader:
                                                loader.drop_last)
             self.loader = DataLoader(self._shard, batch_size=loader.batch_size, drop_last=False, **kwargs)
         else:
-            batch_sampler = self._seeded(loader.batch_sampler, seed)
+            batch_sampler = self._check_batch_sampler(loader.batch_sampler)
             drop_last = getattr(batch_sampler, "drop_last", False)
-            self._shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last)
+            self._shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last, seed)
             self.loader = DataLoader(loader.dataset, batch_sampler=self._shard, **kwargs)
 
     @staticmethod
-    def _seeded(batch_sampler: Any, seed: int) -> Any:
+    def _check_batch_sampler(batch_sampler: Any) -> Any:
         if batch_sampler is None:
             raise ValueError("prepare(): a DataLoader with batch_size=None cannot be sharded; give it a batch_size")
-        sampler = getattr(batch_sampler, "sampler", None)
-        if isinstance(sampler, DistributedSampler):
+        if isinstance(getattr(batch_sampler, "sampler", None), DistributedSampler):
             raise ValueError(
                 "prepare(): this DataLoader already uses a DistributedSampler; pass a plain DataLoader -- "
                 "prepare() shards it along the mesh's `batch` view itself"
             )
-        if isinstance(sampler, RandomSampler) and type(batch_sampler) is BatchSampler:
-            if sampler.replacement or sampler._num_samples is not None:
-                raise ValueError("prepare(): RandomSampler with replacement or num_samples is not supported")
-            return BatchSampler(SeededRandomSampler(len(sampler.data_source), seed), batch_sampler.batch_size,
-                                batch_sampler.drop_last)
-        return batch_sampler  # any other sampler must yield the same order on every rank
+        return batch_sampler
 
     # ---- DataLoader-like surface -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

@@ -23,8 +23,9 @@ NOT_YET_IMPLEMENTED = {
 }
 
 
-def check_supported(mesh: ParallelMesh) -> None:
-    for axis, what in NOT_YET_IMPLEMENTED.items():
+def check_supported(mesh: ParallelMesh, axes: tuple[str, ...] = tuple(NOT_YET_IMPLEMENTED)) -> None:
+    for axis in axes:
+        what = NOT_YET_IMPLEMENTED[axis]
         if mesh.size(axis) > 1:
             raise NotImplementedError(
                 f"{axis}_size={mesh.size(axis)}: {what} is not implemented in this version of ndparallel; "

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-REDUCTIONS = ("sum", "mean")
+REDUCTIONS = ("sum", "mean", "none")
 
 
 def map_tensors(obj: Any, fn) -> Any:
@@ -46,7 +46,10 @@ def gather(obj: Any, view: DeviceMesh) -> Any:
 
 
 def reduce(obj: Any, view: DeviceMesh, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """All-reduce every tensor of `obj` over `view` ("sum" or "mean"); returns new tensors."""
+    """All-reduce every tensor of `obj` over `view`; returns new tensors.
+
+    "sum" adds, "mean" averages (integers become floats); "none" sums too, as Accelerate's `reduce` does.
+    """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
 

@@ -100,6 +100,12 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataPar
         offload_policy=offload,
         ignored_params=_ignored_params(model, plugin.ignored_modules) or None,
     )
+    if any(p.requires_grad for p in kwargs["ignored_params"] or ()) and dp_mesh.size() > 1:
+        warnings.warn(
+            "ignored_modules hold trainable parameters: FSDP2 neither shards them nor reduces their gradients, so "
+            "each rank updates its own copy; freeze them (requires_grad_(False)) unless that is what you want",
+            stacklevel=3,
+        )
     blocks = block_classes(model, plugin.transformer_cls_names_to_wrap)
     if plugin.auto_wrap_policy == "transformer_based_wrap":
         if not blocks:

@@ -1,0 +1,89 @@
+"""The Accelerator's process and mesh surface, read from the mesh (checked against first principles)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from harness import run_ranks
+
+
+def _surface() -> dict:
+    from ndparallel import Accelerator, DistributedType, ParallelismConfig
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2, tp_size=2))
+    model = torch.nn.Linear(3, 3)  # prepare(model) refuses tp_size=2 until tensor parallelism lands
+    order = []
+    with acc.main_process_first():
+        order.append(time.monotonic())
+    acc.wait_for_everyone()
+    return {
+        "rank": acc.process_index, "local": acc.local_process_index, "n": acc.num_processes,
+        "main": acc.is_main_process, "local_main": acc.is_local_main_process,
+        "axes": {a: (getattr(acc, f"{a}_rank"), getattr(acc, f"{a}_size"))
+                 for a in ("dp_replicate", "dp_shard", "cp", "sp", "tp")},
+        "data": (acc.data_parallel_rank, acc.data_parallel_size),
+        "type": acc.distributed_type == DistributedType.MULTI_CPU,
+        "unwrapped": type(acc.unwrap_model(model)).__name__,
+        "mesh_dims": acc.torch_device_mesh.mesh_dim_names,
+        "dp_view": acc.torch_device_mesh["dp"].mesh.tolist(),
+        "entered": order[0],
+    }
+
+
+def test_rank_and_size_properties_come_from_the_mesh():
+    out = run_ranks(_surface, 4)
+    for rank, res in enumerate(out):
+        dp, tp = np.unravel_index(rank, (2, 2))
+        assert res["rank"] == res["local"] == rank and res["n"] == 4
+        assert res["main"] == res["local_main"] == (rank == 0)
+        assert res["axes"] == {"dp_replicate": (dp, 2), "dp_shard": (0, 1), "cp": (0, 1), "sp": (0, 1), "tp": (tp, 2)}
+        assert res["data"] == (dp, 2)
+        assert res["type"] and res["unwrapped"] == "Linear"
+        assert res["mesh_dims"] == ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+        assert res["dp_view"] == [tp, tp + 2]
+    # main_process_first: rank 0 entered its block before every other rank entered theirs
+    assert all(out[0]["entered"] <= r["entered"] for r in out[1:])
+
+
+def _default_is_ddp_over_everyone() -> tuple:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ndparallel import Accelerator
+
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    return acc.parallelism_config.dp_replicate_size, isinstance(model, DistributedDataParallel)
+
+
+def test_without_a_config_the_accelerator_runs_ddp_over_all_processes():
+    assert run_ranks(_default_is_ddp_over_everyone, 2) == [(2, True), (2, True)]
+
+
+def _launch_env_sizes() -> int:
+    from ndparallel import Accelerator
+
+    return Accelerator().parallelism_config.dp_shard_size
+
+
+def test_without_a_config_the_launch_sizes_are_used():
+    assert run_ranks(_launch_env_sizes, 2, env={"NDPARALLEL_DP_SHARD_SIZE": "2"}) == [2, 2]
+
+
+def _optimizer_follows_the_sharded_parameters() -> bool:
+    from torch.distributed.tensor import DTensor
+
+    from ndparallel import Accelerator, ParallelismConfig
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return all(isinstance(p, DTensor) for p in params) and {id(p) for p in params} == {id(p) for p in model.parameters()}
+
+
+def test_an_optimizer_built_before_prepare_is_remapped_to_the_sharded_parameters():
+    assert run_ranks(_optimizer_follows_the_sharded_parameters, 2) == [True, True]
