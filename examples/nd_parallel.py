@@ -1,11 +1,10 @@
-"""Train a small Llama (or Qwen2) on a bundled text corpus with any mix of data, tensor and sequence parallelism.
+"""Train a small Llama (or Qwen2) on a bundled text corpus with any mix of the supported parallelisms.
 
 Written in Hugging Face Accelerate's ND-parallel style: only the imports differ. Nothing is downloaded: the model
 is built from a config and the tokenizer works on raw bytes.
 
     python examples/nd_parallel.py --steps 20                                  # one process
     ndparallel launch --nproc-per-node 4 --dp-replicate-size 2 --dp-shard-size 2 examples/nd_parallel.py  # HSDP
-    ndparallel launch --nproc-per-node 4 --dp-shard-size 2 --tp-size 2 examples/nd_parallel.py             # FSDP + TP
     torchrun --nproc-per-node 2 examples/nd_parallel.py --dp-shard-size 2                                  # FSDP
 
 Sizes left out on the command line come from the launcher (NDPARALLEL_* environment variables), else 1.
@@ -144,6 +143,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.grad_accum,
     )
+    summary = train(accelerator, args)  # steps 2 to 4, below
+    if args.json_out is not None and accelerator.is_main_process:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(summary, indent=2))
+    # After train() has returned, so the prepared model and loader are gone before the process groups.
+    accelerator.end_training()
+    return summary
+
+
+def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
+    """Build the model and data, train for `args.steps` optimizer steps, and return a summary."""
     pc = accelerator.parallelism_config  # resolved against the world size
     layout = {axis: getattr(pc, f"{axis}_size") for axis in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
     accelerator.print(
@@ -255,11 +265,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "peak_memory": per_rank,
     }
-    if args.json_out is not None and accelerator.is_main_process:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(summary, indent=2))
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
     return summary
 
 

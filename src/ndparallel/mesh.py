@@ -50,6 +50,10 @@ class ParallelMesh:
         self._views: dict[str, DeviceMesh] = {axis: self.world[axis] for axis in AXES}
         for name, axes in VIEWS.items():
             self._views[name] = self.world[axes]._flatten(name)
+        # Creating a gloo group is not a synchronisation point: a rank that raced ahead and exited (say, on a
+        # bad-input error raised right after) would reset connections other ranks are still opening.
+        if dist.get_world_size() > 1 and dist.get_backend() != "fake":
+            dist.barrier()
 
     @property
     def names(self) -> list[str]:
