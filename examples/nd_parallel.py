@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json_out is not None and accelerator.is_main_process:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(summary, indent=2))
-    # After train() has returned, so the prepared model and loader are gone before the process groups.
+    # 5. Every rank releases its process groups.
     accelerator.end_training()
     return summary
 

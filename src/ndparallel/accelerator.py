@@ -30,7 +30,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from . import clip, parallel
-from .config import MIXED_PRECISION, SIZE_FIELDS, FullyShardedDataParallelPlugin, ParallelismConfig, size_env_var
+from .config import (
+    ACCUMULATION_ENV,
+    MIXED_PRECISION,
+    MIXED_PRECISION_ENV,
+    SIZE_FIELDS,
+    FullyShardedDataParallelPlugin,
+    ParallelismConfig,
+    size_env_var,
+)
 from .data import PreparedDataLoader
 from .loss import GradientState
 from .mesh import ParallelMesh
@@ -39,9 +47,6 @@ from .parallel import comm
 from .parallel.precision import DTYPES
 from .runtime import init_runtime
 from .utils import progress_bar
-
-MIXED_PRECISION_ENV = "NDPARALLEL_MIXED_PRECISION"
-ACCUMULATION_ENV = "NDPARALLEL_GRADIENT_ACCUMULATION_STEPS"
 
 
 class DistributedType(str, enum.Enum):

@@ -26,6 +26,9 @@ import torch
 AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 SIZE_FIELDS: tuple[str, ...] = tuple(f"{axis}_size" for axis in AXES)
 ENV_PREFIX = "NDPARALLEL_"
+# Settings `ndparallel launch` passes to the Accelerator of every rank (used when the script leaves them unset).
+MIXED_PRECISION_ENV = ENV_PREFIX + "MIXED_PRECISION"
+ACCUMULATION_ENV = ENV_PREFIX + "GRADIENT_ACCUMULATION_STEPS"
 
 
 def size_env_var(field_name: str) -> str:

@@ -23,13 +23,19 @@ from typing import Any
 
 import torch
 
-from ndparallel.config import MIXED_PRECISION, SIZE_FIELDS, ParallelismConfig, load_yaml, size_env_var
+from ndparallel.config import (
+    ACCUMULATION_ENV,
+    MIXED_PRECISION,
+    MIXED_PRECISION_ENV,
+    SIZE_FIELDS,
+    ParallelismConfig,
+    load_yaml,
+    size_env_var,
+)
 from ndparallel.runtime import CPU_ENV
 
 LAUNCH_KEYS: tuple[str, ...] = ("nproc_per_node", "nnodes", "mixed_precision", "gradient_accumulation_steps", "cpu")
 FILE_SECTIONS: tuple[str, ...] = ("parallelism", "launch")
-MIXED_PRECISION_ENV = "NDPARALLEL_MIXED_PRECISION"
-GRAD_ACCUM_ENV = "NDPARALLEL_GRADIENT_ACCUMULATION_STEPS"
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -166,11 +172,11 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     if settings["mixed_precision"] is not None:
         env[MIXED_PRECISION_ENV] = settings["mixed_precision"]
     if settings["gradient_accumulation_steps"] is not None:
-        env[GRAD_ACCUM_ENV] = str(positive_int("--gradient-accumulation-steps", settings["gradient_accumulation_steps"]))
-    if "OMP_NUM_THREADS" not in os.environ:
-        # torchrun would set 1 (with a warning); sharing this node's cores among its ranks is better on CPU.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+        env[ACCUMULATION_ENV] = str(positive_int("--gradient-accumulation-steps", settings["gradient_accumulation_steps"]))
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        # As torchrun does (without its warning): one thread per rank, so ranks don't oversubscribe the cores.
+        # Set OMP_NUM_THREADS yourself to give each rank more.
+        env["OMP_NUM_THREADS"] = "1"
 
     torchrun_args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={args.max_restarts}",
                      *_rendezvous_args(args, nnodes)]
