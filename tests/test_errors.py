@@ -224,6 +224,10 @@ CASES: list[Case] = [
     Case("IterableDataset-DataLoader-batch_size=None",
          lambda: Accelerator().prepare(DataLoader(_Numbers(), batch_size=None)),
          ValueError, r"an iterable dataset's DataLoader needs a batch_size"),
+    Case("IterableDataset-DataLoader-num_workers=2",
+         lambda: Accelerator().prepare(DataLoader(_Numbers(), batch_size=2, num_workers=2)),
+         ValueError, r"num_workers=2 with an iterable dataset: each worker would read the whole dataset .* use "
+                     r"num_workers=0 or 1"),
     # -- prepare(): optimizers and schedulers --
     Case("scheduler-whose-optimizer-was-never-prepared", _scheduler_without_prepared_optimizer,
          ValueError, r"the LR scheduler's optimizer has not been prepared; pass the optimizer to prepare\(\) in the "

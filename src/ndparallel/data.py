@@ -22,12 +22,14 @@ order, and each pass (epoch 0, 1, 2... unless ``set_epoch`` says otherwise) resh
 custom sampler must yield the same order on every rank itself.
 
 Iterable datasets. Every rank iterates the whole dataset (it must yield the same order on every rank) and
-keeps its share of each run of D*B samples, with the same end-of-data rule as above.
+keeps its share of each run of D*B samples, with the same end-of-data rule as above. At most one worker
+process may read it (more would each yield every sample).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -150,10 +152,11 @@ class PreparedDataLoader:
     """
 
     def __init__(self, loader: DataLoader, *, num_shards: int, shard_index: int, seed: int,
-                 device: torch.device, window: int, window_group: dist.ProcessGroup | None,
+                 device: torch.device, put_on_device: bool, window: int, window_group: dist.ProcessGroup | None,
                  on_batch: Callable[[BatchInfo], None] | None = None) -> None:
         self.base_loader = loader
-        self.device = device
+        self.device = device  # this rank's device: batches go there (if put_on_device), token counts always
+        self.put_on_device = put_on_device
         self.window = window
         self.window_group = window_group
         self.on_batch = on_batch
@@ -164,6 +167,16 @@ class PreparedDataLoader:
         if isinstance(loader.dataset, IterableDataset):
             if loader.batch_size is None:
                 raise ValueError("prepare(): an iterable dataset's DataLoader needs a batch_size to shard batches")
+            if loader.num_workers > 1:
+                raise ValueError(
+                    f"prepare(): num_workers={loader.num_workers} with an iterable dataset: each worker would read "
+                    "the whole dataset and yield every sample again; use num_workers=0 or 1"
+                )
+            if loader.num_workers == 1 and not loader.drop_last:
+                warnings.warn(
+                    "iterable dataset read by a worker process: gather_for_metrics cannot tell which samples of "
+                    "the last batch were repeated to even it out; use drop_last=True or num_workers=0 for exact "
+                    "metrics", stacklevel=3)
             self._shard = IterableDatasetShard(loader.dataset, loader.batch_size, num_shards, shard_index,
                                                loader.drop_last)
             self.loader = DataLoader(self._shard, batch_size=loader.batch_size, drop_last=False, **kwargs)
@@ -232,7 +245,7 @@ class PreparedDataLoader:
                     self.on_batch(BatchInfo(local_tokens=counts[i], window_tokens=total, window_batches=len(window),
                                             ends_window=last, end_of_dataloader=end,
                                             padding=self._shard.last_padding if end else 0))
-                yield move_to_device(batch, self.device, non_blocking=self.loader.pin_memory)
+                yield move_to_device(batch, self.device, self.loader.pin_memory) if self.put_on_device else batch
         self.epoch += 1
 
 

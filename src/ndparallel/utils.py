@@ -30,4 +30,5 @@ def progress_bar(iterable: Iterable[Any] | None = None, *, main_process: bool = 
     """A tqdm progress bar, shown only when `main_process` is True."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, disable=not main_process or kwargs.pop("disable", False), **kwargs)
+    disable = kwargs.pop("disable", False)
+    return tqdm(iterable, disable=disable or not main_process, **kwargs)
