@@ -133,7 +133,8 @@ class ParallelismConfig:
         """Axis name -> size, outermost first (may contain one -1 before `resolve`)."""
         return {axis: getattr(self, f"{axis}_size") for axis in AXES}
 
-    def _formula(self) -> str:
+    def formula(self) -> str:
+        """The sizes other than 1 as a product, e.g. ``dp_shard(2) * tp(2)`` ("1" when all are 1)."""
         return " * ".join(f"{axis}({size})" for axis, size in self.sizes().items() if size != 1) or "1"
 
     def resolve(self, world_size: int) -> ParallelismConfig:
@@ -155,7 +156,7 @@ class ParallelismConfig:
                 " Set one size to -1 to give it the ranks that are left, or launch with "
                 f"{total} processes in all."
             )
-            raise ValueError(f"{resolved._formula()} = {total} != world size {world_size}.{hint}")
+            raise ValueError(f"{resolved.formula()} = {total} != world size {world_size}.{hint}")
         return resolved
 
     @property

@@ -113,9 +113,7 @@ class LaunchPlan:
 
     def describe(self) -> str:
         world = self.nproc_per_node * self.nnodes
-        factors = " * ".join(f"{axis}({size})" for axis, size in self.parallelism.sizes().items() if size != 1) \
-            if self.parallelism is not None else ""
-        sizes = (f"sizes {factors or '1'} = {world}" if self.parallelism is not None
+        sizes = (f"sizes {self.parallelism.formula()} = {world}" if self.parallelism is not None
                  else "no sizes passed (the script's own ParallelismConfig, or plain data parallel)")
         device = "cpu/gloo" if self.cpu else "cuda/nccl"
         return (f"ndparallel launch: {world} process(es) = {self.nnodes} node(s) x {self.nproc_per_node}, "
