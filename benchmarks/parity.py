@@ -1,10 +1,11 @@
 """Print how far each data-parallel layout is from the single-process reference (the figures the tests bound).
 
-    python benchmarks/parity.py
+    python benchmarks/parity.py [--tp]
 
 For every layout of tests/test_parity.py and both tiny models: the largest per-step loss difference over 6
 AdamW steps. Then, with -100 labels spread unevenly, the largest parameter difference after 6 SGD steps,
-next to what naive averaging of per-rank means would give.
+next to what naive averaging of per-rank means would give. With --tp: the tensor-parallel layouts of
+tests/test_tensor_parallel.py instead, for every model, with and without Megatron-style sequence parallelism.
 """
 
 import sys
@@ -20,7 +21,24 @@ torch.set_num_threads(1)  # forked ranks share the cores
 import test_parity as tp  # noqa: E402
 
 
+def tensor_parallel() -> None:
+    import test_tensor_parallel as ttp
+
+    print("max |loss - reference| over 6 steps")
+    print("model    layout        TP        TP + sequence parallel")
+    for model in ttp.MODELS:
+        ref = tp.reference(model)
+        for name, world, flags in ttp.TP_LAYOUTS:
+            diffs = []
+            for extra in ([], ["--sequence-parallel"]):
+                results = tp.run_layout(model, world, flags, 1, *extra)
+                diffs.append(max(abs(a - b) for r in results for a, b in zip(r["losses"], ref["losses"])))
+            print(f"{model:8s} {name:13s} {diffs[0]:.2e}  {diffs[1]:.2e}")
+
+
 def main() -> None:
+    if "--tp" in sys.argv[1:]:
+        return tensor_parallel()
     print("model   layout          max |loss - reference| over 6 steps")
     for model in ("llama", "qwen2"):
         ref = tp.reference(model)

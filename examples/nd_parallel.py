@@ -28,7 +28,14 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # so `import byte_tokenizer` works from anywhere
 from byte_tokenizer import ByteTokenizer  # noqa: E402
 
-from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, set_seed  # noqa: E402
+from ndparallel import (  # noqa: E402
+    Accelerator,
+    FullyShardedDataParallelPlugin,
+    ParallelismConfig,
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
+    set_seed,
+)
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 MODEL_DEFAULTS = {"model": "llama", "hidden_size": 64, "layers": 2, "heads": 4, "kv_heads": 2, "seq_len": 128}
@@ -36,7 +43,12 @@ MODEL_DEFAULTS = {"model": "llama", "hidden_size": 64, "layers": 2, "heads": 4, 
 
 # ---- data: the corpus, tokenized once and cut into fixed-length blocks ------------------------------------------
 class BlockDataset(Dataset):
-    """Rows of a [num_blocks, seq_len] tensor as ``{"input_ids", "labels"}`` (the model shifts the labels)."""
+    """Rows of a [num_blocks, seq_len] tensor as ``{"input_ids", "labels", "shift_labels", "position_ids"}``.
+
+    Context parallelism shards each sequence, so the labels are shifted here, before sharding (the model uses
+    ``shift_labels`` when given and ``labels`` only switches its loss on), and ``position_ids`` carry every token's
+    global position to the rotary embeddings. Without CP the model computes exactly the same from them.
+    """
 
     def __init__(self, blocks: torch.Tensor) -> None:
         self.blocks = blocks
@@ -46,7 +58,9 @@ class BlockDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         block = self.blocks[index]
-        return {"input_ids": block.clone(), "labels": block.clone()}
+        return {"input_ids": block.clone(), "labels": block.clone(),
+                "shift_labels": torch.nn.functional.pad(block[1:], (0, 1), value=-100),
+                "position_ids": torch.arange(len(block))}
 
 
 def build_dataset(seq_len: int = 128, path: str | Path = CORPUS) -> BlockDataset:
@@ -70,7 +84,8 @@ def build_model(args: argparse.Namespace | Mapping[str, Any] | None = None, **ov
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
         opts["model"]]
     config = config_cls(
-        vocab_size=ByteTokenizer.vocab_size,
+        # Padded to a multiple of 64 (ids past the tokenizer's are never used) so tp sizes up to 64 split it.
+        vocab_size=-(-ByteTokenizer.vocab_size // 64) * 64,
         hidden_size=opts["hidden_size"],
         intermediate_size=4 * opts["hidden_size"],
         num_hidden_layers=opts["layers"],
@@ -106,6 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
                    help="default: the launcher's, else no")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--cp-strategy", choices=["allgather", "ring"], default="allgather",
+                   help="with --cp-size > 1: all-gather K/V, or pass K/V blocks around a ring (less memory)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp-size > 1: Megatron-style sequence parallelism of norms between TP regions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--json-out", type=Path, default=None, help="write a JSON summary here (main process)")
@@ -135,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tp_size=args.tp_size,
         cp_size=args.cp_size,
         sp_size=args.sp_size,
+        tp_handler=TorchTensorParallelConfig(sequence_parallel=args.sequence_parallel),
+        cp_handler=TorchContextParallelConfig(cp_comm_strategy=args.cp_strategy),
     )
     accelerator = Accelerator(
         parallelism_config=parallelism_config,
@@ -206,10 +227,9 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
         while True:
             batch = next(batch_iter)
             with accelerator.accumulate(model):
+                buffers = list(batch.values())  # with --cp-size > 1, each rank keeps its part of every sequence
                 with accelerator.maybe_context_parallel(
-                    buffers=[batch["input_ids"], batch["labels"]],
-                    buffer_seq_dims=[1, 1],
-                    no_restore_buffers={batch["input_ids"], batch["labels"]},
+                    buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
                 ):
                     loss = model(**batch).loss
                     accelerator.backward(loss)  # scaled so gradients match one process on the global batch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from tiny_models import TokenDataset, build_model, make_optimizer
+from tiny_models import VOCAB, TokenDataset, build_model, make_optimizer
 
 
 def reference_run(model_name: str = "llama", global_batch: int = 4, seq_len: int = 16, steps: int = 6,
@@ -21,7 +21,7 @@ def reference_run(model_name: str = "llama", global_batch: int = 4, seq_len: int
     model = build_model(model_name)
     optimizer = make_optimizer(optimizer, model.parameters(), lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    dataset = TokenDataset(steps * global_batch, seq_len, model.config.vocab_size, uneven_labels)
+    dataset = TokenDataset(steps * global_batch, seq_len, VOCAB, uneven_labels)
     losses = []
     for batch in DataLoader(dataset, batch_size=global_batch, shuffle=False):
         if mean_of_chunks == 1:

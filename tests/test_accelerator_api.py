@@ -14,7 +14,7 @@ def _surface() -> dict:
     from ndparallel import Accelerator, DistributedType, ParallelismConfig
 
     acc = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2, tp_size=2))
-    model = torch.nn.Linear(3, 3)  # prepare(model) refuses tp_size=2 until tensor parallelism lands
+    model = torch.nn.Linear(3, 3)  # never prepared: only the process and mesh surface is read
     order = []
     with acc.main_process_first():
         order.append(time.monotonic())
@@ -25,7 +25,8 @@ def _surface() -> dict:
         "axes": {a: (getattr(acc, f"{a}_rank"), getattr(acc, f"{a}_size"))
                  for a in ("dp_replicate", "dp_shard", "cp", "sp", "tp")},
         "data": (acc.data_parallel_rank, acc.data_parallel_size),
-        "type": acc.distributed_type == DistributedType.MULTI_CPU,
+        # DDP x TP replicates through FSDP2 (DDP takes no DTensor parameters), so it reports FSDP.
+        "type": acc.distributed_type == DistributedType.FSDP,
         "unwrapped": type(acc.unwrap_model(model)).__name__,
         "mesh_dims": acc.torch_device_mesh.mesh_dim_names,
         "dp_view": acc.torch_device_mesh["dp"].mesh.tolist(),

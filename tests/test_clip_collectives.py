@@ -40,6 +40,7 @@ GRAD_SPECS = {
     "2d_s0_s1": ((4, 6), "2d", ("S0", "S1")),
     "2d_r_s0": ((4, 3), "2d", ("R", "S0")),
     "2d_uneven": ((3, 2), "2d", ("S0", "S0")),  # pieces of 1, 1, 1, 0 rows
+    "2d_strided": ((8, 3), "2d", ("SS0", "S0")),  # what FSDP2 makes of a tp colwise weight (dp_shard x tp)
     "plain_a": ((7,), None, ()),
     "plain_b": ((2, 2), None, ()),
 }
@@ -62,8 +63,9 @@ def expected_norm(grads: dict[str, torch.Tensor], norm_type: float) -> float:
 # ---- rank functions --------------------------------------------------------------------------------------
 def _make_params(meshes: dict) -> list[torch.nn.Parameter]:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    kinds = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    kinds = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "SS0": _StridedShard(0, split_factor=2)}
     params = []
     for name, full in full_grads().items():
         _, mesh_name, placements = GRAD_SPECS[name]

@@ -33,15 +33,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from harness import run_ranks
-from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, TorchTensorParallelConfig
 from tiny_models import build_model
 
 # Forked runs, by group: the world size, and whether the rows need a process with no process group yet.
 GROUPS = {"1 rank": 1, "2 ranks": 2, "no process group": 1}
 ACCEPTED = r"prepare\(\) takes torch\.nn\.Module, torch\.optim\.Optimizer, torch\.utils\.data\.DataLoader and " \
            r"torch\.optim\.lr_scheduler\.LRScheduler objects"
-NOT_IMPLEMENTED = r"is not implemented in this version of ndparallel; supported now: dp_replicate_size and " \
-                  r"dp_shard_size"
+NOT_IMPLEMENTED = r"is not implemented in this version of ndparallel; supported now: dp_replicate_size, dp_shard_size"
 ALREADY_PREPARED = r"is already prepared; pass each plain object to prepare\(\) once"
 IGNORED_MODULES_USAGE = r"ignored_modules must be a regex over module names \(a str\) or an iterable of " \
                         r"nn\.Module objects"
@@ -85,6 +84,20 @@ def _env(**changes: str | None) -> Iterator[None]:
 
 def _sizes(**sizes: int) -> Accelerator:
     return Accelerator(parallelism_config=ParallelismConfig(**sizes))
+
+
+def _tp(plan: dict | None = None) -> Accelerator:
+    return Accelerator(parallelism_config=ParallelismConfig(tp_size=2, tp_handler=TorchTensorParallelConfig(plan=plan)))
+
+
+def _model_already_sharded() -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    acc = _tp()
+    model = build_model("llama")
+    local = model.lm_head.weight.detach().chunk(2)[acc.tp_rank]
+    model.lm_head.weight = nn.Parameter(DTensor.from_local(local, acc.mesh["tp"], [Shard(0)]))
+    acc.prepare(model)
 
 
 def _fsdp(**plugin: Any) -> Accelerator:
@@ -281,13 +294,44 @@ CASES: list[Case] = [
     *[Case(f"{axis}_size=2-prepare(model)",
            lambda axis=axis: _sizes(**{f"{axis}_size": 2}).prepare(build_model("llama")),
            NotImplementedError, rf"{axis}_size=2: {what} {NOT_IMPLEMENTED}", group="2 ranks")
-      for axis, what in [("tp", "tensor parallelism"), ("cp", "context parallelism"),
-                         ("sp", "Ulysses sequence parallelism")]],
+      for axis, what in [("sp", "Ulysses sequence parallelism")]],
     *[Case(f"{axis}_size=2-maybe_context_parallel",
            lambda axis=axis: _sizes(**{f"{axis}_size": 2}).maybe_context_parallel(
                buffers=[torch.ones(1, 4)], buffer_seq_dims=[1]).__enter__(),
            NotImplementedError, rf"{axis}_size=2: {what} {NOT_IMPLEMENTED}", group="2 ranks")
-      for axis, what in [("cp", "context parallelism"), ("sp", "Ulysses sequence parallelism")]],
+      for axis, what in [("sp", "Ulysses sequence parallelism")]],
+    # -- tensor parallelism: every check runs before the first collective of prepare() --
+    Case("tp_size=2-num_key_value_heads=1", lambda: _sizes(tp_size=2).prepare(
+        build_model("llama", num_attention_heads=4, num_key_value_heads=1)),
+         ValueError, r"tp_size=2 does not divide num_key_value_heads=1 of LlamaForCausalLM: each tensor-parallel "
+                     r"rank must hold whole heads; tp sizes that work: \[1\]", group="2 ranks"),
+    Case("tp_size=2-num_attention_heads=3", lambda: _sizes(tp_size=2).prepare(
+        build_model("qwen2", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)),
+         ValueError, r"tp_size=2 does not divide num_attention_heads=3 .* tp sizes that work: \[1, 3\]", group="2 ranks"),
+    Case("tp_size=4-at-world-2", lambda: _sizes(tp_size=4),
+         ValueError, r"tp\(4\) = 4 != world size 2", group="2 ranks"),
+    Case("tp-plan-unknown-style", lambda: _tp(plan={"lm_head": "diagonal"}).prepare(build_model("llama")),
+         ValueError, r"unknown tensor-parallel style 'diagonal' for 'lm_head'; known styles: \['colwise', ",
+         group="2 ranks"),
+    Case("tp-plan-pattern-matching-nothing", lambda: _tp().prepare(
+        build_model("llama"), tp_plan={"layers.*.mlp.up": "colwise"}),
+         ValueError, r"prepare\(tp_plan=...\): pattern 'layers.\*.mlp.up' matches no module of LlamaForCausalLM; "
+                     r"nearest module names: \[.*'model.layers.\*.mlp.up_proj'", group="2 ranks"),
+    Case("tp-plan-colwise-on-a-norm", lambda: _tp(plan={"model.norm": "colwise"}).prepare(build_model("llama")),
+         ValueError, r"style 'colwise' applies to nn.Linear or nn.Embedding, but 'model.norm' is a LlamaRMSNorm",
+         group="2 ranks"),
+    Case("tp-plan-features-not-divisible", lambda: _tp(plan={"0": "colwise"}).prepare(nn.Sequential(nn.Linear(4, 3))),
+         ValueError, r"splits 0.out_features=3 over tp_size=2, which does not divide it; tp sizes that work: \[1, 3\]",
+         group="2 ranks"),
+    Case("tp-plan-not-a-dict", lambda: _tp().prepare(build_model("llama"), tp_plan=["lm_head"]),
+         TypeError, r"prepare\(tp_plan=...\): a tensor-parallel plan is a dict of pattern -> style, got list",
+         group="2 ranks"),
+    Case("tp-model-without-a-plan", lambda: _tp().prepare(nn.Sequential(nn.Linear(4, 4))),
+         ValueError, r"Sequential has no tensor-parallel plan: .* pass one, e.g. ParallelismConfig\(tp_size=2, "
+                     r"tp_handler=TorchTensorParallelConfig\(plan=", group="2 ranks"),
+    Case("tp-model-already-sharded", _model_already_sharded,
+         ValueError, r"parameter 'lm_head.weight' is already a DTensor on .*ndparallel applies tensor parallelism "
+                     r"itself", group="2 ranks"),
     Case("optimizer-stepped-before-prepare-dp_shard_size=2", lambda: _stepped_optimizer(_sizes(dp_shard_size=2)),
          ValueError, r"the optimizer already has state \(it stepped before prepare\)", group="2 ranks"),
     Case("DataLoader-with-DistributedSampler-2-ranks", _loader(batch_size=2, sampler=DistributedSampler),
@@ -454,6 +498,5 @@ def _maybe_context_parallel_under_tp() -> list[list[float]]:
 
 
 def test_maybe_context_parallel_is_a_no_op_under_tp() -> None:
-    """Only cp/sp are refused by maybe_context_parallel(); tp_size=2 leaves the buffers whole (prepare(model) still
-    refuses tp, see the `tp_size=2-prepare(model)` row)."""
+    """Tensor parallelism shards no sequence: under tp_size=2 maybe_context_parallel() leaves the buffers whole."""
     assert run_ranks(_maybe_context_parallel_under_tp, 2, timeout=60) == [[[0.0, 1.0, 2.0, 3.0]]] * 2

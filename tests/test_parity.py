@@ -37,9 +37,18 @@ def reference(model: str, **kwargs) -> dict:
     return _references[key]
 
 
+def data_parallel_size(flags: list[str]) -> int:
+    """dp_replicate x dp_shard of a layout's flags: the ranks that receive different samples."""
+    size = 1
+    for axis in ("--dp-replicate-size", "--dp-shard-size"):
+        if axis in flags:
+            size *= int(flags[flags.index(axis) + 1])
+    return size
+
+
 def run_layout(model: str, world: int, flags: list[str], accum: int, *extra: str) -> list[dict]:
-    micro = GLOBAL_BATCH // (world * accum) if "--dp-replicate-size" in flags or "--dp-shard-size" in flags \
-        else GLOBAL_BATCH // accum
+    """Run the Accelerate-style script on `world` ranks with the same global batch as the reference."""
+    micro = GLOBAL_BATCH // (data_parallel_size(flags) * accum)
     argv = ["--model", model, "--micro-batch", str(micro), "--accum", str(accum), *flags, *extra]
     return run_ranks(accelerate_style.main, world, argv)
 

@@ -4,6 +4,7 @@
 """
 
 from .accelerator import Accelerator, DistributedType
+from .checkpoint import CheckpointError, ProjectConfiguration, init_empty_weights
 from .config import (
     FullyShardedDataParallelPlugin,
     ParallelismConfig,
@@ -17,12 +18,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Accelerator",
+    "CheckpointError",
     "DistributedType",
     "FullyShardedDataParallelPlugin",
     "ParallelMesh",
     "ParallelismConfig",
+    "ProjectConfiguration",
     "TorchContextParallelConfig",
     "TorchTensorParallelConfig",
+    "init_empty_weights",
     "set_seed",
     "__version__",
 ]

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import gc
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -27,10 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from . import clip, parallel
+from . import attention, checkpoint, clip, parallel
 from .config import (
     ACCUMULATION_ENV,
     MIXED_PRECISION,
@@ -45,6 +48,7 @@ from .loss import GradientState
 from .mesh import ParallelMesh
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .parallel import comm
+from .parallel.context import shard_loss_tokens
 from .parallel.precision import DTYPES
 from .runtime import init_runtime
 from .utils import progress_bar
@@ -77,17 +81,25 @@ class Accelerator:
             or 1).
         cpu: train on the CPU with gloo even where CUDA is available.
         device_placement: move batches of prepared data loaders to this rank's device.
+        project_dir / project_config: where `save_state` / `load_state` put and find checkpoints
+            (`ProjectConfiguration`, Accelerate's names: automatic_checkpoint_naming, total_limit, iteration).
     """
 
     def __init__(self, parallelism_config: ParallelismConfig | None = None,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None, mixed_precision: str | None = None,
                  gradient_accumulation_steps: int | None = None, cpu: bool = False,
-                 device_placement: bool = True) -> None:
+                 device_placement: bool = True, project_dir: str | os.PathLike | None = None,
+                 project_config: checkpoint.ProjectConfiguration | None = None) -> None:
         # Every check on user input comes before the first collective.
         if parallelism_config is not None and not isinstance(parallelism_config, ParallelismConfig):
             raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(parallelism_config).__name__}")
         if fsdp_plugin is not None and not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
             raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin, got {type(fsdp_plugin).__name__}")
+        if project_config is not None and not isinstance(project_config, checkpoint.ProjectConfiguration):
+            raise TypeError(f"project_config must be a ProjectConfiguration, got {type(project_config).__name__}")
+        self.project_configuration = project_config or checkpoint.ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.set_directories(project_dir)
         where = "mixed_precision"
         if mixed_precision is None:
             mixed_precision, where = os.environ.get(MIXED_PRECISION_ENV, "no"), f"${MIXED_PRECISION_ENV}"
@@ -124,6 +136,8 @@ class Accelerator:
         # id(original parameter) -> (weak reference to it, the parameter that replaced it in prepare()).
         self._param_map: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
         self._prepared: set[int] = set()  # ids of every object prepare() has taken, to refuse a second time
+        self._custom_objects: list[Any] = []  # register_for_checkpointing
+        checkpoint.announce(fsdp_plugin)  # cpu_ram_efficient_loading: tell transformers, as Accelerate does
 
     # ---- processes and mesh ------------------------------------------------------------------------
     @property
@@ -177,11 +191,13 @@ class Accelerator:
         return self.gradient_state.sync_gradients
 
     # ---- prepare -------------------------------------------------------------------------------------
-    def prepare(self, *args: Any) -> Any:
+    def prepare(self, *args: Any, tp_plan: dict[str, str] | None = None) -> Any:
         """Prepare models, optimizers, data loaders and LR schedulers, in any order and number.
 
         Returns them in the order given (a single object when one was given). Models are prepared first, so an
         optimizer built from a model's parameters before `prepare` is pointed at the parameters that replace them.
+        `tp_plan` (pattern -> style, see `ndparallel.parallel.tensor`) overrides the tensor-parallel plan of the
+        models passed.
         """
         kinds = [self._kind(i, obj) for i, obj in enumerate(args)]
         seen: set[int] = set()
@@ -198,7 +214,8 @@ class Accelerator:
         for kind in ("model", "optimizer", "dataloader", "scheduler"):
             for i, obj in enumerate(args):
                 if kinds[i] == kind:
-                    out[i] = getattr(self, f"prepare_{kind}")(obj)
+                    extra = {"tp_plan": tp_plan} if kind == "model" else {}
+                    out[i] = getattr(self, f"prepare_{kind}")(obj, **extra)
                     self._prepared.add(id(obj))  # only once prepared: a failed prepare() may be retried
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -218,10 +235,13 @@ class Accelerator:
             "torch.optim.lr_scheduler.LRScheduler objects"
         )
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, tp_plan: dict[str, str] | None = None) -> nn.Module:
         old = dict(model.named_parameters())
         dtype = DTYPES[self.mixed_precision]
-        prepared = parallel.parallelize(model, self.mesh, self.fsdp_plugin, dtype, self.device)
+        # A model on the meta device (cpu_ram_efficient_loading) gets its weights after it is parallelised.
+        prepared = checkpoint.parallelize_loading_weights(
+            model, self.fsdp_plugin, self.device,
+            lambda m: parallel.parallelize(m, self.mesh, self.fsdp_plugin, dtype, self.device, tp_plan))
         new = dict(self.unwrap_model(prepared).named_parameters())
         for name, param in old.items():
             if new.get(name) is not None and new[name] is not param:
@@ -267,12 +287,21 @@ class Accelerator:
             dataloader, num_shards=self.mesh.size("batch"), shard_index=self.mesh.rank("batch"),
             seed=int(seed.item()), device=self.device, put_on_device=self.device_placement,
             window=self.gradient_accumulation_steps, window_group=self.mesh.group("batch"),
-            on_batch=self.gradient_state.on_batch,
+            on_batch=self.gradient_state.on_batch, local_count=self._shard_loss_tokens(),
         )
         self._dataloaders.append(prepared)
         return prepared
 
     prepare_data_loader = prepare_dataloader  # Accelerate's spelling
+
+    def _shard_loss_tokens(self) -> Any:
+        """Under context parallelism each rank's loss averages over its shard of the sequences only: the function
+        that counts those tokens, for the loss factor (see `ndparallel.loss`); None otherwise."""
+        if self.mesh.size("cp") == 1:
+            return None
+        cp = self.parallelism_config.cp_handler
+        return functools.partial(shard_loss_tokens, size=self.mesh.size("cp"), rank=self.mesh.rank("cp"),
+                                 load_balance=cp.load_balance)
 
     def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> AcceleratedScheduler:
         optimizers = [o for o in self._optimizers if scheduler.optimizer in (o, o.optimizer)]
@@ -295,7 +324,16 @@ class Accelerator:
         loss = loss * self.gradient_state.loss_factor()
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        loss.backward(**kwargs)
+        with self.loss_parallel():
+            loss.backward(**kwargs)
+
+    def loss_parallel(self) -> contextlib.AbstractContextManager:
+        """torch's `loss_parallel` context when ``TorchTensorParallelConfig(loss_parallel=True)`` and tp > 1 (else
+        nothing): cross-entropy on logits split over the vocabulary. Prepared models enter it for their own
+        forward and `backward` for the backward; wrap a loss you compute yourself from ``outputs.logits`` in it."""
+        if self.mesh.size("tp") > 1 and self.parallelism_config.tp_handler.loss_parallel:
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
@@ -326,11 +364,26 @@ class Accelerator:
     def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
                                buffer_seq_dims: list[int] | None = None,
                                no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
-        """Shard `buffers` along the sequence for context/sequence parallelism; a no-op without CP or SP."""
+        """Shard `buffers` in place along `buffer_seq_dims` over ``cp`` for the block; a no-op without CP.
+
+        Inside, each buffer holds this rank's part of every sequence (load-balanced: chunks r and 2*cp-1-r of
+        2*cp; see `ndparallel.parallel.context`) and the prepared model's attention spans the whole sequence. On
+        exit, buffers not in `no_restore_buffers` get their full contents back. Pass ``shift_labels`` (labels
+        shifted by one *before* sharding) rather than ``labels``, and ``position_ids``; run backward inside too.
+        Nothing here communicates: bad input raises on every rank before any collective.
+        """
         if buffers is not None and buffer_seq_dims is not None and len(buffers) != len(buffer_seq_dims):
             raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
-        parallel.check_supported(self.mesh, axes=("cp", "sp"))
-        yield
+        parallel.check_supported(self.mesh, axes=("sp",))
+        if self.mesh.size("cp") == 1:
+            yield
+            return
+        cp, batch = self.parallelism_config.cp_handler, self.gradient_state.batch
+        with attention.sharded_sequence(
+                buffers, buffer_seq_dims, no_restore_buffers, group=self.mesh.group("cp"), size=self.mesh.size("cp"),
+                rank=self.mesh.rank("cp"), load_balance=cp.load_balance, strategy=cp.cp_comm_strategy,
+                expected_tokens=batch.local_tokens if batch is not None else None):
+            yield
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -372,6 +425,49 @@ class Accelerator:
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Sum or average over the ranks whose values are distinct contributions (the ``loss`` view)."""
         return comm.reduce(tensor, self.mesh["loss"], reduction, scale)
+
+    # ---- checkpoints (ndparallel.checkpoint; docs/checkpoints.md) ---------------------------------------------
+    @property
+    def project_dir(self) -> str | os.PathLike | None:
+        return self.project_configuration.project_dir
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore `objects` (anything with ``state_dict`` / ``load_state_dict``) with the state."""
+        bad = [i for i, o in enumerate(objects) if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise ValueError(f"register_for_checkpointing: object(s) at position(s) {bad} have no state_dict and "
+                             "load_state_dict methods")
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+        """Write a crash-safe, sharded checkpoint of everything prepared (and registered); return its directory.
+
+        Without `output_dir`, ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
+        ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps the newest ``total_limit``. Collective.
+        """
+        self._ignored_kwargs("save_state", kwargs)
+        return str(checkpoint.save_state(self, output_dir))
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+        """Restore a checkpoint written by `save_state` under this or any other layout (the newest complete one
+        of the project without `input_dir`); return its directory. Collective."""
+        self._ignored_kwargs("load_state", kwargs)
+        return str(checkpoint.load_state(self, input_dir))
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> str:
+        """Write `model`'s full weights from any layout as a Hugging Face directory. Collective."""
+        return str(checkpoint.save_model(model, self.unwrap_model(model), save_directory, max_shard_size,
+                                         safe_serialization))
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict on the main process (an empty dict elsewhere when parameters are sharded)."""
+        return checkpoint.get_state_dict(model, unwrap)
+
+    @staticmethod
+    def _ignored_kwargs(method: str, kwargs: dict[str, Any]) -> None:
+        if kwargs:  # Accelerate's safe_serialization, load_kwargs...: ndparallel's format has no such choices
+            warnings.warn(f"{method}: ignoring {sorted(kwargs)}", stacklevel=3)
 
     # ---- process control -------------------------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:

@@ -1,5 +1,6 @@
 """The ``ndparallel`` command: ``launch`` (torchrun with checked sizes), ``config`` (write the YAML file
-that ``launch --config-file`` reads) and ``env`` (versions, devices, backends, for bug reports)."""
+that ``launch --config-file`` reads), ``env`` (versions, devices, backends, for bug reports) and ``merge-weights``
+(a sharded checkpoint of ``save_state`` into a Hugging Face directory, offline)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="N-dimensional parallel training of PyTorch models.")
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{launch,config,env}")
+    sub = parser.add_subparsers(dest="command", metavar="{launch,config,env,merge-weights}")
 
     launch = sub.add_parser("launch", help="start a training script on N processes (wraps torchrun)",
                             description="Check the parallelism sizes, then start SCRIPT on every rank with "
@@ -66,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-backend", choices=("static", "c10d"), default="static",
                         help="with --rdzv-endpoint: static (uses --node-rank) or c10d (default static)")
     launch.add_argument("--rdzv-id", default="ndparallel", help="job id for the c10d rendezvous")
-    launch.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restarts on failure (default 0)")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="restart all ranks up to N times when one fails (default 0); a script that calls "
+                             "load_state() on start resumes from its newest checkpoint (examples/resume.py)")
     launch.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     launch.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments of the script")
@@ -80,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     env = sub.add_parser("env", help="print versions, devices and backends (for bug reports)")
     env.add_argument("--json", action="store_true", help="print JSON instead of `key: value` lines")
+
+    merge = sub.add_parser("merge-weights", help="convert a checkpoint of save_state into a Hugging Face directory",
+                           description="Gather the model weights of a (sharded) checkpoint written by "
+                                       "Accelerator.save_state into safetensors shards with an index and the model's "
+                                       "config.json, loadable by from_pretrained. Runs in one process, no GPU, "
+                                       "reading one output shard at a time.")
+    merge.add_argument("checkpoint_dir", metavar="CHECKPOINT", help="a directory written by save_state")
+    merge.add_argument("output_dir", metavar="OUTPUT", help="the Hugging Face directory to write")
+    merge.add_argument("--model-index", type=int, default=0, metavar="I", help="which prepared model (default 0)")
+    merge.add_argument("--max-shard-size", default="10GB", metavar="SIZE",
+                       help="largest shard, e.g. 5GB or 500MiB (default 10GB)")
+    merge.add_argument("--unsafe-serialization", action="store_true",
+                       help="write pytorch_model*.bin (torch.save) instead of safetensors")
     return parser
 
 
@@ -244,8 +260,23 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- merge-weights --------------------------------------------------------------------------------------
+def cmd_merge_weights(args: argparse.Namespace) -> int:
+    from ndparallel.checkpoint import CheckpointError, merge_weights
+    from ndparallel.checkpoint.export import describe_output
+
+    try:
+        out = merge_weights(args.checkpoint_dir, args.output_dir, model_index=args.model_index,
+                            max_shard_size=args.max_shard_size, safe_serialization=not args.unsafe_serialization)
+    except (CheckpointError, ValueError, OSError) as exc:
+        return _error("merge-weights", exc)
+    print(f"wrote {describe_output(out)}")
+    return 0
+
+
 # ---- entry point ----------------------------------------------------------------------------------------
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"launch": cmd_launch, "config": cmd_config, "env": cmd_env}
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"launch": cmd_launch, "config": cmd_config, "env": cmd_env,
+                                                           "merge-weights": cmd_merge_weights}
 
 
 def main(argv: list[str] | None = None) -> int:

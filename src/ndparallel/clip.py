@@ -23,7 +23,9 @@ def _local_and_key(grad: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         return grad, (None, ())
     if any(isinstance(p, Partial) for p in grad.placements):
         grad = grad.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in grad.placements])
-    sharded = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+    # Anything neither replicated nor partial splits the tensor: Shard, and also the _StridedShard FSDP2 puts
+    # on a dimension tensor parallelism already split (which is not a Shard subclass in recent torch).
+    sharded = tuple(i for i, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial()))
     return grad.to_local(), (grad.device_mesh, sharded)
 
 

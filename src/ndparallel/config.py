@@ -46,14 +46,19 @@ def _check_size(name: str, value: Any) -> int:
 
 @dataclass
 class TorchTensorParallelConfig:
-    """How tensor parallelism is applied (used once tensor parallelism lands).
+    """How tensor parallelism is applied.
 
-    plan: a dict from module-name pattern to style; None means the model's own or a built-in plan.
+    plan: a dict from module-name pattern to style (see `ndparallel.parallel.tensor`); None means the model's
+        own or a built-in plan.
     sequence_parallel: Megatron-style sequence parallelism of norms and dropout between TP regions.
+    loss_parallel: keep the LM head's logits split over the vocabulary and compute the cross-entropy on the
+        shards (torch's ``loss_parallel``): no rank ever holds the full (batch, seq, vocab) logits. The model's
+        ``logits`` output is then a DTensor sharded on its last dimension.
     """
 
     plan: dict[str, str] | None = None
     sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, dict):
@@ -65,10 +70,13 @@ CP_STRATEGIES = ("allgather", "ring")
 
 @dataclass
 class TorchContextParallelConfig:
-    """How context parallelism is applied (used once context parallelism lands).
+    """How context parallelism (cp_size > 1) shards sequences and computes attention over them.
 
-    cp_comm_strategy: "allgather" (gather K/V over cp) or "ring" (pass K/V blocks around the ring).
-    load_balance: causal load balancing (rank r holds chunks r and 2*cp-1-r of 2*cp chunks).
+    cp_comm_strategy: "allgather" (all-gather K/V over cp; their gradients are reduce-scattered back) or "ring"
+        (pass K/V blocks around the ring with point-to-point sends, merge partial results by log-sum-exp; memory
+        stays 1/cp of the sequence). Both are exact; see `ndparallel.parallel.context`.
+    load_balance: rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks, so causal attention costs every rank
+        the same (sequence length must be a multiple of 2*cp); False: rank r holds chunk r of cp (a multiple of cp).
     """
 
     cp_comm_strategy: str = "allgather"
@@ -79,6 +87,8 @@ class TorchContextParallelConfig:
             raise ValueError(
                 f"cp_comm_strategy must be one of {list(CP_STRATEGIES)}, got {self.cp_comm_strategy!r}"
             )
+        if not isinstance(self.load_balance, bool):
+            raise TypeError(f"load_balance must be a bool, got {self.load_balance!r}")
 
 
 @dataclass
@@ -275,7 +285,11 @@ class FullyShardedDataParallelPlugin:
     - cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
     - activation_checkpointing: recompute each wrapped block's activations in backward.
     - ignored_modules: modules (or a regex over module names) whose parameters FSDP leaves alone.
-    - state_dict_type: "SHARDED_STATE_DICT" or "FULL_STATE_DICT" (used by checkpoints).
+    - state_dict_type: how `save_state` writes models and optimizers: "SHARDED_STATE_DICT" (each rank its shards,
+      with torch.distributed.checkpoint) or "FULL_STATE_DICT" (rank 0 gathers and writes one file each).
+    - cpu_ram_efficient_loading: accept models whose parameters are on the meta device in ``prepare`` and load
+      their weights after sharding -- broadcast from rank 0, or each rank reading its own slices of the
+      safetensors files (see `ndparallel.checkpoint.pretrained`).
     """
 
     fsdp_version: int = 2
@@ -287,6 +301,7 @@ class FullyShardedDataParallelPlugin:
     activation_checkpointing: bool = False
     ignored_modules: Any = None
     state_dict_type: str = "SHARDED_STATE_DICT"
+    cpu_ram_efficient_loading: bool = False
 
     def __post_init__(self) -> None:
         if self.fsdp_version != 2:
@@ -306,6 +321,8 @@ class FullyShardedDataParallelPlugin:
             ]
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
+        if not isinstance(self.cpu_ram_efficient_loading, bool):
+            raise TypeError(f"cpu_ram_efficient_loading must be a bool, got {self.cpu_ram_efficient_loading!r}")
         if isinstance(self.state_dict_type, str):
             self.state_dict_type = self.state_dict_type.upper()
         if self.state_dict_type not in STATE_DICT_TYPES:

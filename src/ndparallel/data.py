@@ -51,6 +51,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.seed = seed
         self.last_padding = 0  # samples repeated in the final batch of the last pass
+        # Where the next pass starts (set when resuming from a checkpoint, read once by `__iter__`): skip this many
+        # batches of `batch_sampler`, or -- when resuming with another batch size -- this many of its sampler's
+        # indices, re-batched after that.
+        self.resume_batches = 0
+        self.resume_samples = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Make every random sampler draw from a generator seeded with (seed + epoch): the same on all ranks."""
@@ -61,13 +66,39 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 obj.generator = torch.Generator().manual_seed((self.seed + epoch) % 2**63)
 
     def __iter__(self) -> Iterator[list[int]]:
+        # The resume position is taken when iteration starts (DataLoader calls iter() on its sampler right away).
+        skip = (self.resume_batches, self.resume_samples)
+        self.resume_batches = self.resume_samples = 0
+        return self._shards(*skip)
+
+    def _batches(self, skip_batches: int, skip_samples: int) -> Iterator[tuple[list[int], bool]]:
+        """The pass's batches, each with whether it lies before the resume position."""
+        if skip_samples:  # another batch size than at save: re-batch the indices that follow the position
+            size, indices = self.batch_sampler.batch_size, iter(self.batch_sampler.sampler)
+            done = [i for _, i in zip(range(skip_samples), indices)]
+            for start in range(0, len(done), size):
+                yield done[start:start + size], True
+            batch: list[int] = []
+            for index in indices:
+                batch.append(index)
+                if len(batch) == size:
+                    yield batch, False
+                    batch = []
+            if batch and not self.batch_sampler.drop_last:
+                yield batch, False
+            return
+        for i, batch in enumerate(self.batch_sampler):
+            yield list(batch), i < skip_batches
+
+    def _shards(self, skip_batches: int, skip_samples: int) -> Iterator[list[int]]:
         self.last_padding = 0
         group: list[list[int]] = []
         first: list[int] = []
-        for batch in self.batch_sampler:
-            batch = list(batch)
+        for batch, skipped in self._batches(skip_batches, skip_samples):
             if len(first) < self.num_shards * len(batch):
                 first.extend(batch)
+            if skipped:  # consumed before the checkpoint; still the start of the epoch for padding
+                continue
             group.append(batch)
             if len(group) == self.num_shards:
                 yield group[self.shard_index]
@@ -96,6 +127,7 @@ class IterableDatasetShard(IterableDataset):
         self.shard_index = shard_index
         self.drop_last = drop_last
         self.last_padding = 0
+        self.resume_samples = 0  # samples of the pass consumed before a checkpoint (read once by `__iter__`)
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):
@@ -109,14 +141,20 @@ class IterableDatasetShard(IterableDataset):
         return n // run * self.batch_size + (0 if self.drop_last else math.ceil(rest / self.num_shards))
 
     def __iter__(self) -> Iterator[Any]:
+        skip, self.resume_samples = self.resume_samples, 0
+        return self._samples(skip)
+
+    def _samples(self, skip: int) -> Iterator[Any]:
         self.last_padding = 0
         run = self.num_shards * self.batch_size
         first: list[Any] = []
         buffer: list[Any] = []
         lo, hi = self.shard_index * self.batch_size, (self.shard_index + 1) * self.batch_size
-        for sample in self.dataset:
+        for i, sample in enumerate(self.dataset):
             if len(first) < run:
                 first.append(sample)
+            if i < skip:  # consumed before the checkpoint
+                continue
             buffer.append(sample)
             if len(buffer) == run:
                 yield from buffer[lo:hi]
@@ -153,14 +191,26 @@ class PreparedDataLoader:
 
     def __init__(self, loader: DataLoader, *, num_shards: int, shard_index: int, seed: int,
                  device: torch.device, put_on_device: bool, window: int, window_group: dist.ProcessGroup | None,
-                 on_batch: Callable[[BatchInfo], None] | None = None) -> None:
+                 on_batch: Callable[[BatchInfo], None] | None = None,
+                 local_count: Callable[[Any], int | None] | None = None) -> None:
         self.base_loader = loader
         self.device = device  # this rank's device: batches go there (if put_on_device), token counts always
         self.put_on_device = put_on_device
         self.window = window
         self.window_group = window_group
         self.on_batch = on_batch
+        # Loss tokens this rank's model sees in a batch, when it sees only part of each sequence (context
+        # parallelism: its shard); None: the whole batch. Window totals always count whole sequences.
+        self.local_count = local_count
         self.epoch = 0
+        self.seed = seed
+        self.shard_index = shard_index
+        # Progress through the current pass, for checkpoints: in samples when batches have a fixed size (then a
+        # position means the same under any data-parallel size and batch size), else in original batches.
+        self.position_unit = "samples" if loader.batch_size is not None else "batches"
+        self._step = num_shards * (loader.batch_size or 1)  # units one micro-step consumes, over all batch ranks
+        self._position = 0
+        self._resume = 0  # where the next pass starts (load_state_dict)
         kwargs = {k: getattr(loader, k) for k in _LOADER_KWARGS}
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -199,7 +249,12 @@ class PreparedDataLoader:
 
     # ---- DataLoader-like surface -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Use `epoch` for the next pass (passes otherwise count 0, 1, 2, ...)."""
+        """Use `epoch` for the next pass (passes otherwise count 0, 1, 2, ...).
+
+        After `load_state_dict`, the restored epoch keeps its restored position; another epoch starts afresh.
+        """
+        if epoch != self.epoch:
+            self._resume = 0
         self.epoch = epoch
 
     def __len__(self) -> int:
@@ -229,7 +284,15 @@ class PreparedDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._shard.set_epoch(self.epoch)
+        self._position, self._resume = self._resume, 0
+        self._set_shard_resume(self._position)
+        # DataLoader draws its workers' base seed at every pass; from a private generator (shuffling seed, epoch,
+        # shard), that draw leaves the global torch RNG alone, so a resumed run's random stream (dropout) continues
+        # exactly where the saved run's was.
+        self.loader.generator = torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + self.epoch * 1009 + self.shard_index) % 2**63)
         iterator = iter(self.loader)
+        self._set_shard_resume(0)  # taken by iter(); a worker process holds its own copy
         pending = next(iterator, _END)
         while pending is not _END:
             window = [pending]
@@ -238,6 +301,8 @@ class PreparedDataLoader:
             pending = next(iterator, _END) if len(window) == self.window else _END
             counts = [count_loss_tokens(b) for b in window]
             total = self._window_total(counts)
+            if self.local_count is not None:
+                counts = [self.local_count(b) for b in window]
             for i, batch in enumerate(window):
                 last = i == len(window) - 1
                 end = last and pending is _END
@@ -245,8 +310,60 @@ class PreparedDataLoader:
                     self.on_batch(BatchInfo(local_tokens=counts[i], window_tokens=total, window_batches=len(window),
                                             ends_window=last, end_of_dataloader=end,
                                             padding=self._shard.last_padding if end else 0))
+                self._position += self._step  # counted before the yield: the batch is the caller's now
                 yield move_to_device(batch, self.device, self.loader.pin_memory) if self.put_on_device else batch
         self.epoch += 1
+        self._position = 0
+
+    # ---- checkpointing -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch and position in it, in units that do not depend on the data-parallel size (see `__init__`)."""
+        return {"epoch": self.epoch, "position": self._resume or self._position, "unit": self.position_unit,
+                "batch_size": self.base_loader.batch_size, "num_shards": self._shard.num_shards,
+                "seed": self.seed, "dataset_length": self._dataset_length()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at `state`'s position: the next pass skips what was consumed, also under another
+        data-parallel size or batch size (then exact when the position is a multiple of the new batch size, as
+        it is when the global batch is kept)."""
+        if state["unit"] != self.position_unit:
+            raise ValueError(
+                f"data loader position was saved in {state['unit']} (batch_size={state['batch_size']}) but this "
+                f"loader counts {self.position_unit} (batch_size={self.base_loader.batch_size}); resume with the "
+                "same kind of batching")
+        length = self._dataset_length()
+        if None not in (length, state.get("dataset_length")) and length != state["dataset_length"]:
+            warnings.warn(f"resuming a data loader over {length} samples from a checkpoint of one over "
+                          f"{state['dataset_length']}: the position may not mean the same samples", stacklevel=2)
+        position, batch_size = int(state["position"]), self.base_loader.batch_size
+        if (position and self.position_unit == "samples" and isinstance(self._shard, ShardedBatchSampler)
+                and position % batch_size and not hasattr(self._shard.batch_sampler, "sampler")):
+            raise ValueError(
+                f"cannot resume at sample {position}: it is not a multiple of batch_size={batch_size} and the batch "
+                "sampler has no `sampler` to re-batch")
+        self.epoch = int(state["epoch"])
+        if state.get("seed") is not None:  # the shuffling order of the saved run, whatever seeds are set now
+            self.seed = int(state["seed"])
+            if isinstance(self._shard, ShardedBatchSampler):
+                self._shard.seed = self.seed
+        self._resume = position
+
+    def _dataset_length(self) -> int | None:
+        try:
+            return len(self.dataset)
+        except TypeError:  # an iterable dataset of unknown length
+            return None
+
+    def _set_shard_resume(self, position: int) -> None:
+        """Tell the shard where the pass starts: whole original batches when possible, else samples to re-batch."""
+        if isinstance(self._shard, IterableDatasetShard):
+            self._shard.resume_samples = position
+        elif self.position_unit == "batches":
+            self._shard.resume_batches, self._shard.resume_samples = position, 0
+        elif position % self.base_loader.batch_size == 0:
+            self._shard.resume_batches, self._shard.resume_samples = position // self.base_loader.batch_size, 0
+        else:
+            self._shard.resume_batches, self._shard.resume_samples = 0, position
 
 
 _END = object()

@@ -34,6 +34,7 @@ from ndparallel.config import (
 )
 from ndparallel.runtime import CPU_ENV
 
+RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 LAUNCH_KEYS: tuple[str, ...] = ("nproc_per_node", "nnodes", "mixed_precision", "gradient_accumulation_steps", "cpu")
 FILE_SECTIONS: tuple[str, ...] = ("parallelism", "launch")
 
@@ -171,6 +172,11 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
         env[MIXED_PRECISION_ENV] = settings["mixed_precision"]
     if settings["gradient_accumulation_steps"] is not None:
         env[ACCUMULATION_ENV] = str(positive_int("--gradient-accumulation-steps", settings["gradient_accumulation_steps"]))
+    if args.max_restarts > 0 and RESTART_STORE_ENV not in os.environ:
+        # Restarted workers must not share torchrun's rendezvous store with the workers they replace: they would
+        # read their dead peers' addresses from it and fail to connect (pytorch/pytorch#135712). With this set,
+        # every attempt gets a fresh store on a fresh port.
+        env[RESTART_STORE_ENV] = "1"
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         # As torchrun does (without its warning): one thread per rank, so ranks don't oversubscribe the cores.
         # Set OMP_NUM_THREADS yourself to give each rank more.

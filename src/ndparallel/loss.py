@@ -72,6 +72,7 @@ class GradientState:
         self.loss_world_size = loss_world_size
         self.sync_gradients = True
         self.step = 0
+        self.num_steps = 0  # optimizer steps (synchronising micro-steps) begun, for checkpoints
         self.batch: BatchInfo | None = None
         self._batch_is_new = False
         self.remainder = 0  # padding of the last batch, for gather_for_metrics
@@ -93,7 +94,17 @@ class GradientState:
             self.sync_gradients = self.step % self.accumulation_steps == 0
             if self.sync_gradients:
                 self.step = 0
+        self.num_steps += self.sync_gradients
         return self.sync_gradients
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """The counters a checkpoint keeps (accumulated gradients themselves are not saved)."""
+        return {"step": self.step, "num_steps": self.num_steps, "sync_gradients": self.sync_gradients}
+
+    def load_state_dict(self, state: dict[str, int | bool]) -> None:
+        self.step, self.num_steps = int(state["step"]), int(state["num_steps"])
+        self.sync_gradients = bool(state["sync_gradients"])
+        self.batch, self._batch_is_new, self.remainder = None, False, 0
 
     def loss_factor(self) -> float:
         """f = n * W / N for the current micro-batch (see the module docstring), else 1 / accumulation steps."""

@@ -15,11 +15,13 @@ import json
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, set_seed
-from tiny_models import TokenDataset, build_model, make_optimizer
+from ndparallel import (Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, TorchContextParallelConfig,
+                        TorchTensorParallelConfig, set_seed)
+from tiny_models import PLAIN_PLAN, VOCAB, TokenDataset, build_model, make_optimizer
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -27,6 +29,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="llama")
     for axis in ("dp_replicate", "dp_shard", "tp", "cp", "sp"):
         p.add_argument(f"--{axis.replace('_', '-')}-size", type=int, default=None)
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron-style SP with tensor parallelism")
+    p.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary-split logits")
+    p.add_argument("--cp-strategy", choices=("allgather", "ring"), default="allgather")
+    p.add_argument("--cp-no-load-balance", action="store_true")
+    p.add_argument("--attn-implementation", default=None, help="the model's (default: sdpa)")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=16)
@@ -46,18 +53,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     pc = ParallelismConfig(dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size,
-                           tp_size=args.tp_size, cp_size=args.cp_size, sp_size=args.sp_size)
+                           tp_size=args.tp_size, cp_size=args.cp_size, sp_size=args.sp_size,
+                           tp_handler=TorchTensorParallelConfig(
+                               plan=PLAIN_PLAN if args.model == "plain" else None,
+                               sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel),
+                           cp_handler=TorchContextParallelConfig(cp_comm_strategy=args.cp_strategy,
+                                                                 load_balance=not args.cp_no_load_balance))
     plugin = None if args.no_fsdp_plugin else FullyShardedDataParallelPlugin(
         fsdp_version=2, activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
     accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.accum)
 
     set_seed(0)
-    model = build_model(args.model)
+    model = build_model(args.model, **({"attn_implementation": args.attn_implementation}
+                                       if args.attn_implementation else {}))
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     global_batch = args.micro_batch * accelerator.data_parallel_size * args.accum
-    dataset = TokenDataset(args.steps * global_batch, args.seq_len, model.config.vocab_size, args.uneven_labels)
+    dataset = TokenDataset(args.steps * global_batch, args.seq_len, VOCAB, args.uneven_labels)
     dataloader = DataLoader(dataset, batch_size=args.micro_batch, shuffle=False)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
 
@@ -67,7 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in dataloader:
         with accelerator.accumulate(model):
             buffers = [batch["input_ids"], batch["labels"]]
-            with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1],
+            if accelerator.cp_size > 1:  # what a context-parallel script adds: labels shifted before sharding, and
+                # global positions for the rotary embeddings, sharded with the inputs
+                batch["shift_labels"] = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+                batch["position_ids"] = torch.arange(args.seq_len, device=accelerator.device).repeat(len(buffers[0]), 1)
+                buffers += [batch["shift_labels"], batch["position_ids"]]
+            with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
                                                     no_restore_buffers=set(buffers)):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -76,7 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        step_losses.append(accelerator.reduce(loss.detach(), "mean"))
+        logged = loss.detach()
+        if accelerator.cp_size > 1:
+            # Each cp rank's loss is the mean over its own shard, and shards hold different numbers of loss tokens
+            # (the -100 that ends shift_labels lies in one of them): weighting each by its share of the window's
+            # tokens (loss factor x micro-batches) makes the mean over ranks the global token mean.
+            state = accelerator.gradient_state
+            logged = logged * state.loss_factor() * state.batch.window_batches
+        step_losses.append(accelerator.reduce(logged, "mean"))
         if accelerator.sync_gradients:
             losses.append(float(torch.stack(step_losses).mean()))
             step_losses = []

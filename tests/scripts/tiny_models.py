@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import Dataset
 
 VOCAB = 96
 
 
 def build_model(name: str = "llama", **overrides):
-    """A 2-layer GQA model (4 query heads, 2 KV heads) in fp32 with eager-equivalent SDPA attention."""
+    """A 2-layer GQA model (8 query heads, 4 KV heads: tp up to 4 splits both) in fp32 with SDPA attention;
+    ``"plain"`` is `PlainTransformer`, a decoder written without transformers."""
     import transformers
 
+    if name == "plain":
+        return PlainTransformer(**overrides)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
                   tie_word_embeddings=False, attn_implementation="sdpa")
     common.update(overrides)
     configs = {
@@ -22,7 +29,7 @@ def build_model(name: str = "llama", **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }
     if name not in configs:
-        raise ValueError(f"unknown tiny model {name!r}; choose from {sorted(configs)}")
+        raise ValueError(f"unknown tiny model {name!r}; choose from {sorted(configs) + ['plain']}")
     config_cls, model_cls = configs[name]
     return model_cls(config_cls(**common))
 
@@ -51,3 +58,82 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+class PlainAttention(nn.Module):
+    """Causal multi-head attention that takes its head count from the local projection width (so it runs on
+    tensor-parallel shards unchanged)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = (proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), PlainAttention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim), PlainMLP(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class LMOutput(NamedTuple):
+    """A pytree (NamedTuple) output: FSDP2 finds the tensors in it to hook its backward (not a SimpleNamespace)."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class PlainTransformer(nn.Module):
+    """A small decoder LM in plain PyTorch: a user's own model, parallelised by the user's plan `PLAIN_PLAN`."""
+
+    _no_split_modules = ["PlainBlock"]
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 8, hidden: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(PlainBlock(dim, heads, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> LMOutput:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100)
+        return LMOutput(loss, logits)
+
+
+PLAIN_PLAN = {
+    "embed": "embedding_rowwise",
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.o": "rowwise",
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "head": "colwise_gather_output",
+}

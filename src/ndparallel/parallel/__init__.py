@@ -6,19 +6,21 @@ checkpointing -> compile -> FSDP2 / DDP. Each step is its own module; `paralleli
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 from ..config import FullyShardedDataParallelPlugin
 from ..mesh import ParallelMesh
 from .activation_checkpointing import apply_activation_checkpointing
-from .data import apply_data_parallel, block_classes, uses_fsdp
+from .context import apply_context_parallel, check_context_parallel
+from .data import apply_data_parallel, block_classes, broadcast_module_states, uses_fsdp
 from .precision import apply_autocast
+from .tensor import apply_tensor_parallel, check_not_sharded, tensor_parallel_styles
 
 # Axes whose parallelism has not landed yet: prepare() refuses them rather than silently ignoring them.
 NOT_YET_IMPLEMENTED = {
-    "tp": "tensor parallelism",
-    "cp": "context parallelism",
     "sp": "Ulysses sequence parallelism",
 }
 
@@ -29,16 +31,34 @@ def check_supported(mesh: ParallelMesh, axes: tuple[str, ...] = tuple(NOT_YET_IM
         if mesh.size(axis) > 1:
             raise NotImplementedError(
                 f"{axis}_size={mesh.size(axis)}: {what} is not implemented in this version of ndparallel; "
-                f"supported now: dp_replicate_size and dp_shard_size (DDP, FSDP2, HSDP)"
+                f"supported now: dp_replicate_size, dp_shard_size, tp_size and cp_size (DDP, FSDP2, HSDP, TP, CP)"
             )
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None,
-                dtype: torch.dtype | None, device: torch.device) -> nn.Module:
+                dtype: torch.dtype | None, device: torch.device,
+                tp_plan: Mapping[str, str] | None = None) -> nn.Module:
     """Apply every configured parallelism to `model` and return the module to train."""
     check_supported(mesh)
-    model = model.to(device)
-    # 1-3. Pipeline stages, tensor parallel, CP/SP attention: not yet (check_supported refused them).
+    tp_styles = {}
+    if mesh.size("tp") > 1:  # checks only, on every rank, before the first collective
+        check_not_sharded(model, mesh["tp"])
+        tp_styles = tensor_parallel_styles(model, mesh.size("tp"), mesh.config.tp_handler, tp_plan)
+    if mesh.size("cp") > 1:  # likewise: an attention implementation CP cannot make exact is refused here
+        check_context_parallel(model, mesh)
+    # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
+    # ndparallel.checkpoint.pretrained) stay there.
+    model._apply(lambda t: t if t.is_meta else t.to(device))
+    # Every rank starts from rank 0's weights, so ranks that were initialised differently still train one model
+    # (each tensor-parallel rank then slices its own shard of the same full weights, without communicating).
+    broadcast_module_states(model)
+    # 1. Pipeline stages: not yet.
+    # 2. Tensor parallel over ``tp``, from the plan (parameters it covers become DTensors sharded over tp).
+    if tp_styles:
+        model = apply_tensor_parallel(model, mesh["tp"], tp_styles, mesh.config.tp_handler.loss_parallel)
+    # 3. Context parallel: attention over sequences sharded on ``cp`` (ndparallel.attention); SP: not yet.
+    if mesh.size("cp") > 1:
+        model = apply_context_parallel(model, mesh, mesh.config.cp_handler)
     # 4. Activation checkpointing of the transformer blocks.
     if plugin is not None and plugin.activation_checkpointing:
         apply_activation_checkpointing(model, block_classes(model, plugin.transformer_cls_names_to_wrap))

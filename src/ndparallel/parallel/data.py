@@ -3,7 +3,10 @@
 - FSDP2 (`fully_shard`) over the ``fsdp`` view (dp_shard x cp x sp) when that view has more than one rank or
   an FSDP plugin was given; HSDP (replicate over ``dp_replicate``, shard over ``fsdp``) when dp_replicate > 1
   too.
-- DDP over the ``loss`` view when nothing is sharded but several ranks see different data.
+- DDP over the ``loss`` view when nothing is sharded but several ranks see different data. With tensor
+  parallelism, torch's `DistributedDataParallel` does not take DTensor parameters, so replication is done by
+  FSDP2 over a shard group of one rank (HSDP with dp_shard = 1): gradients are all-reduced over dp_replicate as
+  DDP would, and the parameters stay DTensors for the optimizer, clipping and checkpoints.
 - Nothing on a world of one rank without an FSDP plugin.
 
 Either way gradients end up *averaged* over the ``loss`` view; `ndparallel.loss` relies on that.
@@ -26,7 +29,8 @@ from ..mesh import ParallelMesh
 
 
 def uses_fsdp(mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None) -> bool:
-    return plugin is not None or mesh.size("fsdp") > 1
+    """Whether FSDP2 wraps the model: parameters are sharded, a plugin asks for it, or DDP meets TP (above)."""
+    return plugin is not None or mesh.size("fsdp") > 1 or (mesh.size("tp") > 1 and mesh.size("loss") > 1)
 
 
 def block_classes(model: nn.Module, names: Iterable[str] | None) -> list[type[nn.Module]]:
@@ -79,9 +83,11 @@ def broadcast_module_states(model: nn.Module, src: int = 0) -> None:
     FSDP2 shards whatever each rank holds, so ranks that were initialised differently would otherwise train
     replicas (HSDP) or shards that never agreed.
     """
-    if dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.is_meta:  # nothing to send: the weights arrive later (a checkpoint load)
+            continue
         dist.broadcast(tensor.data, src=src)
 
 
@@ -95,7 +101,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataPar
     )
     kwargs = dict(
         mesh=dp_mesh,
-        reshard_after_forward=plugin.reshard_after_forward,
+        # With a shard group of one rank (replication only) there is nothing to free after forward.
+        reshard_after_forward=plugin.reshard_after_forward and mesh.size("fsdp") > 1,
         mp_policy=mixed_precision_policy(plugin, dtype),
         offload_policy=offload,
         ignored_params=_ignored_params(model, plugin.ignored_modules) or None,
@@ -132,7 +139,6 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None,
                         dtype: torch.dtype | None, device: torch.device) -> nn.Module:
     if uses_fsdp(mesh, plugin):
-        broadcast_module_states(model)
         return apply_fsdp(model, mesh, plugin, dtype, device)
     if mesh.size("loss") > 1:
         return apply_ddp(model, mesh, device)

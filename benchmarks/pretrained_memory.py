@@ -1,0 +1,106 @@
+"""Print the peak resident memory (RSS) of every rank when a pretrained model is loaded into FSDP2, with and
+without ``cpu_ram_efficient_loading``.
+
+    python benchmarks/pretrained_memory.py [--nproc 4] [--hidden-size 1024 --layers 12]
+
+First saves a Llama built from a config (vocab 32000, fp32; ~200M parameters, ~800 MB by default) as a local
+Hugging Face directory (safetensors), once. Then, for each way of loading, starts ``--nproc`` fresh processes with
+``ndparallel launch`` (dp_shard = nproc) that load it and ``prepare`` it, and prints per rank: RSS before loading
+(after imports), the peak RSS (ru_maxrss) and the RSS after ``prepare``:
+
+- ``every rank from_pretrained``: no flag; every rank reads the whole model, then FSDP2 keeps its shard;
+- ``rank 0 reads, broadcasts``: ``cpu_ram_efficient_loading=True``; rank 0 ``from_pretrained``, the others build
+  the model under ``init_empty_weights()``; after sharding rank 0 broadcasts tensor by tensor;
+- ``each rank reads its slices``: ``cpu_ram_efficient_loading=True``; every rank builds the model under
+  ``init_empty_weights()`` and reads only its own slices of the safetensors files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODES = {
+    "every": "every rank from_pretrained",
+    "broadcast": "rank 0 reads, broadcasts",
+    "slices": "each rank reads its slices",
+}
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def worker(mode: str, path: str, out: str) -> None:
+    """One rank of one way of loading (run under `ndparallel launch`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, init_empty_weights
+
+    plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=mode != "every")
+    accelerator = Accelerator(ParallelismConfig(), fsdp_plugin=plugin)
+    before = rss_mib()
+    if mode == "every" or (mode == "broadcast" and accelerator.is_main_process):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    model = accelerator.prepare(model)
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open(f"{out}.{accelerator.process_index}", "w") as f:
+        json.dump({"rank": accelerator.process_index, "before": before, "peak": peak, "after": rss_mib(),
+                   "shard": local}, f)
+    accelerator.end_training()
+
+
+def save_model(path: Path, hidden: int, layers: int) -> float:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                             num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                             tie_word_embeddings=False)
+        LlamaForCausalLM(config).save_pretrained(path, max_shard_size="200MB")
+    return sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2**20
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "ndparallel_bench_llama")
+    p.add_argument("--worker", nargs=3, metavar=("MODE", "PATH", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    path = args.model_dir / f"h{args.hidden_size}_l{args.layers}"
+    size = save_model(path, args.hidden_size, args.layers)
+    print(f"model: {path} ({size:,.0f} MiB of safetensors); {args.nproc} ranks, dp_shard_size={args.nproc}")
+    print(f"{'mode':28s} {'rank':>4s} {'RSS before':>10s} {'peak RSS':>9s} {'RSS after':>9s} {'shard':>7s}  (MiB)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, label in MODES.items():
+            out = Path(tmp) / mode
+            cmd = [sys.executable, "-m", "ndparallel.cli", "launch", "--nproc-per-node", str(args.nproc),
+                   "--dp-shard-size", str(args.nproc), __file__, "--worker", mode, str(path), str(out)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            for rank in range(args.nproc):
+                r = json.loads(Path(f"{out}.{rank}").read_text())
+                print(f"{label:28s} {rank:4d} {r['before']:10.0f} {r['peak']:9.0f} {r['after']:9.0f} {r['shard']:7.0f}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Fault-tolerant training: checkpoint every few steps, and on (re)start resume from the newest checkpoint.
+
+The model and data are those of nd_parallel.py. Started by `ndparallel launch --max-restarts N`, a run whose rank
+dies (out of memory, a lost node, ``kill -9``) is restarted by torchrun, and the new processes continue from the
+newest complete checkpoint -- same model, optimizer, LR schedule, data position and random states -- on the same
+or another layout (sizes from the launcher):
+
+    ndparallel launch --nproc-per-node 2 --dp-shard-size 2 --max-restarts 2 examples/resume.py \\
+        --project-dir runs/demo --steps 40 --checkpoint-every 10
+    # to see a restart: add --crash-at-step 15 (rank 1 kills itself once, in the first attempt only)
+
+A checkpoint only becomes visible when complete, so a crash during a save leaves the previous one to resume from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nd_parallel import build_dataset, build_model  # noqa: E402
+
+from ndparallel import (  # noqa: E402
+    Accelerator,
+    FullyShardedDataParallelPlugin,
+    ParallelismConfig,
+    ProjectConfiguration,
+    set_seed,
+)
+from ndparallel.checkpoint import latest_checkpoint  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--project-dir", type=Path, required=True, help="checkpoints go to <project-dir>/checkpoints")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (total_limit)")
+    p.add_argument("--batch-size", type=int, default=4, help="samples per data-parallel rank and micro-step")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--crash-at-step", type=int, default=None,
+                   help="rank 1 (else 0) kills itself with SIGKILL after this step, in the first attempt only")
+    p.add_argument("--json-out", type=Path, default=None, help="write this attempt's losses here (main process)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    accelerator = Accelerator(
+        parallelism_config=ParallelismConfig(),  # sizes from `ndparallel launch`
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+        project_config=ProjectConfiguration(project_dir=args.project_dir, automatic_checkpoint_naming=True,
+                                            total_limit=args.keep),
+    )
+    set_seed(0)
+    model = build_model({"seq_len": args.seq_len})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.1, 1.0 - step / args.steps))
+    dataloader = DataLoader(build_dataset(args.seq_len), batch_size=args.batch_size, shuffle=True, drop_last=True)
+    model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+
+    # Resume: everything prepared above (and the data position, random states, step counter) comes back.
+    resumed_from = None
+    if latest_checkpoint(args.project_dir) is not None:
+        resumed_from = accelerator.load_state()  # the newest complete checkpoint of the project
+        accelerator.print(f"resumed from {resumed_from} at step {accelerator.gradient_state.num_steps}")
+    step = accelerator.gradient_state.num_steps
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    losses: dict[int, float] = {}
+    model.train()
+    while step < args.steps:
+        for batch in dataloader:  # continues mid-epoch after a resume
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            losses[step] = accelerator.reduce(loss.detach(), "mean").item()
+            accelerator.print(f"step {step}: loss {losses[step]:.4f}")
+            if step % args.checkpoint_every == 0 or step == args.steps:
+                accelerator.print(f"saved {accelerator.save_state()}")
+            if step == args.crash_at_step and attempt == 0 and \
+                    accelerator.process_index == min(1, accelerator.num_processes - 1):
+                os.kill(os.getpid(), signal.SIGKILL)  # a hard failure: no cleanup, no exception
+            if step >= args.steps:
+                break
+
+    summary = {"losses": losses, "resumed_from": resumed_from, "attempt": attempt,
+               "world_size": accelerator.num_processes}
+    if args.json_out is not None and accelerator.is_main_process:
+        args.json_out.write_text(json.dumps(summary))
+    accelerator.end_training()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

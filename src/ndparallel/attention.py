@@ -1,0 +1,398 @@
+"""The one place where context parallelism (and, later, Ulysses sequence parallelism) hooks into attention.
+
+While ``Accelerator.maybe_context_parallel(buffers=...)`` is open, the sequence is *sharded*: its buffers hold this
+rank's part of every sequence (`ndparallel.parallel.context.SequenceLayout`), and attention must look at the whole
+sequence. Two entry points get it there:
+
+- **Hugging Face models** (``attn_implementation="sdpa"`` or ``"eager"``) need no change: `prepare_model` registers
+  ndparallel's function in transformers' `AttentionInterface` and switches the model to it. While the sequence is
+  sharded that function computes exact context-parallel attention, restoring the model's mask from global positions
+  (causal or full; a sliding window only when it covers the whole sequence); otherwise it hands over to the model's
+  own implementation, so evaluation of unsharded batches (padding masks included) works as before. A forward
+  pre-hook checks the model's inputs first (see `_check_hf_inputs`).
+- **Any other model** calls `context_parallel_attention(q, k, v, is_causal=..., scale=...)` in place of
+  `torch.nn.functional.scaled_dot_product_attention`.
+
+Why a process-wide state (`_ACTIVE`) rather than an argument: transformers calls the registered function by name,
+with no handle to ndparallel objects, and autograd may run backward (and activation-checkpoint recomputation) on
+another thread, where context variables are not visible. Only `sharded_sequence` sets it, for the duration of one
+``with`` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .loss import IGNORE_INDEX
+from .parallel.context import STRATEGIES, SequenceLayout, sharded_attention
+
+ATTN_IMPLEMENTATION = "ndparallel_context_parallel"  # the name registered in transformers' registries
+SUPPORTED_HF_IMPLEMENTATIONS = ("sdpa", "eager")
+# Keyword arguments of HF attention functions that change what attention computes and that this one cannot honour.
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "cu_seq_lens_q", "cu_seq_lens_k")
+LABELS_HELP = (
+    "pass shift_labels instead: labels shifted by one before sharding, e.g. "
+    "batch['shift_labels'] = torch.nn.functional.pad(batch['labels'][:, 1:], (0, 1), value=-100), and list them in "
+    "maybe_context_parallel(buffers=...)"
+)
+
+
+@dataclass
+class ShardedSequence:
+    """What attention needs to know while the sequence is sharded."""
+
+    layout: SequenceLayout
+    group: dist.ProcessGroup
+    strategy: str
+    full: dict[int, torch.Tensor]  # id(buffer) -> the buffer's full-sequence copy, for input checks
+    expected_tokens: int | None = None  # loss tokens of this shard, as counted by the prepared data loader
+    forwards: int = 0  # forwards of prepared models inside the block
+    attention_calls: int = 0
+
+
+_ACTIVE: ShardedSequence | None = None
+
+
+def active() -> ShardedSequence | None:
+    """The sharded-sequence state of this process, or None outside ``maybe_context_parallel``."""
+    return _ACTIVE
+
+
+# ---- sharding buffers in place ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def sharded_sequence(buffers: list[torch.Tensor] | None, seq_dims: list[int] | None,
+                     no_restore: set[torch.Tensor] | None, *, group: dist.ProcessGroup, size: int, rank: int,
+                     load_balance: bool = True, strategy: str = "allgather",
+                     expected_tokens: int | None = None) -> Iterator[ShardedSequence]:
+    """Shard `buffers` in place along their `seq_dims` for the duration of the block; restore on exit those not in
+    `no_restore`. Every check comes before anything is changed, and nothing here communicates."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("maybe_context_parallel blocks cannot be nested")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"cp_comm_strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    if not buffers:
+        raise ValueError(
+            f"maybe_context_parallel() with cp_size={size} needs the batch's sequence tensors: pass "
+            "buffers=[batch['input_ids'], batch['shift_labels'], batch['position_ids']] and buffer_seq_dims=[1, 1, 1]"
+        )
+    if seq_dims is None:
+        raise ValueError("maybe_context_parallel(buffers=...) needs buffer_seq_dims: the sequence dimension of each "
+                         "buffer, e.g. [1, 1, 1] for [batch, seq] tensors")
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"maybe_context_parallel: buffers[{i}] is a {type(buf).__name__}, not a tensor")
+        if buf.requires_grad:
+            raise ValueError(f"maybe_context_parallel: buffers[{i}] requires grad and cannot be sharded in place; "
+                             "shard inputs (ids, labels, positions), not tensors autograd tracks")
+    for i, (buf, dim) in enumerate(zip(buffers, seq_dims)):
+        if not -buf.dim() <= dim < buf.dim():
+            raise ValueError(f"maybe_context_parallel: buffer_seq_dims[{i}]={dim} is out of range for a buffer of "
+                             f"shape {tuple(buf.shape)}")
+    lengths = {buf.shape[dim] for buf, dim in zip(buffers, seq_dims)}
+    if len(lengths) > 1:
+        shapes = ", ".join(f"{tuple(b.shape)} (dim {d})" for b, d in zip(buffers, seq_dims))
+        raise ValueError(f"maybe_context_parallel: the buffers' sequence lengths differ: {shapes}")
+    layout = SequenceLayout(lengths.pop(), size, rank, load_balance)
+    unique = list({id(b): (b, d) for b, d in zip(buffers, seq_dims)}.values())
+    storages = [b.untyped_storage().data_ptr() for b, _ in unique]
+    if len(set(storages)) < len(storages):
+        raise ValueError("maybe_context_parallel: two buffers share memory (one is a view of the other); sharding "
+                         "one in place would corrupt the other -- pass copies (.clone())")
+    keep = {id(b) for b in (no_restore or ())}
+    full = {id(b): b.clone() for b, _ in unique}
+    for buf, dim in unique:
+        part = layout.shard(full[id(buf)], dim)
+        buf.resize_(part.shape)  # in place, as torch's context_parallel does: the caller's batch sees the shard
+        buf.copy_(part)
+    state = ShardedSequence(layout, group, strategy, full, expected_tokens)
+    _ACTIVE = state
+    failed = False
+    try:
+        yield state
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        _ACTIVE = None
+        for buf, _ in unique:
+            if id(buf) not in keep:
+                buf.resize_(full[id(buf)].shape)
+                buf.copy_(full[id(buf)])
+        if not failed and state.forwards and not state.attention_calls:
+            raise RuntimeError(
+                "maybe_context_parallel: the model ran on sharded sequences, but none of its attention went through "
+                "ndparallel's context-parallel attention, so each rank attended only to its own shard. Hugging Face "
+                "models need attn_implementation='sdpa' or 'eager'; other models must call "
+                "ndparallel.attention.context_parallel_attention in place of scaled_dot_product_attention"
+            )
+
+
+# ---- the attention entry point ------------------------------------------------------------------------------------
+def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                               is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """`scaled_dot_product_attention` for models run under context parallelism; the entry point for models that
+    are not Hugging Face ``sdpa``/``eager`` models.
+
+    Takes ``[batch, heads, seq, head_dim]`` query, key and value (key/value may have fewer heads: GQA). Inside
+    ``maybe_context_parallel`` ``seq`` is this rank's shard and the result is exact attention over the whole
+    sequence (causal by global position, or full); outside, it is plain SDPA. No attention mask or dropout.
+    """
+    state = _ACTIVE
+    if state is None:
+        kwargs = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
+                                                                **kwargs)
+    state.attention_calls += 1
+    return sharded_attention(query, key, value, state.layout, state.group, state.strategy, is_causal, scale)
+
+
+# ---- Hugging Face integration ---------------------------------------------------------------------------------------
+_ORIGINAL: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (config, its attn_implementation before ours)
+
+
+def _original_implementation(config: Any) -> str:
+    entry = _ORIGINAL.get(id(config))
+    return entry[1] if entry is not None and entry[0]() is config else "sdpa"
+
+
+def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The function registered in transformers' `AttentionInterface` (its calling convention)."""
+    state = _ACTIVE
+    if state is None:
+        if module.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                "attention of a model prepared for context parallelism ran in training mode outside "
+                "accelerator.maybe_context_parallel(); activation checkpointing recomputes attention during "
+                "backward, so call accelerator.backward(loss) inside the maybe_context_parallel block"
+            )
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        impl = _original_implementation(getattr(module, "config", None))
+        fallback = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if impl == "eager" and fallback is not None:
+            return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                               scaling=scaling, is_causal=is_causal, **kwargs)
+    where = f"context parallelism ({type(module).__name__})"
+    if attention_mask is not None:
+        raise ValueError(f"{where}: an explicit attention mask reached attention; only causal or full attention "
+                         "over whole sequences can be sharded (no padding, packing or custom masks)")
+    if dropout:
+        raise ValueError(f"{where}: attention dropout {dropout} is not supported; set the model config's "
+                         "attention_dropout to 0.0")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{where}: output_attentions=True is not supported (the full attention matrix is never built)")
+    unsupported = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+    if unsupported:
+        raise ValueError(f"{where}: {', '.join(unsupported)} cannot be honoured by context-parallel attention")
+    _check_window(kwargs.get("sliding_window"), state.layout.seq_len, where)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = context_parallel_attention(query, key, value, is_causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _hf_mask(*args: Any, **kwargs: Any) -> Any:
+    """The mask function registered beside `_hf_attention`: none while sharded (attention rebuilds it from global
+    positions), else the mask the model's own implementation would get."""
+    if _ACTIVE is not None:
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS[_original_implementation(kwargs.get("config"))](*args, **kwargs)
+
+
+def _check_window(window: int | None, seq_len: int, where: str) -> None:
+    # Hugging Face's sliding window lets query q see key k when q - window < k <= q; with window >= seq_len that is
+    # every earlier key, i.e. plain causal attention.
+    if window is not None and window < seq_len:
+        raise ValueError(
+            f"{where}: sliding-window attention (window {window}) over {seq_len}-token sequences cannot be "
+            f"context-parallel; use sequences of at most {window} tokens, or a model without a sliding window"
+        )
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _hf_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _hf_mask)
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) is not None and hasattr(
+        model, "set_attn_implementation")
+
+
+def check_model(model: nn.Module, cp_size: int) -> None:
+    """Raise if `model` is a Hugging Face model whose attention implementation CP cannot replace exactly."""
+    if not _is_hf(model):
+        return
+    impl = model.config._attn_implementation
+    if impl not in SUPPORTED_HF_IMPLEMENTATIONS:
+        raise ValueError(
+            f"cp_size={cp_size}: {type(model).__name__} uses attn_implementation={impl!r}; context parallelism "
+            f"supports {list(SUPPORTED_HF_IMPLEMENTATIONS)}: load the model with attn_implementation='sdpa'"
+        )
+    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+        raise ValueError(
+            f"cp_size={cp_size}: {type(model).__name__} does not dispatch attention through transformers' "
+            "AttentionInterface, so ndparallel cannot make it context-parallel"
+        )
+
+
+def prepare_model(model: nn.Module, cp_size: int) -> None:
+    """Make `model` compute context-parallel attention while a sequence is sharded (see the module docstring).
+
+    Hugging Face models are switched to ndparallel's attention function; for every model, a forward pre-hook
+    refuses training forwards outside ``maybe_context_parallel`` and (Hugging Face models) inputs CP cannot honour.
+    """
+    check_model(model, cp_size)
+    is_hf = _is_hf(model)
+    if is_hf:
+        impl = model.config._attn_implementation
+        configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+        for cfg in configs.values():
+            _ORIGINAL[id(cfg)] = (weakref.ref(cfg), getattr(cfg, "_attn_implementation", None) or impl)
+        _register()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"cp_size={cp_size}: {type(model).__name__} does not dispatch attention through transformers' "
+                "AttentionInterface, so ndparallel cannot make it context-parallel"
+            )
+    model.register_forward_pre_hook(_InputCheck(model if is_hf else None, cp_size), with_kwargs=True, prepend=True)
+
+
+class _InputCheck:
+    """Forward pre-hook of a model prepared for context parallelism."""
+
+    def __init__(self, hf_model: nn.Module | None, cp_size: int) -> None:
+        self.config = getattr(hf_model, "config", None)
+        self.is_hf = hf_model is not None
+        self.accepts = set(inspect.signature(hf_model.forward).parameters) if hf_model is not None else set()
+        self.cp_size = cp_size
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        state = _ACTIVE
+        if state is None:
+            if model.training and torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"{type(model).__name__} was prepared with cp_size={self.cp_size} and is called in training mode "
+                    "outside accelerator.maybe_context_parallel(...): every rank would train on whole sequences. Run "
+                    "forward and backward inside `with accelerator.maybe_context_parallel(buffers=..., "
+                    "buffer_seq_dims=...)`, or call model.eval() / torch.no_grad() for evaluation"
+                )
+            return None
+        state.forwards += 1
+        if not self.is_hf:
+            return None
+        if len(args) > 1:
+            raise TypeError("under context parallelism, call the model with keyword arguments (input_ids=..., ...)")
+        if args:
+            kwargs = {"input_ids": args[0], **kwargs}
+        return (), _check_hf_inputs(kwargs, state, self.config, self.accepts)
+
+
+def _full(state: ShardedSequence, t: torch.Tensor) -> torch.Tensor | None:
+    return state.full.get(id(t))
+
+
+def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts: set[str]) -> dict:
+    """Refuse inputs CP would silently get wrong; give the model global position_ids. Checks use the full-sequence
+    copies of sharded buffers, so every rank of ``cp`` decides alike."""
+    layout = state.layout
+    local, total = layout.local_len, layout.seq_len
+    for name in ("input_ids", "inputs_embeds", "shift_labels", "position_ids"):
+        t = kwargs.get(name)
+        if not isinstance(t, torch.Tensor) or t.dim() < (1 if name == "position_ids" else 2):
+            continue
+        length = t.shape[-1] if name == "position_ids" else t.shape[1]
+        if length != local:
+            hint = "it was not sharded: list it in" if length == total else "shard it with"
+            raise ValueError(f"context parallelism: {name} has {length} positions, but this rank's shard of the "
+                             f"{total}-token sequence has {local}; {hint} maybe_context_parallel(buffers=...)")
+    if kwargs.get("shift_labels") is not None and kwargs.get("labels") is None and "labels" in accepts:
+        kwargs["labels"] = kwargs["shift_labels"]  # HF models compute a loss only when labels are given; with
+        # shift_labels present, their loss functions read those and ignore labels
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError("context parallelism: the batch has labels but no shift_labels. The model would shift each "
+                         "rank's shard on its own, dropping or mispairing the tokens at shard boundaries; "
+                         + LABELS_HELP)
+    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        raise ValueError("context parallelism: a KV cache (past_key_values, use_cache=True) cannot be used with "
+                         "sharded sequences")
+    # Models whose config says use_cache=True would otherwise fill a cache in training; activation checkpointing
+    # would then recompute each layer against its own cached keys.
+    if "use_cache" in accepts:
+        kwargs["use_cache"] = False
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        whole = _full(state, mask)
+        whole = mask if whole is None else whole
+        if whole.dim() != 2 or not bool(whole.bool().all()):
+            raise ValueError(
+                "context parallelism: attention_mask masks some positions (padding or a custom mask), which sharded "
+                "attention cannot honour; pack or cut sequences to full length without padding and drop "
+                "attention_mask (an all-ones mask is accepted and ignored)"
+            )
+        kwargs["attention_mask"] = None
+    positions = kwargs.get("position_ids")
+    device = next((t.device for t in kwargs.values() if isinstance(t, torch.Tensor)), None)
+    if positions is None and "position_ids" in accepts:
+        # Without them the model would number each shard 0..local-1 and rotary embeddings would be wrong.
+        kwargs["position_ids"] = layout.positions(device).unsqueeze(0)
+    elif positions is not None:
+        whole = _full(state, positions)
+        if whole is None:  # sharded by the caller: the layout's positions plus one offset per row
+            offsets = positions - layout.positions(positions.device)
+            consecutive = bool((offsets == offsets[..., :1]).all())
+        else:
+            consecutive = bool((torch.diff(whole, dim=-1) == 1).all())
+        if not consecutive:
+            raise ValueError(
+                "context parallelism: position_ids do not count up by one along each sequence (packed sequences, or "
+                "positions not sharded with the context-parallel layout); pass one sequence per row with "
+                "position_ids = arange(seq_len), listed in maybe_context_parallel(buffers=...)"
+            )
+    _check_config(config, total)
+    shift = kwargs.get("shift_labels")
+    got = int((shift != IGNORE_INDEX).sum()) if isinstance(shift, torch.Tensor) else None
+    if got == 0 and kwargs.get("num_items_in_batch") is None:
+        # A shard without loss tokens (say, all prompt): a mean over zero tokens is NaN and would poison every
+        # gradient. Summed over no tokens the loss is 0; backward still runs, and `backward` weights it by 0.
+        kwargs["num_items_in_batch"] = 1
+    if state.expected_tokens is not None and got is not None and torch.is_grad_enabled():
+        if got != state.expected_tokens:
+            raise ValueError(
+                f"context parallelism: this rank's shift_labels hold {got} loss tokens, but the prepared data loader "
+                f"counted {state.expected_tokens} for this shard (from the batch's shift_labels, or its labels shifted "
+                "by one), so the loss would be weighted wrongly; build shift_labels in the data loader's collate_fn, "
+                "or exactly as labels[:, 1:] padded with -100"
+            )
+    return kwargs
+
+
+def _check_config(config: Any, seq_len: int) -> None:
+    where = f"context parallelism ({type(config).__name__})"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is not None and (layer_types is None or any("sliding" in str(t) for t in layer_types)):
+        _check_window(window, seq_len, where)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and chunk < seq_len:
+        raise ValueError(f"{where}: chunked attention (chunks of {chunk}) over {seq_len}-token sequences cannot be "
+                         f"context-parallel; use sequences of at most {chunk} tokens")

@@ -1,0 +1,32 @@
+"""Checkpoints: crash-safe save and exact resume across layouts, pretrained weights into sharded models, and
+Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `save_model`, `get_state_dict`,
+`register_for_checkpointing`) call into this package; see docs/checkpoints.md.
+
+- `storage`: staging directory + atomic rename, metadata file, checksums, safe reading;
+- `project`: `ProjectConfiguration`, automatic naming, ``total_limit``, the newest complete checkpoint;
+- `state`: what `save_state` / `load_state` write and read;
+- `export`: `save_model`, `get_state_dict`, `merge_weights` (``ndparallel merge-weights``);
+- `pretrained`: ``cpu_ram_efficient_loading`` and `init_empty_weights`.
+"""
+
+from .export import get_state_dict, merge_weights, save_model
+from .pretrained import announce, init_empty_weights, parallelize_loading_weights
+from .project import ProjectConfiguration, latest_checkpoint
+from .state import load_state, read_metadata, save_state
+from .storage import CheckpointError, CheckpointNotFoundError
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ProjectConfiguration",
+    "announce",
+    "get_state_dict",
+    "init_empty_weights",
+    "latest_checkpoint",
+    "load_state",
+    "merge_weights",
+    "parallelize_loading_weights",
+    "read_metadata",
+    "save_model",
+    "save_state",
+]

@@ -1,0 +1,209 @@
+"""Pretrained weights into a sharded model without a full copy on every rank (``cpu_ram_efficient_loading``).
+
+With ``FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)``, `Accelerator.prepare(model)` accepts a
+model whose parameters are on the meta device (no memory) and fills them after sharding, in one of two ways:
+
+- **rank 0 reads and broadcasts** -- Accelerate's way. Rank 0 holds the real weights (``from_pretrained``), the
+  other ranks a meta model (``with ndparallel.init_empty_weights(): from_config(...)``). After sharding, each
+  tensor is broadcast from rank 0 and every rank keeps its shard. Peak memory: the full model on rank 0, one shard
+  plus one whole tensor elsewhere. (As Accelerate does, the Accelerator sets ``ACCELERATE_USE_FSDP`` and
+  ``FSDP_CPU_RAM_EFFICIENT_LOADING``; transformers 4.x then builds the meta model on ranks other than each node's
+  local rank 0 inside ``from_pretrained`` by itself; transformers 5.x loads real weights on every rank, which still
+  works -- rank 0's weights win -- but saves nothing.)
+- **each rank reads only what it owns** -- every rank builds the model on the meta device
+  (``with ndparallel.init_empty_weights(): model = AutoModelForCausalLM.from_config(config)``, the config loaded
+  from a local directory); after sharding, every rank reads just its own slices of the safetensors files named
+  by ``model.config.name_or_path`` (`torch.distributed.checkpoint.HuggingFaceStorageReader`). Peak memory: one
+  shard on every rank, rank 0 included.
+
+Either way, parameters and persistent buffers are made meta on every rank before the parallelisms are applied
+(so every rank sees the same tensors during parallelisation), then materialised on the rank's device and loaded.
+Non-persistent buffers (rotary frequencies...) are not in checkpoints: they must be real on every rank
+(`init_empty_weights` and ``from_pretrained`` leave them real).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from .storage import CheckpointError, agree, is_distributed, on_main, rank
+
+# What transformers' from_pretrained reads to build real weights on local rank 0 only (as under Accelerate).
+TRANSFORMERS_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
+
+
+def announce(plugin: Any) -> None:
+    """Called by the Accelerator: the environment Accelerate sets for ``cpu_ram_efficient_loading`` (read by
+    transformers' ``from_pretrained``; see the module doc)."""
+    if plugin is not None and getattr(plugin, "cpu_ram_efficient_loading", False):
+        os.environ.update(TRANSFORMERS_ENV)
+
+
+@contextlib.contextmanager
+def init_empty_weights() -> Iterator[None]:
+    """Create every parameter of the modules built inside on the meta device (no memory, no init cost that
+    matters); buffers stay real, so computed ones (rotary frequencies) keep their values. Load the weights with
+    ``cpu_ram_efficient_loading`` (see the module doc)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _non_persistent(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for prefix, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:
+            if module._buffers.get(name) is not None:
+                out[f"{prefix}.{name}" if prefix else name] = module._buffers[name]
+    return out
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Replace parameters (keeping tied ones tied) and persistent buffers by meta tensors."""
+    memo: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in memo:
+                    memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                   requires_grad=param.requires_grad)
+                module._parameters[name] = memo[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                module._buffers[name] = torch.empty_like(buffer, device="meta")
+
+
+@dataclass
+class _Plan:
+    mode: str  # "broadcast" (from rank 0's weights) or "files" (each rank reads its slices)
+    source: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0's weights (broadcast)
+    path: Path | None = None  # the safetensors directory (files)
+
+
+def _weights_dir(model: nn.Module) -> Path:
+    name = getattr(getattr(model, "config", None), "name_or_path", None) or getattr(model, "name_or_path", None)
+    if not name or not Path(name).is_dir():
+        raise CheckpointError(
+            f"prepare(): every rank's {type(model).__name__} is on the meta device and there is no local directory to "
+            f"read its weights from (config.name_or_path={name!r}); build it from AutoConfig.from_pretrained(<local "
+            "directory>), or load the real weights on rank 0 (from_pretrained) to broadcast them")
+    path = Path(name)
+    if not any(path.glob("*.safetensors")):
+        raise CheckpointError(f"prepare(): {path} holds no *.safetensors files to load {type(model).__name__} from")
+    return path
+
+
+def _plan(model: nn.Module, plugin: Any) -> _Plan | None:
+    """Collective: whether (and how) this model's weights arrive after sharding; the same verdict on every rank."""
+    meta = any(p.is_meta for p in model.parameters())
+    flags = [meta]
+    if is_distributed():
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, meta)
+    if not any(flags):
+        return None
+    error = None
+    if not getattr(plugin, "cpu_ram_efficient_loading", False):
+        error = (f"prepare(): parameters of {type(model).__name__} are on the meta device on rank(s) "
+                 f"{[r for r, f in enumerate(flags) if f]}; set FullyShardedDataParallelPlugin("
+                 "cpu_ram_efficient_loading=True) to load its weights after sharding")
+    elif flags[0] and not all(flags):
+        error = (f"prepare(): rank 0's {type(model).__name__} is on the meta device but rank(s) "
+                 f"{[r for r, f in enumerate(flags) if not f]} hold real weights; with cpu_ram_efficient_loading, "
+                 "rank 0 holds the real weights (which are broadcast), or no rank does (each reads its own slices)")
+    else:
+        stuck = [n for n, b in _non_persistent(model).items() if b.is_meta]
+        if stuck:
+            error = (f"prepare(): non-persistent buffer(s) {stuck[:5]} of {type(model).__name__} are on the meta "
+                     "device and no checkpoint holds them; build the model under ndparallel.init_empty_weights() "
+                     "(buffers stay real) instead of torch.device('meta')")
+    agree(error)
+    if flags[0]:  # no rank holds real weights: each reads its own slices
+        return _Plan("files", path=on_main(lambda: _weights_dir(model)))
+    source = {name: t.detach() for name, t in model.state_dict().items()} if rank() == 0 else {}
+    return _Plan("broadcast", source=source)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) storage for every meta tensor, sharded ones as their local shards."""
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+
+def _check_files(model: nn.Module, path: Path) -> dict[str, Any]:
+    """Rank 0: the model's state dict names/shapes against the safetensors headers; raise listing mismatches."""
+    from safetensors import safe_open
+
+    from .state import compare_tensors
+
+    saved: dict[str, list[int]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                saved[key] = list(f.get_slice(key).get_shape())
+    expected = {n: list(t.shape) for n, t in get_model_state_dict(model).items()}
+    tied = [n for n in expected if n not in saved and _tied_source(model, n) in saved]
+    problem = compare_tensors({**saved, **{n: expected[n] for n in tied}}, expected, f"pretrained weights in {path}")
+    if problem:
+        raise CheckpointError(problem)
+    return {"tied": tied}
+
+
+def _tied_source(model: nn.Module, name: str) -> str | None:
+    """The first name under which the parameter called `name` appears (its tied original), or None."""
+    by_id: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), n)
+        if n == name:
+            return by_id[id(p)] if by_id[id(p)] != name else None
+    return None
+
+
+def _load_files(model: nn.Module, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+    except ImportError as exc:  # torch < 2.9
+        raise CheckpointError(f"reading only each rank's slices of safetensors files needs torch >= 2.9 ({exc}); "
+                              "load the real weights on rank 0 instead (from_pretrained)") from None
+    tied = on_main(lambda: _check_files(model, path))["tied"]
+    state = {n: t for n, t in get_model_state_dict(model).items() if n not in tied}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
+def parallelize_loading_weights(model: nn.Module, plugin: Any, device: torch.device,
+                                parallelize: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """Apply `parallelize` to `model`; if its parameters are on the meta device, load them afterwards."""
+    plan = _plan(model, plugin)
+    if plan is None:
+        return parallelize(model)
+    _to_meta(model)
+    prepared = parallelize(model)  # meta tensors stay on the meta device through it
+    _materialize(prepared, device)
+    if plan.mode == "broadcast":
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(prepared, plan.source, options=options)
+        plan.source.clear()
+    else:
+        _load_files(prepared, plan.path)
+    return prepared

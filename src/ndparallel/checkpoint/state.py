@@ -1,0 +1,426 @@
+"""`save_state` / `load_state`: everything needed to continue a run exactly, under this or another layout.
+
+On disk (``<dir>/``; see `storage` for how it appears atomically):
+
+    ndparallel_checkpoint.json   format, layout, world size, step, versions, every model's tensor names and
+                                 shapes, every file's size and CRC32; written last, so its presence means "complete"
+    model_<i>/                   a torch.distributed.checkpoint (DCP) directory, plus config.json of HF models;
+                                 with FULL_STATE_DICT instead one ``state.pt`` written by rank 0
+    optimizer_<i>/               the same for each optimizer
+    scheduler_<i>.pt, scaler.pt, custom_checkpoint_<i>.pt    rank 0, torch.save (loaded with weights_only=True)
+    dataloaders.json, gradient_state.json                    rank 0
+    random_states_<rank>.pt      every rank's Python / NumPy / torch (/ CUDA) generator states
+
+Resharding. Model and optimizer states go through `torch.distributed.checkpoint.state_dict`
+(`get_state_dict` / `set_state_dict`), whose keys are the parameters' names in the unwrapped model and whose
+values are DTensors with *global* shapes; DCP reads into whatever sharding the loading model has. So a checkpoint
+saved under one ``ParallelismConfig`` loads under any other (world size, dp_replicate / dp_shard / tp mix, one
+process). The data loaders' positions are counted in samples of the pass (see `ndparallel.data`), which mean
+the same thing under any data-parallel size. Random states are per rank: under another world size every rank
+continues rank 0's streams.
+
+Validation happens on rank 0 before the first collective of a load, and its verdict is broadcast, so a bad
+checkpoint raises the same `CheckpointError` on every rank instead of hanging one of them.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from . import storage
+from .export import tied_names
+from .project import checkpoint_number, latest_checkpoint, prune
+from .storage import CheckpointError, CheckpointNotFoundError, agree, on_main, rank, world_size
+
+if TYPE_CHECKING:
+    from ..accelerator import Accelerator
+
+SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
+
+
+# ---- what the Accelerator holds --------------------------------------------------------------------------------
+def _optimizer_owners(acc: Accelerator) -> list[int]:
+    """For each prepared optimizer, the index of the prepared model whose parameters it updates."""
+    params = [{id(p) for p in m.parameters()} for m in acc._models]
+    owners = []
+    for j, opt in enumerate(acc._optimizers):
+        mine = {id(p) for group in opt.param_groups for p in group["params"]}
+        owner = next((i for i, ps in enumerate(params) if mine <= ps), None)
+        if owner is None:
+            raise CheckpointError(f"optimizer {j} updates parameters of no single prepared model; prepare every "
+                                  "model together with its optimizer before save_state / load_state")
+        owners.append(owner)
+    return owners
+
+
+def _tensor_shapes(state: dict[str, Any]) -> dict[str, list[int]]:
+    return {name: list(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
+
+
+def _hf_config_files(model: torch.nn.Module, directory: Path) -> None:
+    """Rank 0: config.json (and generation_config.json) of a Hugging Face model, for `merge-weights`."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        config.to_json_file(directory / "config.json")
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)()
+    if generation is not None and hasattr(generation, "to_json_file") and can_generate:
+        generation.to_json_file(directory / "generation_config.json")
+
+
+def _class_name(model: torch.nn.Module) -> str:
+    """The model's own class name (FSDP2 swaps in a subclass named ``FSDP<name>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _components(acc: Accelerator) -> dict[str, Any]:
+    """What a checkpoint of this Accelerator holds, as compared at load time."""
+    return {
+        "models": [_class_name(acc.unwrap_model(m)) for m in acc._models],
+        "optimizers": [type(o.optimizer).__name__ for o in acc._optimizers],
+        "param_groups": [len(o.param_groups) for o in acc._optimizers],
+        "schedulers": [type(s.scheduler).__name__ for s in acc._schedulers],
+        "dataloaders": len(acc._dataloaders),
+        "custom_objects": [type(o).__name__ for o in acc._custom_objects],
+        "scaler": acc.scaler is not None,
+    }
+
+
+def _versions() -> dict[str, str]:
+    from .. import __version__
+
+    out = {"ndparallel": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
+
+
+# ---- random states -------------------------------------------------------------------------------------------------
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- writing and reading model / optimizer states ---------------------------------------------------------------
+def _write_state(state: dict[str, Any], directory: Path, full: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if full:  # rank 0 holds the whole state (get_*_state_dict with full_state_dict=True, cpu_offload=True)
+        error = None
+        if rank() == 0:
+            try:
+                directory.mkdir(exist_ok=True)
+                torch.save(state, directory / "state.pt")
+            except OSError as exc:
+                error = exc
+        agree(error)
+    else:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+
+
+def _read_state(state: dict[str, Any], directory: Path, full: bool, what: str) -> dict[str, Any]:
+    """Fill `state` (sharded: this rank's DTensors) from `directory`; full: rank 0 reads the whole state."""
+    import torch.distributed.checkpoint as dcp
+
+    if full:
+        error, loaded = None, {}
+        if rank() == 0:
+            try:
+                loaded = storage.load_torch_file(directory / "state.pt", what)
+            except CheckpointError as exc:
+                error = exc
+        agree(error)
+        return loaded
+    try:
+        dcp.load(state, storage_reader=storage.safe_reader(directory), planner=storage.safe_load_planner())
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - the same one on every rank (a BaseException)
+        failures = getattr(exc, "failures", None)  # DCP's: {rank: (exception, traceback)}
+        cause = next(iter(failures.values()))[0] if failures else exc
+        raise CheckpointError(f"checkpoint {directory.parent}: reading {what} from {directory.name}/ failed: "
+                              f"{type(cause).__name__}: {str(cause)[:2000]}") from None
+    return state
+
+
+# ---- save --------------------------------------------------------------------------------------------------------
+def state_dict_type(acc: Accelerator) -> str:
+    plugin = acc.fsdp_plugin
+    return plugin.state_dict_type if plugin is not None else SHARDED
+
+
+def save_state(acc: Accelerator, output_dir: str | Path | None = None) -> Path:
+    """Collective: write a checkpoint of everything `acc` prepared; return its directory (see the module doc)."""
+    project = acc.project_configuration
+    if project.automatic_checkpoint_naming:
+        if output_dir is not None:
+            warnings.warn(f"save_state({str(output_dir)!r}): ignored, automatic_checkpoint_naming writes to "
+                          f"{project.checkpoints_dir}", stacklevel=3)
+        final = project.checkpoints_dir / f"checkpoint_{project.iteration}"
+    elif output_dir is None:
+        raise ValueError("save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+    else:
+        final = Path(output_dir)
+    if not acc.gradient_state.sync_gradients:
+        warnings.warn("save_state() in the middle of a gradient-accumulation window: the gradients accumulated so far "
+                      "are not saved; save after the optimizer step", stacklevel=3)
+    full = state_dict_type(acc) == FULL
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    owners = _optimizer_owners(acc)
+
+    def make_staging() -> Path:
+        if project.automatic_checkpoint_naming and final.exists():
+            raise CheckpointError(f"checkpoint directory {final} already exists; set "
+                                  "ProjectConfiguration.iteration to the number of the next checkpoint")
+        return storage.prepare_staging(final)
+
+    started = time.perf_counter()
+    staging = on_main(make_staging)
+    models = []
+    for i, model in enumerate(acc._models):
+        state = get_model_state_dict(model, options=options)
+        models.append({"tensors": _tensor_shapes(state)})
+        _write_state(state, staging / f"model_{i}", full)
+        del state
+        if rank() == 0:
+            _hf_config_files(acc.unwrap_model(model), staging / f"model_{i}")
+    storage.pause_point("models written")
+    for j, opt in enumerate(acc._optimizers):
+        state = get_optimizer_state_dict(acc._models[owners[j]], opt.optimizer, options=options)
+        _write_state(state, staging / f"optimizer_{j}", full)
+        del state
+
+    error = None
+    try:
+        if rank() == 0:
+            for k, scheduler in enumerate(acc._schedulers):
+                storage.write_bytes(staging / f"scheduler_{k}.pt",
+                                    storage.torch_bytes(scheduler.state_dict(), f"LR scheduler {k}"))
+            if acc.scaler is not None:
+                storage.write_bytes(staging / "scaler.pt", storage.torch_bytes(acc.scaler.state_dict(), "grad scaler"))
+            for k, obj in enumerate(acc._custom_objects):
+                storage.write_bytes(staging / f"custom_checkpoint_{k}.pt", storage.torch_bytes(
+                    obj.state_dict(), f"registered object {k} ({type(obj).__name__})"))
+            storage.write_json(staging / "dataloaders.json", [dl.state_dict() for dl in acc._dataloaders])
+            storage.write_json(staging / "gradient_state.json", acc.gradient_state.state_dict())
+        storage.write_bytes(staging / f"random_states_{rank()}.pt", storage.torch_bytes(_rng_state(), "RNG state"))
+    except (OSError, TypeError) as exc:
+        error = exc
+    agree(error)
+
+    storage.barrier()  # every rank's files are written before they are checksummed
+    files = storage.checksum_files(staging)
+    metadata = {
+        "format": storage.FORMAT, "format_version": storage.FORMAT_VERSION, "complete": True,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": acc.gradient_state.num_steps,
+        "iteration": project.iteration if project.automatic_checkpoint_naming else None,
+        "world_size": world_size(), "parallelism": acc.parallelism_config.to_dict(), "device": acc.device.type,
+        "state_dict_type": SHARDED if not full else FULL, "mixed_precision": acc.mixed_precision,
+        "gradient_accumulation_steps": acc.gradient_accumulation_steps, "versions": _versions(),
+        **_components(acc), "model_tensors": [m["tensors"] for m in models],
+        "model_tied": [tied_names(acc.unwrap_model(m)) for m in acc._models], "optimizer_models": owners,
+        "files": files, "save_seconds": round(time.perf_counter() - started, 3),
+    }
+
+    def finish() -> None:
+        storage.commit(staging, final, metadata)
+        if project.automatic_checkpoint_naming:
+            prune(final.parent, project.total_limit)
+
+    on_main(finish)
+    if project.automatic_checkpoint_naming:
+        project.iteration += 1
+    return final
+
+
+# ---- load --------------------------------------------------------------------------------------------------------
+def _resolve_input(acc: Accelerator, input_dir: str | Path | None) -> Path:
+    if input_dir is not None:
+        return Path(input_dir)
+    project = acc.project_configuration
+    if not project.automatic_checkpoint_naming:
+        raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True) "
+                         "to find the newest checkpoint")
+    newest = on_main(lambda: latest_checkpoint(project.checkpoints_dir))
+    if newest is None:
+        raise CheckpointNotFoundError(f"no complete checkpoint in {project.checkpoints_dir}")
+    return newest
+
+
+def _listing(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def compare_tensors(saved: dict[str, list[int]], expected: dict[str, list[int]], what: str) -> str | None:
+    """A message listing missing, unexpected and mismatched tensors, or None when names and shapes agree."""
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    shapes = [f"{n}: checkpoint {tuple(saved[n])} vs model {tuple(expected[n])}"
+              for n in sorted(set(saved) & set(expected)) if list(saved[n]) != list(expected[n])]
+    if not (missing or unexpected or shapes):
+        return None
+    parts = [f"{what} does not match the model (a checkpoint of another model?)"]
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) of the model are not in the checkpoint: {_listing(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) of the checkpoint are not in the model: {_listing(unexpected)}")
+    if shapes:
+        parts.append(f"{len(shapes)} tensor(s) differ in shape: {_listing(shapes)}")
+    return "; ".join(parts)
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The metadata of a complete checkpoint at `path`, or a `CheckpointError` saying what is wrong."""
+    if not path.exists():
+        partial = storage.staging_dir(path)
+        hint = f" (an interrupted save left {partial.name})" if partial.exists() else ""
+        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist{hint}")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is not a directory")
+    meta_path = path / storage.METADATA_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {storage.METADATA_FILE} (a save that did "
+                              "not finish, or not an ndparallel checkpoint)")
+    meta = storage.read_json(meta_path, "checkpoint metadata")
+    if not isinstance(meta, dict) or meta.get("format") != storage.FORMAT:
+        raise CheckpointError(f"{meta_path} is not ndparallel checkpoint metadata")
+    if meta.get("format_version", 0) > storage.FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {meta['format_version']}, newer than this "
+                              f"ndparallel reads ({storage.FORMAT_VERSION}); upgrade ndparallel")
+    if not meta.get("complete"):
+        raise CheckpointError(f"checkpoint {path} is incomplete (its metadata is not marked complete)")
+    return meta
+
+
+def _validate(acc: Accelerator, path: Path) -> dict[str, Any]:
+    """Rank 0: the checkpoint's metadata if `acc` can load it, else a `CheckpointError` naming the problem."""
+    meta = read_metadata(path)
+    mine = _components(acc)
+    keys = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects", "scaler")
+    if any(meta.get(k) != mine[k] for k in keys):
+        def describe(c: dict[str, Any]) -> str:
+            return (f"models {c['models']}, optimizers {c['optimizers']}, LR schedulers {c['schedulers']}, "
+                    f"{c['dataloaders']} data loader(s), registered objects {c['custom_objects']}, "
+                    f"grad scaler {'yes' if c['scaler'] else 'no'}")
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded into this Accelerator: it holds {describe(meta)}; this Accelerator "
+            f"has {describe(mine)}. Prepare (and register_for_checkpointing) the same kinds of objects, in the same "
+            "order, before load_state")
+    if meta.get("param_groups") != mine["param_groups"]:
+        raise CheckpointError(f"checkpoint {path}: the optimizers had {meta.get('param_groups')} parameter groups, "
+                              f"these have {mine['param_groups']}")
+    for i, model in enumerate(acc._models):
+        expected = _tensor_shapes(get_model_state_dict(model))
+        problem = compare_tensors(meta["model_tensors"][i], expected, f"checkpoint {path}: model {i}")
+        if problem:
+            raise CheckpointError(problem)
+    return meta
+
+
+def _check_dcp_metadata(acc: Accelerator, path: Path, meta: dict[str, Any]) -> None:
+    """Rank 0: read DCP's own (pickled) metadata files safely, so a bad one fails here and not inside DCP."""
+    if meta["state_dict_type"] == SHARDED:
+        names = [f"model_{i}" for i in range(len(acc._models))]
+        for name in names + [f"optimizer_{j}" for j in range(len(acc._optimizers))]:
+            storage.read_dcp_metadata(path / name)
+
+
+def load_state(acc: Accelerator, input_dir: str | Path | None = None) -> Path:
+    """Collective: restore everything `save_state` wrote into the objects `acc` prepared; return the directory."""
+    path = _resolve_input(acc, input_dir)
+    meta = on_main(lambda: _validate(acc, path))
+    storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
+    on_main(lambda: _check_dcp_metadata(acc, path, meta))
+
+    # Small states first, on every rank: a corrupt file fails everywhere before any model is touched.
+    saved_world = meta["world_size"]
+    error, small = None, {}
+    try:
+        small["schedulers"] = [storage.load_torch_file(path / f"scheduler_{k}.pt", f"LR scheduler {k}")
+                               for k in range(len(acc._schedulers))]
+        small["scaler"] = storage.load_torch_file(path / "scaler.pt", "grad scaler") if acc.scaler else None
+        small["custom"] = [storage.load_torch_file(path / f"custom_checkpoint_{k}.pt", f"registered object {k}")
+                           for k in range(len(acc._custom_objects))]
+        small["dataloaders"] = storage.read_json(path / "dataloaders.json", "data loader positions")
+        small["gradient_state"] = storage.read_json(path / "gradient_state.json", "gradient state")
+        rng_rank = rank() if saved_world == world_size() else 0
+        small["rng"] = storage.load_torch_file(path / f"random_states_{rng_rank}.pt", "RNG state")
+        for loader, state in zip(acc._dataloaders, small["dataloaders"]):
+            loader.load_state_dict(state)
+    except (CheckpointError, ValueError, KeyError) as exc:
+        error = exc
+    agree(error)
+
+    full = meta["state_dict_type"] == FULL
+    read_options = StateDictOptions(full_state_dict=full, cpu_offload=full, broadcast_from_rank0=full)
+    for i, model in enumerate(acc._models):
+        state = {} if full else get_model_state_dict(model)
+        state = _read_state(state, path / f"model_{i}", full, f"model {i}")
+        set_model_state_dict(model, state, options=read_options)
+        del state
+    for j, opt in enumerate(acc._optimizers):
+        model = acc._models[meta["optimizer_models"][j]]
+        state = {} if full else get_optimizer_state_dict(model, opt.optimizer)
+        state = _read_state(state, path / f"optimizer_{j}", full, f"optimizer {j}")
+        set_optimizer_state_dict(model, opt.optimizer, state, options=read_options)
+        del state
+
+    for scheduler, state in zip(acc._schedulers, small["schedulers"]):
+        scheduler.load_state_dict(state)
+    if acc.scaler is not None:
+        acc.scaler.load_state_dict(small["scaler"])
+    for obj, state in zip(acc._custom_objects, small["custom"]):
+        obj.load_state_dict(state)
+    acc.gradient_state.load_state_dict(small["gradient_state"])
+    rng_crcs = {info["crc32"] for name, info in meta["files"].items() if name.startswith("random_states_")}
+    if saved_world != world_size() and len(rng_crcs) > 1:
+        warnings.warn(f"checkpoint saved by {saved_world} process(es) with different random states, loaded by "
+                      f"{world_size()}: every rank continues the random streams of rank 0", stacklevel=3)
+    _set_rng_state(small["rng"])
+    number = checkpoint_number(path)
+    if acc.project_configuration.automatic_checkpoint_naming and number is not None:
+        acc.project_configuration.iteration = number + 1
+    storage.barrier()
+    return path
