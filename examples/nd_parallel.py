@@ -97,7 +97,7 @@ def build_model(args: argparse.Namespace | Mapping[str, Any] | None = None, **ov
         eos_token_id=ByteTokenizer.eos_token_id,
         tie_word_embeddings=False,  # tied weights complicate sharding the embedding and the head differently
         use_cache=False,
-        attn_implementation="sdpa",  # context parallelism works on scaled_dot_product_attention
+        attn_implementation="sdpa",  # context and sequence parallelism work on scaled_dot_product_attention
     )
     return model_cls(config)
 
@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample; a multiple of 8 (for CP layouts)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample; a multiple of 8 (for CP/SP layouts)")
     p.add_argument("--batch-size", type=int, default=4, help="samples per data-parallel rank and micro-step")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -227,7 +227,7 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
         while True:
             batch = next(batch_iter)
             with accelerator.accumulate(model):
-                buffers = list(batch.values())  # with --cp-size > 1, each rank keeps its part of every sequence
+                buffers = list(batch.values())  # under --cp-size/--sp-size, each rank keeps its part
                 with accelerator.maybe_context_parallel(
                     buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
                 ):

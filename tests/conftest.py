@@ -18,3 +18,14 @@ def _no_launcher_env(monkeypatch):
     """Tests start from a clean environment: no sizes or settings left by an outer `ndparallel launch`."""
     for key in [k for k in os.environ if k.startswith("NDPARALLEL_")]:
         monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True)
+def _pytest_process_stays_undistributed():
+    """Ranks are forked from this process: a live process group here (an Accelerator built outside
+    `run_ranks`) makes later forked ranks hang, so the test that creates one fails instead."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        pytest.fail("this test initialised torch.distributed in the pytest process; build Accelerators in "
+                    "forked ranks (tests/harness.py run_ranks)")

@@ -40,7 +40,6 @@ from tiny_models import build_model
 GROUPS = {"1 rank": 1, "2 ranks": 2, "no process group": 1}
 ACCEPTED = r"prepare\(\) takes torch\.nn\.Module, torch\.optim\.Optimizer, torch\.utils\.data\.DataLoader and " \
            r"torch\.optim\.lr_scheduler\.LRScheduler objects"
-NOT_IMPLEMENTED = r"is not implemented in this version of ndparallel; supported now: dp_replicate_size, dp_shard_size"
 ALREADY_PREPARED = r"is already prepared; pass each plain object to prepare\(\) once"
 IGNORED_MODULES_USAGE = r"ignored_modules must be a regex over module names \(a str\) or an iterable of " \
                         r"nn\.Module objects"
@@ -291,15 +290,17 @@ CASES: list[Case] = [
     # -- two ranks: sizes that cannot be met, parallelisms not implemented yet, data that would be mis-sharded --
     Case("dp_shard_size=-1-tp_size=3-at-world-2", lambda: _sizes(dp_shard_size=-1, tp_size=3),
          ValueError, r"cannot fill dp_shard_size=-1: world size 2 is not divisible by tp\(3\) = 3", group="2 ranks"),
-    *[Case(f"{axis}_size=2-prepare(model)",
-           lambda axis=axis: _sizes(**{f"{axis}_size": 2}).prepare(build_model("llama")),
-           NotImplementedError, rf"{axis}_size=2: {what} {NOT_IMPLEMENTED}", group="2 ranks")
-      for axis, what in [("sp", "Ulysses sequence parallelism")]],
-    *[Case(f"{axis}_size=2-maybe_context_parallel",
-           lambda axis=axis: _sizes(**{f"{axis}_size": 2}).maybe_context_parallel(
-               buffers=[torch.ones(1, 4)], buffer_seq_dims=[1]).__enter__(),
-           NotImplementedError, rf"{axis}_size=2: {what} {NOT_IMPLEMENTED}", group="2 ranks")
-      for axis, what in [("sp", "Ulysses sequence parallelism")]],
+    # -- Ulysses sequence parallelism: heads and lengths it cannot split, refused before any collective --
+    Case("sp_size=2-num_attention_heads=3", lambda: _sizes(sp_size=2).prepare(
+        build_model("qwen2", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)),
+         ValueError, r"Qwen2ForCausalLM: sp_size=2 does not divide num_attention_heads=3: Ulysses gives each "
+                     r"sequence-parallel rank whole attention heads .* sp sizes that work: \[1, 3\]", group="2 ranks"),
+    Case("sp_size=2-seq-len-7", lambda: _sizes(sp_size=2).maybe_context_parallel(
+        buffers=[torch.ones(1, 7)], buffer_seq_dims=[1]).__enter__(),
+         ValueError, r"sequence length 7 does not split over cp_size=1 x sp_size=2: .* Pad or cut sequences to a "
+                     r"multiple of 2", group="2 ranks"),
+    Case("sp_size=2-no-buffers", lambda: _sizes(sp_size=2).maybe_context_parallel().__enter__(),
+         ValueError, r"maybe_context_parallel\(\) with sp_size=2 needs the batch's sequence tensors", group="2 ranks"),
     # -- tensor parallelism: every check runs before the first collective of prepare() --
     Case("tp_size=2-num_key_value_heads=1", lambda: _sizes(tp_size=2).prepare(
         build_model("llama", num_attention_heads=4, num_key_value_heads=1)),

@@ -23,8 +23,9 @@ def test_corpus_tokenizes_into_blocks():
 
 @pytest.mark.parametrize("world,flags", [(1, []), (2, ["--dp-shard-size", "2"]),
                                          (4, ["--dp-replicate-size", "2", "--dp-shard-size", "2"]),
-                                         (2, ["--cp-size", "2", "--cp-strategy", "ring"])],
-                         ids=["1rank", "fsdp2", "hsdp2x2", "cp2"])
+                                         (2, ["--cp-size", "2", "--cp-strategy", "ring"]),
+                                         (4, ["--cp-size", "2", "--sp-size", "2"])],
+                         ids=["1rank", "fsdp2", "hsdp2x2", "cp2", "cp2_sp2"])
 def test_example_trains_and_reports_every_rank(world, flags):
     argv = [*flags, "--steps", "8", "--seq-len", "64", "--log-every", "4"]
     results = run_ranks(nd_parallel.main, world, argv)

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from . import attention, checkpoint, clip, parallel
+from . import attention, checkpoint, clip, metrics, parallel
 from .config import (
     ACCUMULATION_ENV,
     MIXED_PRECISION,
@@ -295,13 +295,14 @@ class Accelerator:
     prepare_data_loader = prepare_dataloader  # Accelerate's spelling
 
     def _shard_loss_tokens(self) -> Any:
-        """Under context parallelism each rank's loss averages over its shard of the sequences only: the function
-        that counts those tokens, for the loss factor (see `ndparallel.loss`); None otherwise."""
-        if self.mesh.size("cp") == 1:
+        """Under context/sequence parallelism each rank's loss averages over its shard (cp x sp) of the sequences
+        only: the function that counts those tokens, for the loss factor (see `ndparallel.loss`); None otherwise."""
+        if self.mesh.size("cp") == 1 and self.mesh.size("sp") == 1:
             return None
         cp = self.parallelism_config.cp_handler
         return functools.partial(shard_loss_tokens, size=self.mesh.size("cp"), rank=self.mesh.rank("cp"),
-                                 load_balance=cp.load_balance)
+                                 load_balance=cp.load_balance, sp_size=self.mesh.size("sp"),
+                                 sp_rank=self.mesh.rank("sp"))
 
     def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> AcceleratedScheduler:
         optimizers = [o for o in self._optimizers if scheduler.optimizer in (o, o.optimizer)]
@@ -364,25 +365,26 @@ class Accelerator:
     def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
                                buffer_seq_dims: list[int] | None = None,
                                no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
-        """Shard `buffers` in place along `buffer_seq_dims` over ``cp`` for the block; a no-op without CP.
+        """Shard `buffers` in place along `buffer_seq_dims` over ``cp x sp`` for the block; a no-op without CP/SP.
 
         Inside, each buffer holds this rank's part of every sequence (load-balanced: chunks r and 2*cp-1-r of
-        2*cp; see `ndparallel.parallel.context`) and the prepared model's attention spans the whole sequence. On
+        2*cp; with sp > 1, a contiguous 1/sp of that; see `ndparallel.parallel.context.SequenceShards`) and the
+        prepared model's attention spans the whole sequence (Ulysses over sp, `ndparallel.parallel.ulysses`). On
         exit, buffers not in `no_restore_buffers` get their full contents back. Pass ``shift_labels`` (labels
         shifted by one *before* sharding) rather than ``labels``, and ``position_ids``; run backward inside too.
         Nothing here communicates: bad input raises on every rank before any collective.
         """
         if buffers is not None and buffer_seq_dims is not None and len(buffers) != len(buffer_seq_dims):
             raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
-        parallel.check_supported(self.mesh, axes=("sp",))
-        if self.mesh.size("cp") == 1:
+        if self.mesh.size("cp") == 1 and self.mesh.size("sp") == 1:
             yield
             return
         cp, batch = self.parallelism_config.cp_handler, self.gradient_state.batch
         with attention.sharded_sequence(
                 buffers, buffer_seq_dims, no_restore_buffers, group=self.mesh.group("cp"), size=self.mesh.size("cp"),
                 rank=self.mesh.rank("cp"), load_balance=cp.load_balance, strategy=cp.cp_comm_strategy,
-                expected_tokens=batch.local_tokens if batch is not None else None):
+                expected_tokens=batch.local_tokens if batch is not None else None, sp_group=self.mesh.group("sp"),
+                sp_size=self.mesh.size("sp"), sp_rank=self.mesh.rank("sp")):
             yield
 
     @contextlib.contextmanager
@@ -497,6 +499,12 @@ class Accelerator:
     def progress_bar(self, iterable: Any = None, **kwargs: Any):
         """A tqdm bar drawn by the main process only."""
         return progress_bar(iterable, main_process=self.is_main_process, **kwargs)
+
+    def step_timer(self, model: nn.Module | None = None, seq_len: int | None = None,
+                   peak_flops: float | None = None) -> metrics.StepTimer:
+        """A `ndparallel.metrics.StepTimer` for this job: step time, tokens/s and MFU over all processes (FLOPs per
+        token from ``model.config`` at `seq_len`; peak FLOP/s given, from a table, or estimated on CPU)."""
+        return metrics.timer_for(self, model, seq_len, peak_flops)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
         """The model without its DDP wrapper (FSDP2 and checkpointing change no parameter names)."""

@@ -1,8 +1,10 @@
-"""The one place where context parallelism (and, later, Ulysses sequence parallelism) hooks into attention.
+"""The one place where context parallelism and Ulysses sequence parallelism hook into attention.
 
 While ``Accelerator.maybe_context_parallel(buffers=...)`` is open, the sequence is *sharded*: its buffers hold this
-rank's part of every sequence (`ndparallel.parallel.context.SequenceLayout`), and attention must look at the whole
-sequence. Two entry points get it there:
+rank's part of every sequence (`ndparallel.parallel.context.SequenceShards`: the cp layout, then a contiguous piece
+of it per sp rank), and attention must look at the whole sequence. Ulysses (`ndparallel.parallel.ulysses`) wraps
+the context-parallel attention: with ``sp > 1`` it all-to-alls to head sharding, runs it on the cp rank's shard, and
+all-to-alls back. "Context parallelism" in messages below covers both. Two entry points get it there:
 
 - **Hugging Face models** (``attn_implementation="sdpa"`` or ``"eager"``) need no change: `prepare_model` registers
   ndparallel's function in transformers' `AttentionInterface` and switches the model to it. While the sequence is
@@ -34,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .loss import IGNORE_INDEX
-from .parallel.context import STRATEGIES, SequenceLayout, sharded_attention
+from .parallel.context import STRATEGIES, SequenceShards, sharded_attention
+from .parallel.ulysses import ulysses_attention
 
 ATTN_IMPLEMENTATION = "ndparallel_context_parallel"  # the name registered in transformers' registries
 SUPPORTED_HF_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -51,13 +54,14 @@ LABELS_HELP = (
 class ShardedSequence:
     """What attention needs to know while the sequence is sharded."""
 
-    layout: SequenceLayout
-    group: dist.ProcessGroup
+    layout: SequenceShards  # this rank's part: cp layout, then its sp piece
+    group: dist.ProcessGroup  # cp
     strategy: str
     full: dict[int, torch.Tensor]  # id(buffer) -> the buffer's full-sequence copy, for input checks
     expected_tokens: int | None = None  # loss tokens of this shard, as counted by the prepared data loader
     forwards: int = 0  # forwards of prepared models inside the block
     attention_calls: int = 0
+    sp_group: dist.ProcessGroup | None = None  # Ulysses over sp when layout.sp_size > 1
 
 
 _ACTIVE: ShardedSequence | None = None
@@ -73,17 +77,20 @@ def active() -> ShardedSequence | None:
 def sharded_sequence(buffers: list[torch.Tensor] | None, seq_dims: list[int] | None,
                      no_restore: set[torch.Tensor] | None, *, group: dist.ProcessGroup, size: int, rank: int,
                      load_balance: bool = True, strategy: str = "allgather",
-                     expected_tokens: int | None = None) -> Iterator[ShardedSequence]:
+                     expected_tokens: int | None = None, sp_group: dist.ProcessGroup | None = None,
+                     sp_size: int = 1, sp_rank: int = 0) -> Iterator[ShardedSequence]:
     """Shard `buffers` in place along their `seq_dims` for the duration of the block; restore on exit those not in
-    `no_restore`. Every check comes before anything is changed, and nothing here communicates."""
+    `no_restore`. `group`/`size`/`rank` are ``cp``'s, `sp_*` those of ``sp`` (Ulysses; see `SequenceShards`).
+    Every check comes before anything is changed, and nothing here communicates."""
     global _ACTIVE
     if _ACTIVE is not None:
         raise RuntimeError("maybe_context_parallel blocks cannot be nested")
     if strategy not in STRATEGIES:
         raise ValueError(f"cp_comm_strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
     if not buffers:
+        sizes = " x ".join(f"{a}_size={n}" for a, n in (("cp", size), ("sp", sp_size)) if n > 1) or "cp_size=1"
         raise ValueError(
-            f"maybe_context_parallel() with cp_size={size} needs the batch's sequence tensors: pass "
+            f"maybe_context_parallel() with {sizes} needs the batch's sequence tensors: pass "
             "buffers=[batch['input_ids'], batch['shift_labels'], batch['position_ids']] and buffer_seq_dims=[1, 1, 1]"
         )
     if seq_dims is None:
@@ -103,7 +110,7 @@ def sharded_sequence(buffers: list[torch.Tensor] | None, seq_dims: list[int] | N
     if len(lengths) > 1:
         shapes = ", ".join(f"{tuple(b.shape)} (dim {d})" for b, d in zip(buffers, seq_dims))
         raise ValueError(f"maybe_context_parallel: the buffers' sequence lengths differ: {shapes}")
-    layout = SequenceLayout(lengths.pop(), size, rank, load_balance)
+    layout = SequenceShards.of(lengths.pop(), size, rank, load_balance, sp_size, sp_rank)
     unique = list({id(b): (b, d) for b, d in zip(buffers, seq_dims)}.values())
     storages = [b.untyped_storage().data_ptr() for b, _ in unique]
     if len(set(storages)) < len(storages):
@@ -115,7 +122,7 @@ def sharded_sequence(buffers: list[torch.Tensor] | None, seq_dims: list[int] | N
         part = layout.shard(full[id(buf)], dim)
         buf.resize_(part.shape)  # in place, as torch's context_parallel does: the caller's batch sees the shard
         buf.copy_(part)
-    state = ShardedSequence(layout, group, strategy, full, expected_tokens)
+    state = ShardedSequence(layout, group, strategy, full, expected_tokens, sp_group=sp_group)
     _ACTIVE = state
     failed = False
     try:
@@ -154,7 +161,21 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
                                                                 **kwargs)
     state.attention_calls += 1
-    return sharded_attention(query, key, value, state.layout, state.group, state.strategy, is_causal, scale)
+    cp = state.layout.cp
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sharded_attention(q, k, v, cp, state.group, state.strategy, is_causal, scale)
+
+    if state.layout.sp_size == 1:
+        return attend(query, key, value)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4 or t.shape[2] != state.layout.local_len:
+            raise ValueError(
+                f"sequence-parallel attention: {name} has shape {tuple(t.shape)}, expected [batch, heads, "
+                f"{state.layout.local_len}, head_dim] (this rank's {state.layout.local_len} of "
+                f"{state.layout.seq_len} positions)"
+            )
+    return ulysses_attention(query, key, value, state.sp_group, attend)
 
 
 # ---- Hugging Face integration ---------------------------------------------------------------------------------------
@@ -237,30 +258,31 @@ def _is_hf(model: nn.Module) -> bool:
         model, "set_attn_implementation")
 
 
-def check_model(model: nn.Module, cp_size: int) -> None:
-    """Raise if `model` is a Hugging Face model whose attention implementation CP cannot replace exactly."""
+def check_model(model: nn.Module, sizes: str) -> None:
+    """Raise if `model` is a Hugging Face model whose attention implementation CP/SP cannot replace exactly;
+    `sizes` names the sizes for messages ("cp_size=2", "sp_size=2", "cp_size=2 x sp_size=2")."""
     if not _is_hf(model):
         return
     impl = model.config._attn_implementation
     if impl not in SUPPORTED_HF_IMPLEMENTATIONS:
         raise ValueError(
-            f"cp_size={cp_size}: {type(model).__name__} uses attn_implementation={impl!r}; context parallelism "
+            f"{sizes}: {type(model).__name__} uses attn_implementation={impl!r}; context parallelism "
             f"supports {list(SUPPORTED_HF_IMPLEMENTATIONS)}: load the model with attn_implementation='sdpa'"
         )
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         raise ValueError(
-            f"cp_size={cp_size}: {type(model).__name__} does not dispatch attention through transformers' "
+            f"{sizes}: {type(model).__name__} does not dispatch attention through transformers' "
             "AttentionInterface, so ndparallel cannot make it context-parallel"
         )
 
 
-def prepare_model(model: nn.Module, cp_size: int) -> None:
+def prepare_model(model: nn.Module, sizes: str) -> None:
     """Make `model` compute context-parallel attention while a sequence is sharded (see the module docstring).
 
     Hugging Face models are switched to ndparallel's attention function; for every model, a forward pre-hook
     refuses training forwards outside ``maybe_context_parallel`` and (Hugging Face models) inputs CP cannot honour.
     """
-    check_model(model, cp_size)
+    check_model(model, sizes)
     is_hf = _is_hf(model)
     if is_hf:
         impl = model.config._attn_implementation
@@ -271,27 +293,27 @@ def prepare_model(model: nn.Module, cp_size: int) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(
-                f"cp_size={cp_size}: {type(model).__name__} does not dispatch attention through transformers' "
+                f"{sizes}: {type(model).__name__} does not dispatch attention through transformers' "
                 "AttentionInterface, so ndparallel cannot make it context-parallel"
             )
-    model.register_forward_pre_hook(_InputCheck(model if is_hf else None, cp_size), with_kwargs=True, prepend=True)
+    model.register_forward_pre_hook(_InputCheck(model if is_hf else None, sizes), with_kwargs=True, prepend=True)
 
 
 class _InputCheck:
     """Forward pre-hook of a model prepared for context parallelism."""
 
-    def __init__(self, hf_model: nn.Module | None, cp_size: int) -> None:
+    def __init__(self, hf_model: nn.Module | None, sizes: str) -> None:
         self.config = getattr(hf_model, "config", None)
         self.is_hf = hf_model is not None
         self.accepts = set(inspect.signature(hf_model.forward).parameters) if hf_model is not None else set()
-        self.cp_size = cp_size
+        self.sizes = sizes  # e.g. "cp_size=2 x sp_size=2", for messages
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         state = _ACTIVE
         if state is None:
             if model.training and torch.is_grad_enabled():
                 raise RuntimeError(
-                    f"{type(model).__name__} was prepared with cp_size={self.cp_size} and is called in training mode "
+                    f"{type(model).__name__} was prepared with {self.sizes} and is called in training mode "
                     "outside accelerator.maybe_context_parallel(...): every rank would train on whole sequences. Run "
                     "forward and backward inside `with accelerator.maybe_context_parallel(buffers=..., "
                     "buffer_seq_dims=...)`, or call model.eval() / torch.no_grad() for evaluation"

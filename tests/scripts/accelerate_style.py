@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in dataloader:
         with accelerator.accumulate(model):
             buffers = [batch["input_ids"], batch["labels"]]
-            if accelerator.cp_size > 1:  # what a context-parallel script adds: labels shifted before sharding, and
-                # global positions for the rotary embeddings, sharded with the inputs
+            if accelerator.cp_size * accelerator.sp_size > 1:  # what a context/sequence-parallel script adds: labels
+                # shifted before sharding, and global positions for the rotary embeddings, sharded with the inputs
                 batch["shift_labels"] = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
                 batch["position_ids"] = torch.arange(args.seq_len, device=accelerator.device).repeat(len(buffers[0]), 1)
                 buffers += [batch["shift_labels"], batch["position_ids"]]
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
             scheduler.step()
             optimizer.zero_grad()
         logged = loss.detach()
-        if accelerator.cp_size > 1:
+        if accelerator.cp_size * accelerator.sp_size > 1:
             # Each cp rank's loss is the mean over its own shard, and shards hold different numbers of loss tokens
             # (the -100 that ends shift_labels lies in one of them): weighting each by its share of the window's
             # tokens (loss factor x micro-batches) makes the mean over ranks the global token mean.

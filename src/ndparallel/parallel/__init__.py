@@ -20,9 +20,7 @@ from .precision import apply_autocast
 from .tensor import apply_tensor_parallel, check_not_sharded, tensor_parallel_styles
 
 # Axes whose parallelism has not landed yet: prepare() refuses them rather than silently ignoring them.
-NOT_YET_IMPLEMENTED = {
-    "sp": "Ulysses sequence parallelism",
-}
+NOT_YET_IMPLEMENTED: dict[str, str] = {}
 
 
 def check_supported(mesh: ParallelMesh, axes: tuple[str, ...] = tuple(NOT_YET_IMPLEMENTED)) -> None:
@@ -31,7 +29,8 @@ def check_supported(mesh: ParallelMesh, axes: tuple[str, ...] = tuple(NOT_YET_IM
         if mesh.size(axis) > 1:
             raise NotImplementedError(
                 f"{axis}_size={mesh.size(axis)}: {what} is not implemented in this version of ndparallel; "
-                f"supported now: dp_replicate_size, dp_shard_size, tp_size and cp_size (DDP, FSDP2, HSDP, TP, CP)"
+                "supported now: dp_replicate_size, dp_shard_size, tp_size, cp_size and sp_size (DDP, FSDP2, HSDP, TP, "
+                "CP, Ulysses SP)"
             )
 
 
@@ -44,7 +43,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataPa
     if mesh.size("tp") > 1:  # checks only, on every rank, before the first collective
         check_not_sharded(model, mesh["tp"])
         tp_styles = tensor_parallel_styles(model, mesh.size("tp"), mesh.config.tp_handler, tp_plan)
-    if mesh.size("cp") > 1:  # likewise: an attention implementation CP cannot make exact is refused here
+    if mesh.size("cp") > 1 or mesh.size("sp") > 1:  # likewise: attention CP/SP cannot make exact is refused here
         check_context_parallel(model, mesh)
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
     # ndparallel.checkpoint.pretrained) stay there.
@@ -56,8 +55,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataPa
     # 2. Tensor parallel over ``tp``, from the plan (parameters it covers become DTensors sharded over tp).
     if tp_styles:
         model = apply_tensor_parallel(model, mesh["tp"], tp_styles, mesh.config.tp_handler.loss_parallel)
-    # 3. Context parallel: attention over sequences sharded on ``cp`` (ndparallel.attention); SP: not yet.
-    if mesh.size("cp") > 1:
+    # 3. Context / Ulysses sequence parallel: attention over sequences sharded on ``cp x sp`` (ndparallel.attention).
+    if mesh.size("cp") > 1 or mesh.size("sp") > 1:
         model = apply_context_parallel(model, mesh, mesh.config.cp_handler)
     # 4. Activation checkpointing of the transformer blocks.
     if plugin is not None and plugin.activation_checkpointing:

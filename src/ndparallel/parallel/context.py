@@ -6,6 +6,8 @@ Layout (`SequenceLayout`). A sequence of S tokens is cut into equal chunks:
   (r+1 + 2*cp-r = 2*cp+1 chunk pairs);
 - contiguous: cp chunks of S/cp; rank r holds chunk r (the last rank does cp times the work of the first).
 A rank's local rows are its chunks concatenated; `SequenceLayout.positions` gives their global positions.
+With Ulysses sequence parallelism as well (cp x sp), `SequenceShards` cuts each cp rank's shard into sp contiguous
+pieces (`ndparallel.parallel.ulysses`); the attention below then sees the cp rank's whole shard.
 
 Attention over the shards, two strategies (both exact, both differentiable, any device and backend), built from
 the blockwise attention of `ndparallel.parallel.blockwise` (a block's output and log-sum-exp; partial results over
@@ -22,6 +24,7 @@ Model integration (which attention calls these) lives in `ndparallel.attention`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -110,7 +113,63 @@ class SequenceLayout:
         return torch.cat(pieces, dim)  # type: ignore[arg-type]
 
 
-def shard_loss_tokens(batch: Any, size: int, rank: int, load_balance: bool) -> int | None:
+@dataclass(frozen=True)
+class SequenceShards:
+    """A sequence sharded over ``cp x sp`` (Ulysses inside context parallelism, "unified sequence parallel").
+
+    `cp` says which tokens this rank's cp rank holds (`SequenceLayout`, load-balanced or not); the ``sp`` ranks of
+    that cp rank split its shard into `sp_size` contiguous pieces, sp rank s holding piece s. Ulysses' all-to-all
+    over ``sp`` concatenates the pieces in sp order, so after it each rank holds its cp rank's whole shard, in the
+    order context-parallel attention expects. With ``sp_size=1`` this is `cp` itself; with ``cp.size=1``, plain
+    Ulysses (each sp rank a contiguous 1/sp of the sequence). Raises ValueError when the length does not split.
+    """
+
+    cp: SequenceLayout
+    sp_size: int = 1
+    sp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sp_size < 1 or not 0 <= self.sp_rank < self.sp_size:
+            raise ValueError(f"rank {self.sp_rank} is not in a group of {self.sp_size}")
+        if self.cp.local_len % self.sp_size:
+            need = self.cp.size * self.sp_size
+            if self.cp.load_balance and self.cp.size > 1:
+                need = math.lcm(need, self.cp.num_chunks)
+            raise ValueError(
+                f"sequence length {self.seq_len} does not split over cp_size={self.cp.size} x "
+                f"sp_size={self.sp_size}: each cp rank's {self.cp.local_len} tokens must split into {self.sp_size} "
+                f"equal sequence-parallel pieces. Pad or cut sequences to a multiple of {need}"
+            )
+
+    @classmethod
+    def of(cls, seq_len: int, cp_size: int = 1, cp_rank: int = 0, load_balance: bool = True, sp_size: int = 1,
+           sp_rank: int = 0) -> SequenceShards:
+        return cls(SequenceLayout(seq_len, cp_size, cp_rank, load_balance and cp_size > 1), sp_size, sp_rank)
+
+    @property
+    def seq_len(self) -> int:
+        return self.cp.seq_len
+
+    @property
+    def size(self) -> int:
+        return self.cp.size * self.sp_size
+
+    @property
+    def local_len(self) -> int:
+        return self.cp.local_len // self.sp_size
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of this rank's local rows."""
+        return self.cp.positions(device).narrow(0, self.sp_rank * self.local_len, self.local_len)
+
+    def shard(self, x: torch.Tensor, dim: int, sp_rank: int | None = None) -> torch.Tensor:
+        """This rank's part (sp rank `sp_rank`, default this one, of this cp rank) of a full-sequence tensor."""
+        s = self.sp_rank if sp_rank is None else sp_rank
+        return self.cp.shard(x, dim).narrow(dim, s * self.local_len, self.local_len)
+
+
+def shard_loss_tokens(batch: Any, size: int, rank: int, load_balance: bool, sp_size: int = 1,
+                      sp_rank: int = 0) -> int | None:
     """Loss tokens in `rank`'s shard of a batch's sequences: what the model's loss averages over on that rank.
 
     Counts ``shift_labels`` if the batch has them, else ``labels`` shifted as Hugging Face models (and a context
@@ -126,9 +185,10 @@ def shard_loss_tokens(batch: Any, size: int, rank: int, load_balance: bool) -> i
         if not isinstance(labels, torch.Tensor) or labels.dim() < 1:
             return None
         labels = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-    if labels.shape[-1] == 0 or labels.shape[-1] % (2 * size if load_balance else size):
+    try:
+        layout = SequenceShards.of(labels.shape[-1], size, rank, load_balance, sp_size, sp_rank)
+    except ValueError:
         return None
-    layout = SequenceLayout(labels.shape[-1], size, rank, load_balance)
     return int((layout.shard(labels, -1) != IGNORE_INDEX).sum())
 
 
@@ -237,15 +297,29 @@ def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 # ---- step 3 of `ndparallel.parallel.parallelize` -------------------------------------------------------------------
+def _sizes_label(mesh: Any) -> str:
+    return " x ".join(f"{axis}_size={mesh.size(axis)}" for axis in ("cp", "sp") if mesh.size(axis) > 1)
+
+
 def check_context_parallel(model: nn.Module, mesh: Any) -> None:
-    """Refuse, before any collective, a model whose attention context parallelism cannot make exact."""
+    """Refuse, before any collective, a model whose attention context/sequence parallelism cannot make exact, or
+    (``sp > 1``) whose attention heads Ulysses cannot split."""
     from .. import attention
 
-    attention.check_model(model, cp_size=mesh.size("cp"))
+    attention.check_model(model, _sizes_label(mesh))
+    if mesh.size("sp") > 1:
+        from .ulysses import check_heads
+
+        config = getattr(model, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int):
+            kv = getattr(config, "num_key_value_heads", None) or heads
+            check_heads(heads, kv, mesh.size("sp"), mesh.size("tp"), where=type(model).__name__)
 
 
 def apply_context_parallel(model: nn.Module, mesh: Any, config: Any) -> nn.Module:
-    """Route `model`'s attention through context-parallel attention (see `ndparallel.attention`).
+    """Route `model`'s attention through context-parallel attention (see `ndparallel.attention`), Ulysses over
+    ``sp`` included.
 
     Hugging Face models with ``attn_implementation`` "sdpa" or "eager" are switched to ndparallel's registered
     attention function; any other model must call `ndparallel.attention.context_parallel_attention` itself. The
@@ -254,5 +328,5 @@ def apply_context_parallel(model: nn.Module, mesh: Any, config: Any) -> nn.Modul
     """
     from .. import attention
 
-    attention.prepare_model(model, cp_size=mesh.size("cp"))
+    attention.prepare_model(model, _sizes_label(mesh))
     return model

@@ -204,15 +204,39 @@ def with_sequence_parallel(model: nn.Module, resolved: dict[str, str]) -> dict[s
     return out
 
 
+def with_shared_inputs(model: nn.Module, resolved: dict[str, str]) -> dict[str, str]:
+    """Without SP: the parent block of a Hugging Face attention/MLP's column-wise layers hands them its input as
+    one replicated DTensor, so their input gradients are all-reduced once per block (see `_GatherSequence`)."""
+    out = dict(resolved)
+    if hasattr(model, "config") and hasattr(model, "base_model_prefix"):
+        for name, style in resolved.items():
+            parent = name.rpartition(".")[0]
+            if style == "colwise" and parent and parent not in out:
+                out[parent] = "share_input"
+    return out
+
+
 class _GatherSequence(ParallelStyle):
-    """All-gather a module's sequence-split first input (positional, or the ``hidden_states`` keyword)."""
+    """Hand a module's first input (positional, or the ``hidden_states`` keyword) to its children as one replicated
+    DTensor: all-gathered along the sequence first when it arrives sequence-split (`sequence_parallel`).
+
+    The column-wise layers inside (q, k, v; gate, up) then share that one DTensor, so backward adds their partial
+    input gradients first and reduces them once -- one all-reduce (reduce-scatter with SP) per block instead of
+    one per layer, which is what torch's `ColwiseParallel` does when each layer wraps a plain tensor itself.
+    """
+
+    def __init__(self, sequence_parallel: bool = True) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        split = [Shard(_SEQ)] if self.sequence_parallel else [Replicate()]
+
         def gather(_module, args, kwargs):
             if args:
-                return (_to_replicated_local(args[0], device_mesh), *args[1:]), kwargs
+                return (_to_replicated(args[0], device_mesh, split), *args[1:]), kwargs
             if "hidden_states" in kwargs:
-                kwargs = dict(kwargs, hidden_states=_to_replicated_local(kwargs["hidden_states"], device_mesh))
+                kwargs = dict(kwargs, hidden_states=_to_replicated(kwargs["hidden_states"], device_mesh, split))
             return args, kwargs
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
@@ -243,12 +267,13 @@ class _Replicate(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
 
 
-def _to_replicated_local(x: Any, mesh) -> Any:
+def _to_replicated(x: Any, mesh, placements) -> Any:
+    """`x` as a replicated DTensor; a plain tensor is first taken as laid out by `placements` on `mesh`."""
     if not isinstance(x, torch.Tensor):
         return x
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Shard(_SEQ)], run_check=False)
-    return x.redistribute(mesh, [Replicate()]).to_local()
+        x = DTensor.from_local(x, mesh, placements, run_check=False)
+    return x.redistribute(mesh, [Replicate()])
 
 
 def build_style(style: str, module: nn.Module, sequence_parallel: bool, gathered: bool,
@@ -271,6 +296,8 @@ def build_style(style: str, module: nn.Module, sequence_parallel: bool, gathered
         return SequenceParallel(sequence_dim=_SEQ) if sequence_parallel else None
     if style == "gather_sequence":
         return _GatherSequence() if sequence_parallel else None
+    if style == "share_input":
+        return _GatherSequence(sequence_parallel=False)
     raise AssertionError(style)
 
 
@@ -294,6 +321,8 @@ def tensor_parallel_styles(model: nn.Module, tp: int, config: TorchTensorParalle
     check_plan(model, resolved, tp)
     if config.sequence_parallel:
         resolved = with_sequence_parallel(model, resolved)
+    else:
+        resolved = with_shared_inputs(model, resolved)
     if config.loss_parallel and "colwise_gather_output" not in resolved.values():
         raise ValueError(f"loss_parallel=True needs the LM head in the plan as 'colwise_gather_output' ({source} "
                          "has none): that is the layer whose output stays split over the vocabulary")

@@ -1,0 +1,262 @@
+"""Step time, bytes sent per collective and memory per rank, for a matrix of layouts: ndparallel side by side with
+plain PyTorch (and Hugging Face Accelerate when installed). See docs/benchmarks.md for the formulas.
+
+    pip install -e .[bench]
+    python benchmarks/run.py [--layouts fsdp2 hsdp tp fsdp2_tp] [--out bench_out] [--hidden 512 --layers 4 ...]
+
+Each layout forks its ranks (one OpenMP thread each, as torchrun gives ranks that share a node; gloo on CPU in
+fp32; NCCL on CUDA in bf16, one GPU per rank -- the command is unchanged), builds the same Llama for the library
+and for a hand-written plain-PyTorch version of the layout, and alternates blocks of `--steps` timed steps between
+them `--repeats` times after `--warmup` steps each, so machine noise hits both alike. Then one counted step of
+each: bytes every collective sends (comm_count.CollectiveCounter) and the model states held per rank. Writes
+results.json, results.md and three PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+# Ask NVML, not the CUDA driver, how many GPUs there are: ranks are forked, and a parent that initialised the
+# driver cannot fork children that use CUDA.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+
+import torch  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
+from workloads import LAYOUTS, TP_STYLES, Layout, accelerate_row, build_model, measure  # noqa: E402
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+
+
+def need_matplotlib():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("benchmarks/run.py needs matplotlib for its plots: pip install -e '.[bench]' (or pip install "
+                 "matplotlib)")
+    return plt
+
+
+# ---- analytic minimum ----------------------------------------------------------------------------------------
+def model_sizes(args) -> dict[str, int]:
+    """Parameter bytes of the unsharded model: total, inside decoder layers, and inside the TP plan's modules."""
+    import fnmatch
+
+    model = build_model(args)
+    bytes_of = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    patterns = [k.replace("*", "[0-9]*") + "." for k in TP_STYLES]
+    split = sum(b for n, b in bytes_of.items() if any(fnmatch.fnmatch(n, pat + "*") for pat in patterns))
+    return {"total": sum(bytes_of.values()), "blocks": sum(b for n, b in bytes_of.items() if ".layers." in n),
+            "tp_split": split}
+
+
+def minimum_bytes(layout: Layout, args, sizes: dict[str, int], elem: int = 4) -> dict[str, float]:
+    """Bytes one rank must send per step (docs/benchmarks.md). elem: bytes of an activation element."""
+    r, s, t = layout.dp_replicate, layout.dp_shard, layout.tp
+    params = sizes["tp_split"] / t + (sizes["total"] - sizes["tp_split"])  # per TP rank
+    out = dict.fromkeys(KINDS, 0.0)
+    if s > 1:  # FSDP2 (ZeRO-3): gather every parameter for forward and again for backward; scatter grads
+        out["all_gather"] += (s - 1) / s * 2 * params
+        out["reduce_scatter"] += (s - 1) / s * params
+    if r > 1:  # replicas all-reduce their (sharded) gradients
+        out["all_reduce"] += 2 * (r - 1) / r * params / s
+    if t > 1:  # Megatron: per layer 2 forward + 2 backward all-reduces of activations, + the LM head's input grad
+        act = args.batch * args.seq * args.hidden * elem
+        out["all_reduce"] += 2 * (t - 1) / t * act * (4 * args.layers + 1)
+        out["all_gather"] += (t - 1) / t * args.batch * args.seq * args.vocab * elem  # replicated logits
+    return out
+
+
+def ideal_states(layout: Layout, sizes: dict[str, int]) -> float:
+    """Params + grads + AdamW's two moments, split as the layout allows: 4 x parameter bytes / shards."""
+    t, s = layout.tp, layout.dp_shard
+    per_rank_params = (sizes["tp_split"] / t + sizes["total"] - sizes["tp_split"]) / s
+    return 4 * per_rank_params
+
+
+# ---- running and reporting -----------------------------------------------------------------------------------
+def summarise(layout: Layout, ranks: list[dict], args, sizes) -> dict:
+    r0 = ranks[0]
+    med = {k: statistics.median(t for block in v for t in block) for k, v in r0["times"].items()}
+    per_repeat = [statistics.median(a) / statistics.median(b)
+                  for a, b in zip(r0["times"]["library"], r0["times"]["plain"])]
+    cpu = {k: statistics.median(t for rk in ranks for block in rk["cpu"][k] for t in block) for k in med}
+    cpu_per_repeat = [statistics.median(a) / statistics.median(b)
+                      for a, b in zip(r0["cpu"]["library"], r0["cpu"]["plain"])]
+    minimum = minimum_bytes(layout, args, sizes)
+    states = {impl: [rk["counted"][impl]["states"] for rk in ranks] for impl in ("library", "plain")}
+    return {
+        "layout": layout.__dict__ | {"world": layout.world},
+        "step_s": med, "ratio": med["library"] / med["plain"],
+        "ratio_per_repeat": per_repeat, "ratio_median_of_repeats": statistics.median(per_repeat),
+        "cpu_s": cpu, "cpu_ratio": cpu["library"] / cpu["plain"], "cpu_ratio_per_repeat": cpu_per_repeat,
+        "tokens_per_s": {k: r0["tokens_per_step"] / v for k, v in med.items()},
+        "bytes": {impl: r0["counted"][impl]["bytes"] for impl in ("library", "plain")},
+        "calls": {impl: r0["counted"][impl]["calls"] for impl in ("library", "plain")},
+        "bytes_minimum": minimum,
+        "states": states, "states_ideal": ideal_states(layout, sizes),
+        "saved_for_backward": {impl: [rk["counted"][impl]["saved_bytes"] for rk in ranks] for impl in states},
+        "peak_rss": [rk["counted"]["library"]["peak_rss"] for rk in ranks],
+        "peak_allocated": [rk["counted"]["library"].get("peak_allocated") for rk in ranks],
+        "device": r0["device"],
+    }
+
+
+MiB = 2**20
+
+
+def markdown(results: list[dict], args, sizes, command: str) -> str:
+    lines = [f"# ndparallel benchmarks\n\n`{command}`\n",
+             f"Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} seq={args.seq} "
+             f"batch/rank={args.batch}, {sizes['total'] / 4 / 1e6:.1f} M params, device {results[0]['device']}; "
+             f"{args.repeats} interleaved repeats x {args.steps} steps after {args.warmup} warm-up.\n",
+             "## Step time (median), library / plain PyTorch\n",
+             "| layout | world | library s | plain s | ratio | per-repeat ratios: median (min..max) | CPU-time ratio "
+             "(per-repeat min..max) | library tok/s | Accelerate |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        acc = r.get("accelerate") or {"status": "skipped", "error": "--no-accelerate"}
+        if acc.get("status") == "ran":
+            acc_text = f"{acc['median_step_s']:.3f} s ({acc['median_step_s'] / r['step_s']['plain']:.2f}x plain, " \
+                       "not interleaved)"
+        else:
+            acc_text = f"{acc.get('status')}: {acc.get('error', '')}"
+        rr, cr = r["ratio_per_repeat"], r["cpu_ratio_per_repeat"]
+        lines.append(f"| {r['layout']['name']} | {r['layout']['world']} | {r['step_s']['library']:.3f} | "
+                     f"{r['step_s']['plain']:.3f} | **{r['ratio']:.3f}** | "
+                     f"{statistics.median(rr):.3f} ({min(rr):.3f}..{max(rr):.3f}) | "
+                     f"**{r['cpu_ratio']:.3f}** ({min(cr):.3f}..{max(cr):.3f}) | "
+                     f"{r['tokens_per_s']['library']:.0f} | {acc_text.replace('|', '/')} |")
+    lines += ["\n## Bytes sent per rank per step (rank 0), counted vs analytic minimum\n",
+              "| layout | collective | library MiB (calls) | plain MiB (calls) | minimum MiB | library / minimum |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        for kind in KINDS:
+            lib, plain, mn = r["bytes"]["library"].get(kind, 0), r["bytes"]["plain"].get(kind, 0), \
+                r["bytes_minimum"][kind]
+            if not (lib or plain or mn):
+                continue
+            ratio = f"{lib / mn:.4f}" if mn else "n/a (minimum 0)"
+            lines.append(f"| {r['layout']['name']} | {kind} | {lib / MiB:.3f} ({r['calls']['library'].get(kind, 0)}) "
+                         f"| {plain / MiB:.3f} ({r['calls']['plain'].get(kind, 0)}) | {mn / MiB:.3f} | {ratio} |")
+        lib_t, mn_t = sum(r["bytes"]["library"].values()), sum(r["bytes_minimum"].values())
+        lines.append(f"| {r['layout']['name']} | **total** | {lib_t / MiB:.3f} | "
+                     f"{sum(r['bytes']['plain'].values()) / MiB:.3f} | {mn_t / MiB:.3f} | **{lib_t / mn_t:.4f}** |")
+    lines += ["\n## Memory per rank: model states (params + grads + AdamW), library\n",
+              "| layout | rank | params MiB | grads MiB | optimizer MiB | total MiB | ideal MiB | total / ideal | "
+              "saved for backward MiB | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for rank, st in enumerate(r["states"]["library"]):
+            total = sum(st.values())
+            lines.append(f"| {r['layout']['name']} | {rank} | {st['params'] / MiB:.2f} | {st['grads'] / MiB:.2f} | "
+                         f"{st['optimizer'] / MiB:.2f} | {total / MiB:.2f} | {r['states_ideal'] / MiB:.2f} | "
+                         f"**{total / r['states_ideal']:.4f}** | {r['saved_for_backward']['library'][rank] / MiB:.1f} "
+                         f"| {r['peak_rss'][rank] / MiB:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(plt, results: list[dict], out: Path) -> list[str]:
+    names = [r["layout"]["name"] for r in results]
+    x = range(len(names))
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([i - 0.2 for i in x], [r["step_s"]["library"] for r in results], 0.4, label="ndparallel")
+    ax.bar([i + 0.2 for i in x], [r["step_s"]["plain"] for r in results], 0.4, label="plain PyTorch")
+    ax.set_xticks(list(x), [f"{n}\n{r['ratio']:.3f}x" for n, r in zip(names, results)])
+    ax.set_ylabel("median step time (s)")
+    ax.legend()
+    paths.append(out / "step_time.png")
+    fig.tight_layout(), fig.savefig(paths[-1]), plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(KINDS)
+    for k, kind in enumerate(KINDS):
+        counted = [r["bytes"]["library"].get(kind, 0) / MiB for r in results]
+        if not any(counted):
+            continue
+        ax.bar([i - 0.4 + (k + 0.5) * width for i in x], counted, width, label=f"{kind} counted")
+        ax.scatter([i - 0.4 + (k + 0.5) * width for i in x], [r["bytes_minimum"][kind] / MiB for r in results],
+                   marker="_", s=200, color="black")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("MiB sent per rank per step (black: minimum)")
+    ax.legend(fontsize=8)
+    paths.append(out / "bytes.png")
+    fig.tight_layout(), fig.savefig(paths[-1]), plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottoms = [0.0] * len(results)
+    for part in ("params", "grads", "optimizer"):
+        vals = [r["states"]["library"][0][part] / MiB for r in results]
+        ax.bar(list(x), vals, 0.5, bottom=bottoms, label=part)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.scatter(list(x), [r["states_ideal"] / MiB for r in results], marker="_", s=600, color="black", label="ideal")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("model states on rank 0 (MiB)")
+    ax.legend()
+    paths.append(out / "memory.png")
+    fig.tight_layout(), fig.savefig(paths[-1]), plt.close(fig)
+    return [str(p) for p in paths]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2, help="samples per data-parallel rank per step")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1, help="timed steps per block")
+    p.add_argument("--repeats", type=int, default=12, help="library/plain blocks, alternating")
+    p.add_argument("--no-accelerate", action="store_true", help="skip the Hugging Face Accelerate rows")
+    p.add_argument("--no-plots", action="store_true", help="JSON and markdown only (no matplotlib needed)")
+    p.add_argument("--cpu", action="store_true", help="CPU and gloo even where CUDA is available")
+    p.add_argument("--timeout", type=float, default=1200)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse(argv)
+    plt = None if args.no_plots else need_matplotlib()  # before any work: a missing matplotlib fails at once
+    command = "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    sizes = model_sizes(args)
+    results = []
+    for name in args.layouts:
+        layout = LAYOUTS[name]
+        if torch.cuda.is_available() and not args.cpu and torch.cuda.device_count() < layout.world:
+            print(f"{name}: needs {layout.world} GPUs, {torch.cuda.device_count()} here; skipped")
+            continue
+        print(f"{name}: {layout.world} ranks ...", flush=True)
+        ranks = run_ranks(measure, layout.world, layout, args, timeout=args.timeout)
+        result = summarise(layout, ranks, args, sizes)
+        if not args.no_accelerate:
+            result["accelerate"] = run_ranks(accelerate_row, layout.world, layout, args, timeout=args.timeout)[0]
+        print(f"  library/plain {result['ratio']:.3f}  "
+              f"(per repeat {', '.join(f'{x:.3f}' for x in result['ratio_per_repeat'])})", flush=True)
+        results.append(result)
+    (args.out / "results.json").write_text(json.dumps(
+        {"command": command, "args": {k: str(v) for k, v in vars(args).items()}, "sizes": sizes,
+         "results": results}, indent=1))
+    text = markdown(results, args, sizes, command)
+    if plt is not None:
+        text += "\nPlots: " + ", ".join(plots(plt, results, args.out)) + "\n"
+    (args.out / "results.md").write_text(text)
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""benchmarks/run.py keeps working: the collective counter on known tensors, and the whole command on a tiny
+model with 2 ranks (the figures themselves are the benchmark's business, not a test's)."""
+
+import builtins
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from harness import run_ranks  # noqa: E402
+
+
+def _known_collectives():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    from comm_count import CollectiveCounter
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.ones(1000)  # 4000 bytes
+    out = {}
+    partial = DTensor.from_local(x, mesh, [Partial()])
+    cases = {
+        "c10d all_reduce": lambda: dist.all_reduce(x),
+        "c10d all_gather": lambda: dist.all_gather_into_tensor(torch.empty(2000), x),
+        "c10d reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(500), x),
+        "DTensor Shard->Replicate": lambda: DTensor.from_local(x, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]),
+        "DTensor Partial->Replicate": lambda: partial.redistribute(mesh, [Replicate()]),
+        "DTensor Partial->Shard": lambda: partial.redistribute(mesh, [Shard(0)]),
+    }
+    for name, fn in cases.items():
+        with CollectiveCounter() as counter:
+            fn()
+        out[name] = dict(counter.bytes)
+    return out
+
+
+def test_counter_gives_ring_bytes_for_known_collectives():
+    counted = run_ranks(_known_collectives, 2)
+    # Two ranks, 4000-byte tensors: an all-reduce sends 2 (n-1)/n x 4000; an all-gather sends its 4000-byte input
+    # once; a reduce-scatter sends the half it does not keep (2000).
+    expected = {"c10d all_reduce": {"all_reduce": 4000}, "c10d all_gather": {"all_gather": 4000},
+                "c10d reduce_scatter": {"reduce_scatter": 2000},
+                "DTensor Shard->Replicate": {"all_gather": 4000},
+                "DTensor Partial->Replicate": {"all_reduce": 4000},
+                "DTensor Partial->Shard": {"reduce_scatter": 2000}}
+    assert counted == [expected, expected]
+
+
+def test_benchmark_command_on_a_tiny_model(tmp_path):
+    import run
+
+    results = run.main(["--layouts", "fsdp2", "tp", "--hidden", "64", "--layers", "2", "--vocab", "256",
+                        "--seq", "32", "--warmup", "1", "--steps", "1", "--repeats", "2", "--no-plots",
+                        "--no-accelerate", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["layout"]["name"] for r in saved["results"]] == ["fsdp2", "tp"]
+    assert "| fsdp2 | 2 |" in (tmp_path / "results.md").read_text()
+    fsdp2, tp = results
+    assert len(fsdp2["ratio_per_repeat"]) == 2 and fsdp2["ratio"] > 0
+    # Every dimension of this model divides by 2, so FSDP2 pads nothing: gathers and scatters are the minimum,
+    # and each rank holds exactly half of the model states.
+    for kind in ("all_gather", "reduce_scatter"):
+        assert fsdp2["bytes"]["library"][kind] == fsdp2["bytes"]["plain"][kind] == fsdp2["bytes_minimum"][kind]
+    assert all(sum(s.values()) == fsdp2["states_ideal"] for s in fsdp2["states"]["library"])
+    # Library and plain PyTorch apply the same TP plan: the replicated logits are gathered once, and each block's
+    # attention and MLP all-reduce their activations once forward and once backward (Megatron's minimum).
+    assert tp["bytes"]["library"] == tp["bytes"]["plain"]
+    for kind in ("all_gather", "all_reduce"):
+        assert tp["bytes"]["library"][kind] == pytest.approx(tp["bytes_minimum"][kind])
+    assert tp["calls"]["library"]["all_reduce"] == 4 * 2 + 1  # 2 layers
+
+
+def test_benchmark_command_says_how_to_get_matplotlib(monkeypatch, tmp_path):
+    import run
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(SystemExit, match=r"needs matplotlib.*\.\[bench\]"):
+        run.main(["--layouts", "fsdp2", "--out", str(tmp_path)])
