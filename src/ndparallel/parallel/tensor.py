@@ -188,6 +188,18 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
+def _with_block_inputs(model: nn.Module, resolved: dict[str, str], style_name: str) -> dict[str, str]:
+    """Give the parent block of each Hugging Face attention/MLP column-wise layer `style_name`, so the block
+    prepares its input once for all of its column-wise layers."""
+    out = dict(resolved)
+    if hasattr(model, "config") and hasattr(model, "base_model_prefix"):  # HF blocks: attention and MLP
+        for name, style in resolved.items():
+            parent = name.rpartition(".")[0]
+            if style == "colwise" and parent and parent not in out:
+                out[parent] = style_name
+    return out
+
+
 def with_sequence_parallel(model: nn.Module, resolved: dict[str, str]) -> dict[str, str]:
     """Add what Megatron-style SP needs to a resolved plan: norms run on sequence shards; embeddings left out of
     the plan hand over sequence shards; the parent block of a Hugging Face attention/MLP's column-wise layers
@@ -196,24 +208,13 @@ def with_sequence_parallel(model: nn.Module, resolved: dict[str, str]) -> dict[s
     for name, module in model.named_modules():
         if name and name not in out and _is_norm(module):
             out[name] = "sequence_parallel"
-    if hasattr(model, "config") and hasattr(model, "base_model_prefix"):  # HF blocks: attention and MLP
-        for name, style in resolved.items():
-            parent = name.rpartition(".")[0]
-            if style == "colwise" and parent and parent not in out:
-                out[parent] = "gather_sequence"
-    return out
+    return {**out, **_with_block_inputs(model, resolved, "gather_sequence")}
 
 
 def with_shared_inputs(model: nn.Module, resolved: dict[str, str]) -> dict[str, str]:
     """Without SP: the parent block of a Hugging Face attention/MLP's column-wise layers hands them its input as
     one replicated DTensor, so their input gradients are all-reduced once per block (see `_GatherSequence`)."""
-    out = dict(resolved)
-    if hasattr(model, "config") and hasattr(model, "base_model_prefix"):
-        for name, style in resolved.items():
-            parent = name.rpartition(".")[0]
-            if style == "colwise" and parent and parent not in out:
-                out[parent] = "share_input"
-    return out
+    return _with_block_inputs(model, resolved, "share_input")
 
 
 class _GatherSequence(ParallelStyle):
