@@ -2,20 +2,22 @@
 plain PyTorch (and Hugging Face Accelerate when installed). See docs/benchmarks.md for the formulas.
 
     pip install -e .[bench]
-    python benchmarks/run.py [--layouts fsdp2 hsdp tp fsdp2_tp] [--out bench_out] [--hidden 512 --layers 4 ...]
+    python benchmarks/run.py [--layouts fsdp2 hsdp tp fsdp2_tp cp sp cp_sp] [--out bench_out] [--hidden 512 ...]
 
 Each layout forks its ranks (one OpenMP thread each, as torchrun gives ranks that share a node; gloo on CPU in
 fp32; NCCL on CUDA in bf16, one GPU per rank -- the command is unchanged), builds the same Llama for the library
 and for a hand-written plain-PyTorch version of the layout, and alternates blocks of `--steps` timed steps between
 them `--repeats` times after `--warmup` steps each, so machine noise hits both alike. Then one counted step of
-each: bytes every collective sends (comm_count.CollectiveCounter) and the model states held per rank. Writes
-results.json, results.md and three PNG plots to --out.
+each: bytes every collective sends (comm_count.CollectiveCounter), the model states held per rank, and the gap
+between the two runs' losses (the check that the baseline computes the same thing). Writes results.json,
+results.md and three PNG plots to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -31,7 +33,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 import torch  # noqa: E402
 
 from harness import run_ranks  # noqa: E402
-from workloads import LAYOUTS, TP_STYLES, Layout, accelerate_row, build_model, measure  # noqa: E402
+from workloads import (  # noqa: E402
+    HEADS, KV_HEADS, LAYOUTS, TP_STYLES, Layout, accelerate_row, build_model, llama_config, measure)
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 
@@ -63,10 +66,10 @@ def model_sizes(args) -> dict[str, int]:
 
 def minimum_bytes(layout: Layout, args, sizes: dict[str, int], elem: int = 4) -> dict[str, float]:
     """Bytes one rank must send per step (docs/benchmarks.md). elem: bytes of an activation element."""
-    r, s, t = layout.dp_replicate, layout.dp_shard, layout.tp
+    r, s, t, cp, sp = layout.dp_replicate, layout.fsdp, layout.tp, layout.cp, layout.sp
     params = sizes["tp_split"] / t + (sizes["total"] - sizes["tp_split"])  # per TP rank
     out = dict.fromkeys(KINDS, 0.0)
-    if s > 1:  # FSDP2 (ZeRO-3): gather every parameter for forward and again for backward; scatter grads
+    if s > 1:  # FSDP2 (ZeRO-3) over dp_shard x cp x sp: gather every parameter for forward and again for backward
         out["all_gather"] += (s - 1) / s * 2 * params
         out["reduce_scatter"] += (s - 1) / s * params
     if r > 1:  # replicas all-reduce their (sharded) gradients
@@ -75,12 +78,22 @@ def minimum_bytes(layout: Layout, args, sizes: dict[str, int], elem: int = 4) ->
         act = args.batch * args.seq * args.hidden * elem
         out["all_reduce"] += 2 * (t - 1) / t * act * (4 * args.layers + 1)
         out["all_gather"] += (t - 1) / t * args.batch * args.seq * args.vocab * elem  # replicated logits
+    heads, kv_heads = HEADS // t, KV_HEADS // t  # this tp rank's attention heads
+    if sp > 1 and kv_heads % sp:
+        kv_heads = math.lcm(kv_heads, sp)  # Ulysses repeats K/V heads until sp divides them
+    head_bytes = args.batch * args.seq * (args.hidden // HEADS) * elem  # one head over the whole sequence
+    if sp > 1:  # Ulysses: q, k, v and the output all-to-all'd forward, their gradients backward
+        out["all_to_all"] += 2 * args.layers * (sp - 1) / sp * (2 * heads + 2 * kv_heads) * head_bytes / (cp * sp)
+    if cp > 1:  # K and V of a cp rank's shard (its sp ranks' heads) gathered forward, gradients scattered backward
+        kv_local = 2 * kv_heads / sp * head_bytes / cp
+        out["all_gather"] += args.layers * (cp - 1) * kv_local
+        out["reduce_scatter"] += args.layers * (cp - 1) * kv_local
     return out
 
 
 def ideal_states(layout: Layout, sizes: dict[str, int]) -> float:
     """Params + grads + AdamW's two moments, split as the layout allows: 4 x parameter bytes / shards."""
-    t, s = layout.tp, layout.dp_shard
+    t, s = layout.tp, layout.fsdp
     per_rank_params = (sizes["tp_split"] / t + sizes["total"] - sizes["tp_split"]) / s
     return 4 * per_rank_params
 
@@ -92,16 +105,31 @@ def summarise(layout: Layout, ranks: list[dict], args, sizes) -> dict:
     per_repeat = [statistics.median(a) / statistics.median(b)
                   for a, b in zip(r0["times"]["library"], r0["times"]["plain"])]
     cpu = {k: statistics.median(t for rk in ranks for block in rk["cpu"][k] for t in block) for k in med}
-    cpu_per_repeat = [statistics.median(a) / statistics.median(b)
-                      for a, b in zip(r0["cpu"]["library"], r0["cpu"]["plain"])]
+    cpu_per_repeat = [statistics.median(t for rk in ranks for t in rk["cpu"]["library"][i])
+                      / statistics.median(t for rk in ranks for t in rk["cpu"]["plain"][i])
+                      for i in range(len(r0["cpu"]["library"]))]  # every rank's steps of repeat i
     minimum = minimum_bytes(layout, args, sizes)
+    tokens_per_s = {k: r0["tokens_per_step"] / v for k, v in med.items()}
+    mfu = None
+    if r0["peak_flops"] is not None:
+        from ndparallel.metrics import flops_per_token
+
+        # One device per rank; on a CPU each rank runs one thread and the peak is one thread's measured matmul
+        # rate, so the ranks together can use at most as many as there are cores.
+        per_device, source = r0["peak_flops"]
+        devices = layout.world if r0["device"].startswith("cuda") else min(layout.world, os.cpu_count() or 1)
+        fpt = flops_per_token(llama_config(args), args.seq)
+        mfu = {"library": tokens_per_s["library"] * fpt / (per_device * devices),
+               "plain": tokens_per_s["plain"] * fpt / (per_device * devices),
+               "flops_per_token": fpt, "peak_per_device": per_device, "devices": devices, "peak_source": source}
     states = {impl: [rk["counted"][impl]["states"] for rk in ranks] for impl in ("library", "plain")}
     return {
         "layout": layout.__dict__ | {"world": layout.world},
         "step_s": med, "ratio": med["library"] / med["plain"],
         "ratio_per_repeat": per_repeat, "ratio_median_of_repeats": statistics.median(per_repeat),
         "cpu_s": cpu, "cpu_ratio": cpu["library"] / cpu["plain"], "cpu_ratio_per_repeat": cpu_per_repeat,
-        "tokens_per_s": {k: r0["tokens_per_step"] / v for k, v in med.items()},
+        "tokens_per_s": tokens_per_s, "mfu": mfu, "param_gap": [rk["param_gap"] for rk in ranks],
+        "loss_gap": [rk["loss_gap"] for rk in ranks],
         "bytes": {impl: r0["counted"][impl]["bytes"] for impl in ("library", "plain")},
         "calls": {impl: r0["counted"][impl]["calls"] for impl in ("library", "plain")},
         "bytes_minimum": minimum,
@@ -123,7 +151,8 @@ def markdown(results: list[dict], args, sizes, command: str) -> str:
              f"{args.repeats} interleaved repeats x {args.steps} steps after {args.warmup} warm-up.\n",
              "## Step time (median), library / plain PyTorch\n",
              "| layout | world | library s | plain s | ratio | per-repeat ratios: median (min..max) | CPU-time ratio "
-             "(per-repeat min..max) | library tok/s | Accelerate |", "|---|---|---|---|---|---|---|---|---|"]
+             "(per-repeat min..max) | library tok/s | MFU library / plain | loss gap (param gap) | Accelerate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         acc = r.get("accelerate") or {"status": "skipped", "error": "--no-accelerate"}
         if acc.get("status") == "ran":
@@ -132,11 +161,24 @@ def markdown(results: list[dict], args, sizes, command: str) -> str:
         else:
             acc_text = f"{acc.get('status')}: {acc.get('error', '')}"
         rr, cr = r["ratio_per_repeat"], r["cpu_ratio_per_repeat"]
+        mfu = f"{r['mfu']['library']:.1%} / {r['mfu']['plain']:.1%}" if r.get("mfu") else "n/a"
+        gaps = r["param_gap"]
+        gap = f"{max(r['loss_gap']):.1e} ({'n/a' if None in gaps else f'{max(gaps):.1e}'})"
         lines.append(f"| {r['layout']['name']} | {r['layout']['world']} | {r['step_s']['library']:.3f} | "
                      f"{r['step_s']['plain']:.3f} | **{r['ratio']:.3f}** | "
                      f"{statistics.median(rr):.3f} ({min(rr):.3f}..{max(rr):.3f}) | "
                      f"**{r['cpu_ratio']:.3f}** ({min(cr):.3f}..{max(cr):.3f}) | "
-                     f"{r['tokens_per_s']['library']:.0f} | {acc_text.replace('|', '/')} |")
+                     f"{r['tokens_per_s']['library']:.0f} | {mfu} | {gap} | {acc_text.replace('|', '/')} |")
+    with_mfu = [r for r in results if r.get("mfu")]
+    if with_mfu:
+        m = with_mfu[0]["mfu"]
+        lines.append(f"\nMFU = tokens/s x {m['flops_per_token'] / 1e6:.1f} MFLOP per token / (peak x devices); peak "
+                     f"{m['peak_per_device'] / 1e9:.1f} GFLOP/s per device ({m['peak_source']}); devices: "
+                     + ", ".join(f"{r['layout']['name']} {r['mfu']['devices']}" for r in with_mfu) + ". "
+                     "Loss gap: largest |library - plain| over the ranks of the last step's loss (mean over the "
+                     "rank's tokens), after both trained the same steps on the same data; param gap: the same for "
+                     "the local parameters (AdamW turns rounding-level gradient differences near zero into up to "
+                     "lr-sized steps, so this one is the looser check).")
     lines += ["\n## Bytes sent per rank per step (rank 0), counted vs analytic minimum\n",
               "| layout | collective | library MiB (calls) | plain MiB (calls) | minimum MiB | library / minimum |",
               "|---|---|---|---|---|---|"]
@@ -154,13 +196,14 @@ def markdown(results: list[dict], args, sizes, command: str) -> str:
                      f"{sum(r['bytes']['plain'].values()) / MiB:.3f} | {mn_t / MiB:.3f} | **{lib_t / mn_t:.4f}** |")
     lines += ["\n## Memory per rank: model states (params + grads + AdamW), library\n",
               "| layout | rank | params MiB | grads MiB | optimizer MiB | total MiB | ideal MiB | total / ideal | "
-              "saved for backward MiB | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "saved for backward MiB, library / plain | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for rank, st in enumerate(r["states"]["library"]):
             total = sum(st.values())
             lines.append(f"| {r['layout']['name']} | {rank} | {st['params'] / MiB:.2f} | {st['grads'] / MiB:.2f} | "
                          f"{st['optimizer'] / MiB:.2f} | {total / MiB:.2f} | {r['states_ideal'] / MiB:.2f} | "
-                         f"**{total / r['states_ideal']:.4f}** | {r['saved_for_backward']['library'][rank] / MiB:.1f} "
+                         f"**{total / r['states_ideal']:.4f}** | {r['saved_for_backward']['library'][rank] / MiB:.1f} / "
+                         f"{r['saved_for_backward']['plain'][rank] / MiB:.1f} "
                          f"| {r['peak_rss'][rank] / MiB:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -219,7 +262,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2, help="samples per data-parallel rank per step")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=1, help="timed steps per block")
-    p.add_argument("--repeats", type=int, default=12, help="library/plain blocks, alternating")
+    p.add_argument("--repeats", type=int, default=16, help="library/plain blocks, alternating")
     p.add_argument("--no-accelerate", action="store_true", help="skip the Hugging Face Accelerate rows")
     p.add_argument("--no-plots", action="store_true", help="JSON and markdown only (no matplotlib needed)")
     p.add_argument("--cpu", action="store_true", help="CPU and gloo even where CUDA is available")

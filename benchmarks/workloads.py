@@ -2,16 +2,19 @@
 
 `measure(spec, args)` runs on every rank. It builds the library's model and the plain one (same seed, same data,
 same layout) and alternates blocks of steps between them, so machine noise hits both alike; then it counts one
-extra step of each with `CollectiveCounter` and measures model states. `accelerate_row` tries Hugging Face
-Accelerate on the same layout and returns its figures or its error.
+extra step of each with `CollectiveCounter` and measures model states, and compares the two runs' last losses
+and parameters (they trained the same steps from the same weights, so they must agree to rounding).
+`accelerate_row` tries Hugging Face Accelerate on the same layout and returns its figures or its error.
 
 The plain version uses no ndparallel: `init_device_mesh`, `parallelize_module` with the same styles as the
-library's Llama plan, `fully_shard` per decoder layer then the root (a 2-D mesh for HSDP), and the loop written
-out (forward with labels, backward, optimizer step, zero_grad).
+library's Llama plan, context/sequence-parallel attention written out in `plain_sequence.py`, `fully_shard` per
+decoder layer then the root (a 2-D mesh for HSDP, a flattened one over cp/sp), and the loop written out (forward,
+loss, backward, optimizer step, zero_grad).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from comm_count import CollectiveCounter, SavedActivations, model_state_bytes, peak_rss_bytes, reset_peak_rss
+from plain_sequence import SequenceGroups, install, positions
 
 
 @dataclass(frozen=True)
@@ -27,15 +31,26 @@ class Layout:
     name: str
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
+    sp: int = 1
     tp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.sp * self.tp
 
     @property
     def batch_ranks(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def shards_sequence(self) -> bool:
+        return self.cp * self.sp > 1
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks FSDP2 shards parameters over: dp_shard x cp x sp."""
+        return self.dp_shard * self.cp * self.sp
 
 
 LAYOUTS = {
@@ -43,7 +58,13 @@ LAYOUTS = {
     "hsdp": Layout("hsdp", dp_replicate=2, dp_shard=2),
     "tp": Layout("tp", tp=2),
     "fsdp2_tp": Layout("fsdp2_tp", dp_shard=2, tp=2),
+    "cp": Layout("cp", cp=2),
+    "sp": Layout("sp", sp=2),
+    "cp_sp": Layout("cp_sp", cp=2, sp=2),
 }
+
+
+HEADS, KV_HEADS = 8, 4
 
 
 def llama_config(args: Any):
@@ -51,8 +72,8 @@ def llama_config(args: Any):
 
     return transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
-        max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa")
+        num_hidden_layers=args.layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        tie_word_embeddings=False, max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa")
 
 
 def build_model(args: Any):
@@ -67,6 +88,11 @@ def dataset(args: Any, layout: Layout) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     rows = args.batch * layout.batch_ranks * (args.warmup + args.steps * args.repeats + 2)
     return torch.randint(0, args.vocab, (rows, args.seq), generator=g)
+
+
+def shift_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets, shifted before the sequence is sharded (-100: the last position predicts nothing)."""
+    return torch.nn.functional.pad(ids[..., 1:], (0, 1), value=-100)
 
 
 def device_and_dtype(args: Any) -> tuple[torch.device, str]:
@@ -84,32 +110,39 @@ class LibraryRun:
     def __init__(self, layout: Layout, args: Any, data: torch.Tensor) -> None:
         from torch.utils.data import DataLoader
 
-        from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+        from ndparallel import (
+            Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, TorchContextParallelConfig)
 
         device, precision = device_and_dtype(args)
         pc = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard,
-                               tp_size=layout.tp)
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if layout.dp_shard > 1 else None
+                               cp_size=layout.cp, sp_size=layout.sp, tp_size=layout.tp,
+                               cp_handler=TorchContextParallelConfig(cp_comm_strategy="allgather"))
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if layout.fsdp > 1 else None
         self.accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=precision,
                                        cpu=device.type == "cpu")
         model = build_model(args)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        samples = [{"input_ids": row, "labels": row} for row in data]
+        if layout.shards_sequence:  # as a CP/SP script does: labels shifted and positions given before sharding
+            samples = [{"input_ids": row, "labels": row, "shift_labels": shift_labels(row),
+                        "position_ids": torch.arange(len(row))} for row in data]
+        else:
+            samples = [{"input_ids": row, "labels": row} for row in data]
         loader = DataLoader(samples, batch_size=args.batch)
         self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
         self.batches = iter(self.loader)
 
-    def step(self, saved: SavedActivations | None = None) -> None:
+    def step(self, saved: SavedActivations | None = None) -> torch.Tensor:
+        """One optimizer step; returns the mean loss over this rank's tokens (detached)."""
         batch = next(self.batches)
-        with self.accelerator.accumulate(self.model):
-            if saved is not None:
-                with saved.context():
-                    loss = self.model(**batch).loss
-            else:
+        buffers = list(batch.values())  # each rank keeps its part of the sequence (nothing happens without CP/SP)
+        with self.accelerator.accumulate(self.model), self.accelerator.maybe_context_parallel(
+                buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)):
+            with saved.context() if saved is not None else contextlib.nullcontext():
                 loss = self.model(**batch).loss
             self.accelerator.backward(loss)
             self.optimizer.step()
         self.optimizer.zero_grad()
+        return loss.detach()
 
 
 # ---- plain PyTorch -------------------------------------------------------------------------------------------
@@ -133,8 +166,8 @@ class PlainRun:
 
         device, precision = device_and_dtype(args)
         self.device = device
-        mesh = init_device_mesh(device.type, (layout.dp_replicate, layout.dp_shard, layout.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dims = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+        mesh = init_device_mesh(device.type, tuple(getattr(layout, d) for d in dims), mesh_dim_names=dims)
         model = build_model(args).to(device)
         if layout.tp > 1:
             styles = {
@@ -151,18 +184,29 @@ class PlainRun:
                                                             desired_input_layouts=(Replicate(),),
                                                             use_local_output=False)
             parallelize_module(model, mesh["tp"], plan)
+        self.positions = None
+        if layout.shards_sequence:  # the hand-written CP/SP attention (benchmarks/plain_sequence.py)
+            groups = SequenceGroups(mesh["cp"].get_group(), layout.cp, mesh["cp"].get_local_rank(),
+                                    mesh["sp"].get_group(), layout.sp, args.seq)
+            install(model, groups)
+            self.positions = positions(args.seq, layout.cp, groups.cp_rank, layout.sp, mesh["sp"].get_local_rank())
         bf16 = precision == "bf16"
         self.autocast = bf16
-        if layout.batch_ranks > 1:
-            if layout.dp_replicate > 1 and layout.dp_shard > 1:
-                dp_mesh = mesh["dp_replicate", "dp_shard"]  # HSDP: replicate outer, shard inner
-            elif layout.dp_shard > 1:
-                dp_mesh = mesh["dp_shard"]
+        # Parameters are sharded over dp_shard x cp x sp (cp and sp ranks hold different tokens of the same
+        # samples, so their gradients add up like those of data-parallel ranks) and replicated over dp_replicate.
+        shard_dims = tuple(d for d in ("dp_shard", "cp", "sp") if getattr(layout, d) > 1)
+        if layout.batch_ranks * layout.cp * layout.sp > 1:
+            if len(shard_dims) > 1:
+                if layout.dp_replicate > 1:
+                    raise NotImplementedError("plain HSDP over a flattened shard dimension is not written out")
+                dp_mesh = mesh[shard_dims]._flatten("fsdp")
+            elif layout.dp_replicate > 1 and shard_dims:
+                dp_mesh = mesh["dp_replicate", shard_dims[0]]  # HSDP: replicate outer, shard inner
             else:
-                dp_mesh = mesh["dp_replicate"]
+                dp_mesh = mesh[shard_dims[0] if shard_dims else "dp_replicate"]
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
                 else MixedPrecisionPolicy()
-            reshard = layout.dp_shard > 1
+            reshard = bool(shard_dims)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
             fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -172,21 +216,39 @@ class PlainRun:
         # This rank's rows: its coordinate along dp_replicate x dp_shard picks every batch_ranks-th batch.
         data_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
         self.data, self.batch, self.stride, self.offset = data, args.batch, layout.batch_ranks, data_rank
+        # FSDP averages gradients over every rank that holds a share of the batch; the loss is scaled back up.
+        self.grad_ranks = layout.batch_ranks * layout.cp * layout.sp
         self.index = 0
 
-    def step(self, saved: SavedActivations | None = None) -> None:
+    def step(self, saved: SavedActivations | None = None) -> torch.Tensor:
+        """One optimizer step; returns the mean loss over this rank's tokens (detached)."""
         start = (self.index * self.stride + self.offset) * self.batch
-        ids = self.data[start:start + self.batch].to(self.device)
+        rows = self.data[start:start + self.batch]
         self.index += 1
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            if saved is not None:
-                with saved.context():
-                    loss = self.model(input_ids=ids, labels=ids).loss
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), \
+                saved.context() if saved is not None else contextlib.nullcontext():
+            if self.positions is None:
+                ids = rows.to(self.device)
+                loss = local_mean = self.model(input_ids=ids, labels=ids).loss
             else:
-                loss = self.model(input_ids=ids, labels=ids).loss
+                loss, local_mean = self._sequence_loss(rows, start)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
+        return local_mean.detach()
+
+    def _sequence_loss(self, rows: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the global step's mean loss: its tokens' summed cross-entropy over the tokens of
+        the whole step (every data-parallel rank's rows), times the ranks FSDP averages the gradients over. And,
+        to compare with the library, the mean over this rank's tokens."""
+        step_rows = self.data[start - self.offset * self.batch:][:self.stride * self.batch]
+        tokens = int((shift_labels(step_rows) != -100).sum())
+        pos = self.positions
+        ids, targets = rows[:, pos].to(self.device), shift_labels(rows)[:, pos].to(self.device)
+        logits = self.model(input_ids=ids, position_ids=pos.to(self.device).expand(len(rows), -1)).logits
+        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                     ignore_index=-100, reduction="sum")
+        return loss_sum * (self.grad_ranks / tokens), loss_sum / (targets != -100).sum()
 
 
 # ---- one layout on one rank ----------------------------------------------------------------------------------
@@ -217,10 +279,11 @@ def _counted(run, device: torch.device) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     reset_peak_rss()
     with CollectiveCounter() as counter:
-        run.step(saved)
+        loss = run.step(saved)
     run.optimizer.zero_grad = zero_grad
     out = {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "states": grads,
-           "saved_bytes": saved.bytes, "peak_rss": peak_rss_bytes()}
+           "saved_bytes": saved.bytes, "peak_rss": peak_rss_bytes(),
+           "loss": float(loss)}
     if device.type == "cuda":
         out["peak_allocated"] = torch.cuda.max_memory_allocated()
     return out
@@ -248,8 +311,30 @@ def measure(layout: Layout, args: Any) -> dict[str, Any]:
             cpu[name].append([c for _, c in block])
     counted = {"library": _counted(lib, device), "plain": _counted(plain, device)}
     lib.accelerator.wait_for_everyone()
-    return {"times": times, "cpu": cpu, "counted": counted, "device": str(device),
+    peak = None
+    if dist.get_rank() == 0:  # while the other ranks wait in the barrier below
+        from ndparallel.metrics import peak_flops
+
+        peak = peak_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    lib.accelerator.wait_for_everyone()
+    return {"times": times, "cpu": cpu, "counted": counted, "device": str(device), "peak_flops": peak,
+            "param_gap": param_gap(lib.model, plain.model),
+            "loss_gap": abs(counted["library"]["loss"] - counted["plain"]["loss"]),
             "tokens_per_step": args.batch * args.seq * layout.batch_ranks}
+
+
+def param_gap(a: torch.nn.Module, b: torch.nn.Module) -> float | None:
+    """Largest |difference| between this rank's local parameters of two models trained alike: the two runs did
+    the same steps on the same data, so this shows the hand-written version computes what the library does.
+    None if they are not sharded alike (then local tensors cannot be compared)."""
+    local = {name: getattr(p, "_local_tensor", p).detach() for name, p in a.named_parameters()}
+    gap = 0.0
+    for name, p in b.named_parameters():
+        mine = getattr(p, "_local_tensor", p).detach()
+        if name not in local or local[name].shape != mine.shape:
+            return None
+        gap = max(gap, float((local[name].float() - mine.float()).abs().max()))
+    return gap
 
 
 # ---- Hugging Face Accelerate ---------------------------------------------------------------------------------
@@ -263,9 +348,12 @@ def accelerate_row(layout: Layout, args: Any) -> dict[str, Any]:
         return {"status": "not installed", "error": str(exc)}
     try:
         device, precision = device_and_dtype(args)
+        sizes = {"cp_size": layout.cp} if layout.cp > 1 else {}
+        if layout.sp > 1:
+            sizes["sp_size"] = layout.sp  # Accelerate's sequence parallelism is DeepSpeed's (Ulysses)
         pc = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard,
-                               tp_size=layout.tp)
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if layout.dp_shard > 1 else None
+                               tp_size=layout.tp, **sizes)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if layout.fsdp > 1 else None
         acc = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, cpu=device.type == "cpu",
                           mixed_precision=precision)
         model = build_model(args)
@@ -275,9 +363,16 @@ def accelerate_row(layout: Layout, args: Any) -> dict[str, Any]:
         times = []
         for i in range(args.warmup + args.steps):
             ids = data[i * args.batch:(i + 1) * args.batch].to(acc.device)
+            batch = {"input_ids": ids, "labels": ids, "shift_labels": shift_labels(ids),
+                     "position_ids": torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()}
             start = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            acc.backward(loss)
+            if layout.cp > 1:  # Accelerate's context parallelism shards the buffers in place for the block
+                buffers = list(batch.values())
+                with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                                no_restore_buffers=set(buffers)):
+                    acc.backward(model(**batch).loss)
+            else:
+                acc.backward(model(input_ids=ids, labels=ids).loss)
             optimizer.step()
             optimizer.zero_grad()
             times.append(time.perf_counter() - start)

@@ -92,3 +92,42 @@ def test_benchmark_command_says_how_to_get_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(SystemExit, match=r"needs matplotlib.*\.\[bench\]"):
         run.main(["--layouts", "fsdp2", "--out", str(tmp_path)])
+
+
+TINY = ["--hidden", "64", "--layers", "2", "--vocab", "256", "--seq", "32", "--batch", "2", "--warmup", "1",
+        "--steps", "1", "--repeats", "1", "--no-plots", "--no-accelerate"]
+
+
+def test_benchmark_sequence_layouts_against_hand_written_attention(tmp_path):
+    import run
+
+    cp, sp = run.main(["--layouts", "cp", "sp", "--out", str(tmp_path), *TINY])
+    # The hand-written CP and Ulysses attention (benchmarks/plain_sequence.py) train exactly what the library does:
+    # the last step's losses agree on every rank.
+    assert max(cp["loss_gap"] + sp["loss_gap"]) < 1e-5
+    # Ulysses: q, k, v and the output all-to-all'd forward and their gradients backward, 8 per layer, each of the
+    # minimum size; library and plain send the same.
+    assert sp["bytes"]["library"] == sp["bytes"]["plain"]
+    assert sp["bytes"]["library"]["all_to_all"] == pytest.approx(sp["bytes_minimum"]["all_to_all"])
+    assert sp["calls"]["library"]["all_to_all"] == 8 * 2
+    # All-gather CP: the plain version keeps the gathered K/V for backward and sends the minimum; the library
+    # gathers them again in backward (so only this rank's shard is saved): the minimum plus exactly one more
+    # all-gather of K and V per layer. Gradients of K/V are reduce-scattered once either way.
+    head_dim, kv_heads, layers = 64 // 8, 4, 2
+    regather = layers * 2 * kv_heads * 2 * (32 // 2) * head_dim * 4  # (cp-1)=1 x K and V of the local shard, fp32
+    assert cp["bytes"]["plain"]["all_gather"] == pytest.approx(cp["bytes_minimum"]["all_gather"])
+    assert cp["bytes"]["library"]["all_gather"] == pytest.approx(cp["bytes_minimum"]["all_gather"] + regather)
+    for layout in (cp, sp):
+        assert layout["bytes"]["library"]["reduce_scatter"] == pytest.approx(layout["bytes_minimum"]["reduce_scatter"])
+        assert all(sum(s.values()) == layout["states_ideal"] for s in layout["states"]["library"])
+
+
+def test_loss_gap_exposes_a_wrong_baseline(tmp_path, monkeypatch):
+    import run
+    import workloads
+
+    # Without the hand-written attention each rank of the plain run attends only within its own shard: the loss
+    # gap column must show it.
+    monkeypatch.setattr(workloads, "install", lambda model, groups: None)
+    (cp,) = run.main(["--layouts", "cp", "--out", str(tmp_path), *TINY])
+    assert max(cp["loss_gap"]) > 1e-3

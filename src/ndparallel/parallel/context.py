@@ -209,6 +209,23 @@ def reduce_scatter_sequence(x: torch.Tensor, layout: SequenceLayout, group: dist
     return out
 
 
+def gather_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
+                group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_sequence` of two tensors (K and V) with one collective when their shapes allow: one rendezvous per
+    layer instead of two, the same bytes."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return gather_sequence(a, layout, group), gather_sequence(b, layout, group)
+    return gather_sequence(torch.cat([a, b], dim=1), layout, group).chunk(2, dim=1)
+
+
+def reduce_scatter_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
+                        group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reduce_scatter_sequence` of two tensors (the K and V gradients), with one collective when shapes allow."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return reduce_scatter_sequence(a, layout, group), reduce_scatter_sequence(b, layout, group)
+    return reduce_scatter_sequence(torch.cat([a, b], dim=1), layout, group).chunk(2, dim=1)
+
+
 def _key_blocks(layout: SequenceLayout, causal: bool) -> list[list[tuple[int, int, bool]]]:
     """Per local chunk, the key ranges ``(start, end, causal)`` it attends to: under a causal mask the keys before
     the chunk (full) and the chunk itself (causal); else the whole sequence."""
@@ -223,7 +240,7 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
                 group: dist.ProcessGroup, causal: bool, scale: float) -> torch.Tensor:
-        full_k, full_v = gather_sequence(key, layout, group), gather_sequence(value, layout, group)
+        full_k, full_v = gather_pair(key, value, layout, group)
         n, outs, lses = layout.chunk_len, [], []
         for j, blocks in enumerate(_key_blocks(layout, causal)):
             out = lse = None
@@ -243,7 +260,7 @@ class _AllGatherAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         layout: SequenceLayout = ctx.layout
         n, acc = layout.chunk_len, acc_dtype(query)
-        full_k, full_v = gather_sequence(key, layout, ctx.group), gather_sequence(value, layout, ctx.group)
+        full_k, full_v = gather_pair(key, value, layout, ctx.group)
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
         dk = torch.zeros(full_k.shape, dtype=acc, device=query.device)
         dv = torch.zeros(full_v.shape, dtype=acc, device=query.device)
@@ -255,7 +272,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 dq[:, :, rows] += g[0]
                 dk[:, :, s:e] += g[1]
                 dv[:, :, s:e] += g[2]
-        dk, dv = (reduce_scatter_sequence(d, layout, ctx.group) for d in (dk, dv))
+        dk, dv = reduce_scatter_pair(dk, dv, layout, ctx.group)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None
 
 
