@@ -276,14 +276,20 @@ def main(argv=None) -> list[dict]:
     command = "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = model_sizes(args)
-    results = []
+    results: list[dict] = []
+    failures: dict[str, str] = {}
     for name in args.layouts:
         layout = LAYOUTS[name]
         if torch.cuda.is_available() and not args.cpu and torch.cuda.device_count() < layout.world:
             print(f"{name}: needs {layout.world} GPUs, {torch.cuda.device_count()} here; skipped")
             continue
         print(f"{name}: {layout.world} ranks ...", flush=True)
-        ranks = run_ranks(measure, layout.world, layout, args, timeout=args.timeout)
+        try:
+            ranks = run_ranks(measure, layout.world, layout, args, timeout=args.timeout)
+        except (AssertionError, TimeoutError) as exc:  # a rank raised, died or hung: keep the other layouts' figures
+            failures[name] = str(exc)
+            print(f"  {name} FAILED (the other layouts go on):\n{exc}", flush=True)
+            continue
         result = summarise(layout, ranks, args, sizes)
         if not args.no_accelerate:
             result["accelerate"] = run_ranks(accelerate_row, layout.world, layout, args, timeout=args.timeout)[0]
@@ -292,12 +298,17 @@ def main(argv=None) -> list[dict]:
         results.append(result)
     (args.out / "results.json").write_text(json.dumps(
         {"command": command, "args": {k: str(v) for k, v in vars(args).items()}, "sizes": sizes,
-         "results": results}, indent=1))
-    text = markdown(results, args, sizes, command)
-    if plt is not None:
+         "results": results, "failures": failures}, indent=1))
+    text = markdown(results, args, sizes, command) if results else ""
+    if plt is not None and results:
         text += "\nPlots: " + ", ".join(plots(plt, results, args.out)) + "\n"
+    for name, error in failures.items():
+        text += f"\n**{name} failed:**\n\n```\n{error.strip()[-2000:]}\n```\n"
     (args.out / "results.md").write_text(text)
     print(text)
+    if failures:
+        raise SystemExit(f"{len(failures)} layout(s) failed: {', '.join(failures)}; the others' results are in "
+                         f"{args.out}")
     return results
 
 

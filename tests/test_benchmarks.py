@@ -131,3 +131,19 @@ def test_loss_gap_exposes_a_wrong_baseline(tmp_path, monkeypatch):
     monkeypatch.setattr(workloads, "install", lambda model, groups: None)
     (cp,) = run.main(["--layouts", "cp", "--out", str(tmp_path), *TINY])
     assert max(cp["loss_gap"]) > 1e-3
+
+
+def test_a_failing_layout_keeps_the_others_results(tmp_path, monkeypatch):
+    import run
+    import workloads
+
+    def broken(model, groups):
+        raise RuntimeError("hand-written attention broke")
+
+    monkeypatch.setattr(workloads, "install", broken)  # only layouts that shard the sequence install it
+    with pytest.raises(SystemExit, match="1 layout.*failed: cp;"):
+        run.main(["--layouts", "fsdp2", "cp", "--out", str(tmp_path), *TINY])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["layout"]["name"] for r in saved["results"]] == ["fsdp2"]
+    assert "hand-written attention broke" in saved["failures"]["cp"]
+    assert "hand-written attention broke" in (tmp_path / "results.md").read_text()
