@@ -222,8 +222,9 @@ class PlainRun:
 
     def step(self, saved: SavedActivations | None = None) -> torch.Tensor:
         """One optimizer step; returns the mean loss over this rank's tokens (detached)."""
-        start = (self.index * self.stride + self.offset) * self.batch
-        rows = self.data[start:start + self.batch]
+        first = self.index * self.stride * self.batch
+        step_rows = self.data[first:first + self.stride * self.batch]  # every data-parallel rank's rows
+        rows = step_rows[self.offset * self.batch:(self.offset + 1) * self.batch]  # this rank's
         self.index += 1
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), \
                 saved.context() if saved is not None else contextlib.nullcontext():
@@ -231,17 +232,16 @@ class PlainRun:
                 ids = rows.to(self.device)
                 loss = local_mean = self.model(input_ids=ids, labels=ids).loss
             else:
-                loss, local_mean = self._sequence_loss(rows, start)
+                loss, local_mean = self._sequence_loss(rows, step_rows)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         return local_mean.detach()
 
-    def _sequence_loss(self, rows: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sequence_loss(self, rows: torch.Tensor, step_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the global step's mean loss: its tokens' summed cross-entropy over the tokens of
         the whole step (every data-parallel rank's rows), times the ranks FSDP averages the gradients over. And,
         to compare with the library, the mean over this rank's tokens."""
-        step_rows = self.data[start - self.offset * self.batch:][:self.stride * self.batch]
         tokens = int((shift_labels(step_rows) != -100).sum())
         pos = self.positions
         ids, targets = rows[:, pos].to(self.device), shift_labels(rows)[:, pos].to(self.device)
@@ -327,13 +327,18 @@ def param_gap(a: torch.nn.Module, b: torch.nn.Module) -> float | None:
     """Largest |difference| between this rank's local parameters of two models trained alike: the two runs did
     the same steps on the same data, so this shows the hand-written version computes what the library does.
     None if they are not sharded alike (then local tensors cannot be compared)."""
-    local = {name: getattr(p, "_local_tensor", p).detach() for name, p in a.named_parameters()}
+    from torch.distributed.tensor import DTensor
+
+    def local(p: torch.Tensor) -> torch.Tensor:
+        return (p.to_local() if isinstance(p, DTensor) else p).detach()
+
+    theirs = {name: local(p) for name, p in a.named_parameters()}
     gap = 0.0
     for name, p in b.named_parameters():
-        mine = getattr(p, "_local_tensor", p).detach()
-        if name not in local or local[name].shape != mine.shape:
+        mine = local(p)
+        if name not in theirs or theirs[name].shape != mine.shape:
             return None
-        gap = max(gap, float((local[name].float() - mine.float()).abs().max()))
+        gap = max(gap, float((theirs[name].float() - mine.float()).abs().max()))
     return gap
 
 
@@ -363,10 +368,10 @@ def accelerate_row(layout: Layout, args: Any) -> dict[str, Any]:
         times = []
         for i in range(args.warmup + args.steps):
             ids = data[i * args.batch:(i + 1) * args.batch].to(acc.device)
-            batch = {"input_ids": ids, "labels": ids, "shift_labels": shift_labels(ids),
-                     "position_ids": torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()}
             start = time.perf_counter()
             if layout.cp > 1:  # Accelerate's context parallelism shards the buffers in place for the block
+                batch = {"input_ids": ids.clone(), "labels": ids.clone(), "shift_labels": shift_labels(ids),
+                         "position_ids": torch.arange(ids.shape[1], device=ids.device).expand_as(ids).clone()}
                 buffers = list(batch.values())
                 with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
                                                 no_restore_buffers=set(buffers)):
