@@ -213,6 +213,8 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
     # Global tokens in one micro-step: every data-parallel rank reads its own batch of full sequences.
     tokens_per_micro_step = args.batch_size * args.seq_len * pc.dp_replicate_size * pc.dp_shard_size
     batch_iter = batches()
+    # Step time, tokens/s and MFU (FLOPs per token from the model config; on a CPU the peak is an estimate).
+    timer = accelerator.step_timer(model, seq_len=args.seq_len)
     history: list[dict[str, float]] = []
     throughput: list[float] = []
     total_tokens = interval_tokens = 0
@@ -224,25 +226,26 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
     for step in progress:
         lr = scheduler.get_last_lr()[0]  # the learning rate this step uses
         micro_losses = []
-        while True:
-            batch = next(batch_iter)
-            with accelerator.accumulate(model):
-                buffers = list(batch.values())  # under --cp-size/--sp-size, each rank keeps its part
-                with accelerator.maybe_context_parallel(
-                    buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
-                ):
-                    loss = model(**batch).loss
-                    accelerator.backward(loss)  # scaled so gradients match one process on the global batch
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()  # these three do nothing until the accumulation window ends
-                scheduler.step()
-                optimizer.zero_grad()
-            micro_losses.append(accelerator.reduce(loss.detach(), "mean").item())
-            interval_tokens += tokens_per_micro_step
-            total_tokens += tokens_per_micro_step
-            if accelerator.sync_gradients:  # the optimizer stepped: this step is done
-                break
+        with timer.step(tokens=tokens_per_micro_step * accelerator.gradient_accumulation_steps):
+            while True:
+                batch = next(batch_iter)
+                with accelerator.accumulate(model):
+                    buffers = list(batch.values())  # under --cp-size/--sp-size, each rank keeps its part
+                    with accelerator.maybe_context_parallel(
+                        buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
+                    ):
+                        loss = model(**batch).loss
+                        accelerator.backward(loss)  # scaled so gradients match one process on the global batch
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()  # these three do nothing until the accumulation window ends
+                    scheduler.step()
+                    optimizer.zero_grad()
+                micro_losses.append(accelerator.reduce(loss.detach(), "mean").item())
+                interval_tokens += tokens_per_micro_step
+                total_tokens += tokens_per_micro_step
+                if accelerator.sync_gradients:  # the optimizer stepped: this step is done
+                    break
 
         history.append({"step": step, "loss": sum(micro_losses) / len(micro_losses), "lr": lr})
         progress.set_postfix(loss=f"{history[-1]['loss']:.3f}")
@@ -252,8 +255,9 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
             throughput.append(tokens_per_s)
             interval_tokens, t_interval = 0, now
             if accelerator.is_main_process:
+                mfu = timer.last["mfu"]
                 progress.write(f"step {step:4d}/{args.steps} | loss {history[-1]['loss']:.4f} | lr {lr:.2e} | "
-                               f"{tokens_per_s:,.0f} tokens/s")
+                               f"{tokens_per_s:,.0f} tokens/s" + (f" | MFU {mfu:.1%}" if mfu is not None else ""))
     elapsed = time.perf_counter() - t_start
 
     # 4. Peak memory of every rank, gathered to all of them and printed by the main process.
@@ -283,6 +287,7 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_s": throughput,
         "tokens_per_s_overall": total_tokens / elapsed,
         "elapsed_s": elapsed,
+        "step_metrics": timer.summary(skip=min(2, len(timer.times) - 1)),  # medians after warm-up
         "peak_memory": per_rank,
     }
     return summary

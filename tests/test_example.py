@@ -36,5 +36,12 @@ def test_example_trains_and_reports_every_rank(world, flags):
     assert [entry["rank"] for entry in summary["peak_memory"]] == list(range(world))
     assert all(entry["bytes"] > 0 for entry in summary["peak_memory"])
     assert summary["tokens_per_s_overall"] > 0
+    # The step timer's medians after warm-up: 6 of the 8 steps, each of batch x seq x data-parallel ranks tokens.
+    metrics = summary["step_metrics"]
+    assert metrics["steps"] == 6 and metrics["step_time_s"] > 0
+    data_ranks = world // math.prod(int(flags[i + 1]) for i, f in enumerate(flags) if f in ("--cp-size", "--sp-size"))
+    assert metrics["tokens_per_s"] * metrics["step_time_s"] == pytest.approx(
+        nd_parallel.parse_args(argv).batch_size * 64 * data_ranks)
+    assert 0 < metrics["mfu"] < 1
     # every rank logged the same (reduced) losses
     assert all(r["losses"] == losses for r in results)
