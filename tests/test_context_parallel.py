@@ -8,7 +8,6 @@ when -100 labels are spread unevenly over the shards.
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harness import run_ranks
+from harness import assert_refused, outcomes, run_ranks
 from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, attention
 from ndparallel.parallel import NOT_YET_IMPLEMENTED
 from ndparallel.parallel.context import SequenceLayout
@@ -308,14 +307,7 @@ def _refusals() -> dict[str, tuple[str, str]]:
         "shift_labels-differ-from-loader-count": mismatched_counts,
         "backward-recompute-outside": recompute_outside,  # last: leaves that model's backward half done
     }
-    out = {}
-    for name, trigger in cases.items():
-        try:
-            trigger()
-            out[name] = ("no error", "")
-        except Exception as exc:  # noqa: BLE001 - the parent checks type and message
-            out[name] = (type(exc).__name__, str(exc))
-    return out
+    return outcomes(cases)
 
 
 REFUSALS = {
@@ -349,6 +341,4 @@ def refusals() -> list[dict]:
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refused_with_a_clear_error(refusals, case):
-    error, pattern = REFUSALS[case]
-    for rank, out in enumerate(refusals):
-        assert out[case][0] == error and re.search(pattern, out[case][1]), (rank, out[case])
+    assert_refused(refusals, REFUSALS[case], case)

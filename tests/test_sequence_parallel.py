@@ -9,13 +9,12 @@ within 1e-6 when -100 labels are spread unevenly over the shards.
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_ranks
+from harness import assert_refused, outcomes, run_ranks
 from ndparallel import Accelerator, ParallelismConfig
 from ndparallel.parallel.context import SequenceShards
 from test_context_parallel import _batch, _CustomAttentionLM, loss_diff
@@ -131,14 +130,7 @@ def _refusals() -> dict[str, tuple[str, str]]:
         "input_ids-not-sharded": not_sharded,
         "kv-heads-do-not-divide-heads": lambda: acc.prepare(build_model("llama", num_key_value_heads=3)),
     }
-    out = {}
-    for name, trigger in cases.items():
-        try:
-            trigger()
-            out[name] = ("no error", "")
-        except Exception as exc:  # noqa: BLE001 - the parent checks type and message
-            out[name] = (type(exc).__name__, str(exc))
-    return out
+    return outcomes(cases)
 
 
 REFUSALS = {
@@ -159,6 +151,4 @@ def refusals() -> list[dict]:
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refused_with_a_clear_error(refusals, case):
-    error, pattern = REFUSALS[case]
-    for rank, out in enumerate(refusals):
-        assert out[case][0] == error and re.search(pattern, out[case][1]), (rank, out[case])
+    assert_refused(refusals, REFUSALS[case], case)
