@@ -72,8 +72,7 @@ def _count_collectives(sent: list[int]) -> None:
 
 
 def _measure(strategy: str, args: argparse.Namespace, steps: int) -> dict:
-    from ndparallel.parallel.context import SequenceShards, sharded_attention
-    from ndparallel.parallel.ulysses import ulysses_attention
+    from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention
 
     dist.init_process_group("gloo")
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -88,10 +87,10 @@ def _measure(strategy: str, args: argparse.Namespace, steps: int) -> dict:
 
     def step() -> None:
         if strategy == "ulysses":
-            out = ulysses_attention(q, k, v, dist.group.WORLD,
-                                    lambda a, b, c: sharded_attention(a, b, c, layout.cp, None, "allgather"))
+            out = sequence_parallel_attention(q, k, v, layout, sp_group=dist.group.WORLD, is_causal=True)
         else:
-            out = sharded_attention(q, k, v, layout.cp, dist.group.WORLD, strategy, is_causal=True)
+            out = sequence_parallel_attention(q, k, v, layout, cp_group=dist.group.WORLD, strategy=strategy,
+                                              is_causal=True)
         out.backward(dout)
         q.grad = k.grad = v.grad = None
 

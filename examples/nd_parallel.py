@@ -225,7 +225,6 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
     progress = accelerator.progress_bar(range(1, args.steps + 1), desc="training")
     for step in progress:
         lr = scheduler.get_last_lr()[0]  # the learning rate this step uses
-        micro_losses = []
         with timer.step(tokens=tokens_per_micro_step * accelerator.gradient_accumulation_steps):
             while True:
                 batch = next(batch_iter)
@@ -241,13 +240,13 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
                     optimizer.step()  # these three do nothing until the accumulation window ends
                     scheduler.step()
                     optimizer.zero_grad()
-                micro_losses.append(accelerator.reduce(loss.detach(), "mean").item())
+                step_loss = accelerator.reduce_loss(loss)  # global token mean of the step so far (collective)
                 interval_tokens += tokens_per_micro_step
                 total_tokens += tokens_per_micro_step
                 if accelerator.sync_gradients:  # the optimizer stepped: this step is done
                     break
 
-        history.append({"step": step, "loss": sum(micro_losses) / len(micro_losses), "lr": lr})
+        history.append({"step": step, "loss": step_loss.item(), "lr": lr})
         progress.set_postfix(loss=f"{history[-1]['loss']:.3f}")
         if step % args.log_every == 0 or step == args.steps:
             now = time.perf_counter()

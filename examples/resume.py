@@ -87,10 +87,11 @@ def main(argv: list[str] | None = None) -> dict:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+            step_loss = accelerator.reduce_loss(loss)  # global token mean of the step so far (collective)
             if not accelerator.sync_gradients:
                 continue
             step += 1
-            losses[step] = accelerator.reduce(loss.detach(), "mean").item()
+            losses[step] = step_loss.item()
             accelerator.print(f"step {step}: loss {losses[step]:.4f}")
             if step % args.checkpoint_every == 0 or step == args.steps:
                 accelerator.print(f"saved {accelerator.save_state()}")

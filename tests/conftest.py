@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -11,13 +10,6 @@ torch.set_num_threads(1)
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "scripts"))
-
-
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch):
-    """Tests start from a clean environment: no sizes or settings left by an outer `ndparallel launch`."""
-    for key in [k for k in os.environ if k.startswith("NDPARALLEL_")]:
-        monkeypatch.delenv(key)
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, result
            args: tuple, env: dict[str, str]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The Accelerator reads NDPARALLEL_* (what `ndparallel launch` sets): ranks see none but those in `env`.
     for key in [k for k in os.environ if k.startswith("NDPARALLEL_")]:
         del os.environ[key]
     os.environ.update(env)

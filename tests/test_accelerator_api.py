@@ -29,7 +29,8 @@ def _surface() -> dict:
         "type": acc.distributed_type == DistributedType.FSDP,
         "unwrapped": type(acc.unwrap_model(model)).__name__,
         "mesh_dims": acc.torch_device_mesh.mesh_dim_names,
-        "dp_view": acc.torch_device_mesh["dp"].mesh.tolist(),
+        "dp_view": acc.mesh["dp"].mesh.tolist(),
+        "torch_dp_replicate": acc.torch_device_mesh["dp_replicate"].mesh.tolist(),
         "entered": order[0],
     }
 
@@ -43,8 +44,10 @@ def test_rank_and_size_properties_come_from_the_mesh():
         assert res["axes"] == {"dp_replicate": (dp, 2), "dp_shard": (0, 1), "cp": (0, 1), "sp": (0, 1), "tp": (tp, 2)}
         assert res["data"] == (dp, 2)
         assert res["type"] and res["unwrapped"] == "Linear"
-        assert res["mesh_dims"] == ("dp_replicate", "dp_shard", "cp", "sp", "tp")
-        assert res["dp_view"] == [tp, tp + 2]
+        # Axes of one rank get no dimension (nor groups), but dp_shard: FSDP2 replicates beside TP over (dp_replicate,
+        # dp_shard), which must share the world mesh with tp.
+        assert res["mesh_dims"] == ("dp_replicate", "dp_shard", "tp")
+        assert res["dp_view"] == res["torch_dp_replicate"] == [tp, tp + 2]
     # main_process_first: rank 0 entered its block before every other rank entered theirs
     assert all(out[0]["entered"] <= r["entered"] for r in out[1:])
 

@@ -20,7 +20,6 @@ from transformers import LlamaForCausalLM  # noqa: F401 - likewise (transformers
 import checkpoint_train
 from harness import run_ranks
 from ndparallel.data import PreparedDataLoader
-from ndparallel.parallel import NOT_YET_IMPLEMENTED
 from torch.utils.data import DataLoader
 
 SAVE_AT, STEPS = 2, 6
@@ -38,16 +37,6 @@ LAYOUTS = {
 }
 
 
-def landed(name: str) -> bool:
-    flags = LAYOUTS[name][1]
-    return not any(f"--{axis}-size" in flags for axis in NOT_YET_IMPLEMENTED)
-
-
-def layouts(*names: str) -> list:
-    return [pytest.param(n, marks=pytest.mark.skipif(not landed(n), reason=f"{n}: parallelism not landed yet"))
-            for n in names]
-
-
 def run(name: str, *extra: str) -> dict:
     world, flags = LAYOUTS[name]
     results = run_ranks(checkpoint_train.main, world, [*flags, "--steps", str(STEPS), *extra])
@@ -61,8 +50,8 @@ def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[k] - b[k]) for k in a)
 
 
-@pytest.mark.parametrize("name", layouts("single", "ddp2", "fsdp2", "hsdp2x2_accum2", "fsdp2_full_state",
-                                         "fsdp2xtp2", "fsdp2xcp2"))
+@pytest.mark.parametrize("name", ["single", "ddp2", "fsdp2", "hsdp2x2_accum2", "fsdp2_full_state",
+                                 "fsdp2xtp2", "fsdp2xcp2"])
 def test_resume_reproduces_the_uninterrupted_run(name, tmp_path):
     dropout = [] if "cp" in name else ["--dropout", "0.1"]  # context-parallel attention is exact without dropout
     full = run(name, *dropout, "--save-at", str(SAVE_AT), "--save-dir", str(tmp_path))
@@ -81,7 +70,7 @@ def fsdp4_checkpoint(tmp_path_factory):
     return directory / f"step_{SAVE_AT}", full["losses"]
 
 
-@pytest.mark.parametrize("name", layouts("fsdp2", "single", "fsdp2xtp2", "fsdp2xcp2"))
+@pytest.mark.parametrize("name", ["fsdp2", "single", "fsdp2xtp2", "fsdp2xcp2"])
 def test_checkpoint_of_dp_shard_4_resumes_under_another_layout(name, fsdp4_checkpoint):
     checkpoint, losses = fsdp4_checkpoint
     resumed = run(name, "--load", str(checkpoint))

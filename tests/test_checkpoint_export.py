@@ -15,11 +15,9 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
 import checkpoint_train
 from harness import run_ranks
 from ndparallel.cli import main as cli
-from ndparallel.parallel import NOT_YET_IMPLEMENTED
 from tiny_models import VOCAB, build_model
 
 INPUT = torch.arange(2 * 16).view(2, 16) % VOCAB
-TP = pytest.mark.skipif("tp" in NOT_YET_IMPLEMENTED, reason="tensor parallelism not landed yet")
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -48,7 +46,7 @@ def _train_and_export(flags: list[str], out: str) -> dict:
 
 @pytest.mark.parametrize("flags,world", [
     (["--dp-replicate-size", "2", "--dp-shard-size", "2"], 4),
-    pytest.param(["--dp-shard-size", "2", "--tp-size", "2"], 4, marks=TP),
+    (["--dp-shard-size", "2", "--tp-size", "2"], 4),
 ], ids=["hsdp2x2", "fsdp2xtp2"])
 def test_save_model_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path, flags, world):
     results = run_ranks(_train_and_export, world, flags, str(tmp_path / "hf"))
@@ -111,7 +109,7 @@ def _load_pretrained(mode: str, path: str, flags: dict) -> dict:
 @pytest.mark.parametrize("mode", ["broadcast", "each_rank_reads_its_slices"])
 @pytest.mark.parametrize("flags,world", [
     ({"dp_shard_size": 2}, 2),
-    pytest.param({"dp_shard_size": 2, "tp_size": 2}, 4, marks=TP),
+    ({"dp_shard_size": 2, "tp_size": 2}, 4),
 ], ids=["fsdp2", "fsdp2xtp2"])
 def test_cpu_ram_efficient_loading_fills_a_meta_model(tmp_path, mode, flags, world):
     torch.manual_seed(0)

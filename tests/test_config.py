@@ -6,7 +6,6 @@ Every error path asserts the message text the user will read (house style 9), no
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 
 import pytest
@@ -21,14 +20,6 @@ from ndparallel.config import (
 )
 
 SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size")
-
-
-@pytest.fixture(autouse=True)
-def _no_ndparallel_env(monkeypatch):
-    """Run every test as if no NDPARALLEL_* variable were set (a launcher may have set some)."""
-    for name in list(os.environ):
-        if name.startswith("NDPARALLEL_"):
-            monkeypatch.delenv(name)
 
 
 # ---- ParallelismConfig: construction and resolve ------------------------------------------------------
@@ -127,50 +118,49 @@ def test_bad_handlers(kwargs, error, match):
         ParallelismConfig(**kwargs)
 
 
-# ---- environment variables ----------------------------------------------------------------------------
+# ---- environment variables (read by from_env only) ------------------------------------------------------
 @pytest.mark.parametrize("field", SIZE_FIELDS)
-def test_env_var_used_when_field_is_none(monkeypatch, field):
-    monkeypatch.setenv(f"NDPARALLEL_{field.upper()}", "4")
-    pc = ParallelismConfig()
+def test_env_var_used_when_field_is_none(field):
+    pc = ParallelismConfig.from_env(environ={f"NDPARALLEL_{field.upper()}": "4"})
     assert getattr(pc, field) == 4
     assert all(getattr(pc, f) == 1 for f in SIZE_FIELDS if f != field)
 
 
-def test_env_var_minus_one_and_empty(monkeypatch):
-    monkeypatch.setenv("NDPARALLEL_DP_SHARD_SIZE", "-1")
-    monkeypatch.setenv("NDPARALLEL_TP_SIZE", "")  # empty means unset
-    pc = ParallelismConfig()
+def test_constructor_reads_no_environment(monkeypatch):
+    monkeypatch.setenv("NDPARALLEL_TP_SIZE", "4")
+    assert ParallelismConfig().tp_size == 1
+    assert ParallelismConfig.from_env().tp_size == 4  # os.environ by default
+
+
+def test_env_var_minus_one_and_empty():
+    pc = ParallelismConfig.from_env(environ={"NDPARALLEL_DP_SHARD_SIZE": "-1", "NDPARALLEL_TP_SIZE": ""})  # empty: unset
     assert (pc.dp_shard_size, pc.tp_size) == (-1, 1)
     assert pc.resolve(8).dp_shard_size == 8
 
 
-def test_explicit_args_beat_env_vars(monkeypatch):
-    monkeypatch.setenv("NDPARALLEL_TP_SIZE", "4")
-    monkeypatch.setenv("NDPARALLEL_CP_SIZE", "2")
-    pc = ParallelismConfig(tp_size=2, cp_size=1)  # an explicit 1 also wins
-    assert (pc.tp_size, pc.cp_size) == (2, 1)
+def test_explicit_args_beat_env_vars():
+    env = {"NDPARALLEL_TP_SIZE": "4", "NDPARALLEL_CP_SIZE": "2", "NDPARALLEL_SP_SIZE": "2"}
+    pc = ParallelismConfig.from_env(ParallelismConfig(tp_size=2, cp_size=1), environ=env)  # an explicit 1 also wins
+    assert (pc.tp_size, pc.cp_size, pc.sp_size) == (2, 1, 2)
 
 
 @pytest.mark.parametrize("raw", ["abc", "2.0", "two"])
-def test_bad_env_var_is_named(monkeypatch, raw):
-    monkeypatch.setenv("NDPARALLEL_TP_SIZE", raw)
+def test_bad_env_var_is_named(raw):
     with pytest.raises(ValueError, match=re.escape(f"environment variable NDPARALLEL_TP_SIZE={raw!r} is not an integer")):
-        ParallelismConfig()
+        ParallelismConfig.from_env(environ={"NDPARALLEL_TP_SIZE": raw})
 
 
-def test_bad_env_var_value_is_validated(monkeypatch):
-    monkeypatch.setenv("NDPARALLEL_CP_SIZE", "0")
+def test_bad_env_var_value_is_validated():
     with pytest.raises(ValueError, match=r"cp_size must be >= 1, or -1 .*; got 0"):
-        ParallelismConfig()
+        ParallelismConfig.from_env(environ={"NDPARALLEL_CP_SIZE": "0"})
 
 
-def test_env_var_not_read_for_explicit_bad_env(monkeypatch):
+def test_env_var_not_read_for_explicit_bad_env():
     # a broken variable for a field given explicitly must not matter
-    monkeypatch.setenv("NDPARALLEL_TP_SIZE", "abc")
-    assert ParallelismConfig(tp_size=2).tp_size == 2
+    assert ParallelismConfig.from_env(ParallelismConfig(tp_size=2), environ={"NDPARALLEL_TP_SIZE": "abc"}).tp_size == 2
 
 
-def test_to_env_round_trip(monkeypatch):
+def test_to_env_round_trip():
     pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=-1, sp_size=2, tp_size=2)
     env = pc.to_env()
     assert env == {
@@ -180,9 +170,7 @@ def test_to_env_round_trip(monkeypatch):
         "NDPARALLEL_SP_SIZE": "2",
         "NDPARALLEL_TP_SIZE": "2",
     }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    assert ParallelismConfig() == pc
+    assert ParallelismConfig.from_env(environ=env) == pc
 
 
 # ---- Accelerate-compatible properties -----------------------------------------------------------------
@@ -249,9 +237,10 @@ def test_yaml_round_trip(make, tmp_path):
     assert ParallelismConfig.from_yaml(str(path)) == pc
 
 
-def test_from_dict_partial_uses_defaults_and_env(monkeypatch):
-    monkeypatch.setenv("NDPARALLEL_CP_SIZE", "2")
+def test_from_dict_partial_uses_defaults_and_env():
     pc = ParallelismConfig.from_dict({"tp_size": 2})
+    assert (pc.tp_size, pc.cp_size, pc.dp_shard_size) == (2, 1, 1)
+    pc = ParallelismConfig.from_env(pc, environ={"NDPARALLEL_CP_SIZE": "2", "NDPARALLEL_TP_SIZE": "4"})
     assert (pc.tp_size, pc.cp_size, pc.dp_shard_size) == (2, 2, 1)
 
 

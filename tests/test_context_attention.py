@@ -20,8 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import run_ranks
-from ndparallel.parallel import blockwise
-from ndparallel.parallel.context import SequenceLayout, sharded_attention
+from ndparallel.parallel.sequence import SequenceLayout, SequenceShards, kernels, sequence_parallel_attention
 
 HEADS = [(4, 4), (4, 2), (6, 1)]  # (query heads, key/value heads): MHA, GQA, MQA
 LENGTHS = {2: [4, 12, 24], 4: [8, 24]}
@@ -29,8 +28,8 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def _compare(strategy: str, load_balance: bool, dtype: torch.dtype, backend: str) -> dict[str, float]:
-    blockwise.BACKEND = backend
-    blockwise.TILE_ELEMENTS = 64  # several row tiles per block, even at these sizes
+    kernels.BACKEND = backend
+    kernels.TILE_ELEMENTS = 64  # several row tiles per block, even at these sizes
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
     errors: dict[str, float] = {}
@@ -45,7 +44,8 @@ def _compare(strategy: str, load_balance: bool, dtype: torch.dtype, backend: str
 
         layout = SequenceLayout(seq, cp, rank, load_balance)
         local = [layout.shard(t.detach(), 2).clone().requires_grad_() for t in (q, k, v)]
-        out = sharded_attention(*local, layout, dist.group.WORLD, strategy, is_causal=causal)
+        out = sequence_parallel_attention(*local, SequenceShards(layout), cp_group=dist.group.WORLD, strategy=strategy,
+                                          is_causal=causal)
         out.backward(layout.shard(dout, 2))
         diffs = [out - layout.shard(full, 2)] + [t.grad - layout.shard(r.grad, 2) for t, r in zip(local, (q, k, v))]
         errors[f"seq={seq} heads={hq}/{hkv} causal={causal}"] = max(d.abs().max().item() for d in diffs)

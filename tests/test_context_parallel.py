@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import assert_refused, outcomes, run_ranks
-from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, attention
-from ndparallel.parallel import NOT_YET_IMPLEMENTED
-from ndparallel.parallel.context import SequenceLayout
+from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, context_parallel_attention
+from ndparallel.parallel.sequence import SequenceLayout
 from test_parity import max_param_diff, reference, run_layout
 from tiny_models import build_model
 
@@ -29,7 +28,6 @@ LAYOUTS = [  # (id, world size, flags)
     ("fsdp2_cp2", 4, ["--dp-shard-size", "2", *CP]),
     ("hsdp2x2_cp2", 8, ["--dp-replicate-size", "2", "--dp-shard-size", "2", *CP]),
 ]
-needs_tp = pytest.mark.skipif("tp" in NOT_YET_IMPLEMENTED, reason="tensor parallelism has not landed")
 TP_LAYOUTS = [
     ("cp2_tp2", 4, [*CP, "--tp-size", "2"]),
     ("fsdp2_cp2_tp2", 8, ["--dp-shard-size", "2", *CP, "--tp-size", "2"]),
@@ -43,7 +41,7 @@ def loss_diff(results: list[dict], ref: dict) -> float:
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])
-@pytest.mark.parametrize("name,world,flags", [*LAYOUTS, *[pytest.param(*l, marks=needs_tp) for l in TP_LAYOUTS]],
+@pytest.mark.parametrize("name,world,flags", [*LAYOUTS, *TP_LAYOUTS],
                          ids=[l[0] for l in LAYOUTS + TP_LAYOUTS])
 def test_losses_match_single_process(name, world, flags, strategy, model):
     ref = reference(model)
@@ -53,7 +51,6 @@ def test_losses_match_single_process(name, world, flags, strategy, model):
     assert results[0]["lr"] == pytest.approx(ref["lr"])
 
 
-@needs_tp
 def test_four_dimensional_layout_matches_single_process():
     """dp_replicate 2 x dp_shard 2 x cp 2 x tp 2 on 16 ranks."""
     flags = ["--dp-replicate-size", "2", "--dp-shard-size", "2", *CP, "--tp-size", "2"]
@@ -186,7 +183,7 @@ class _CustomAttentionLM(nn.Module):
         x = self.embed(input_ids) + positions.unsqueeze(-1).float() / 16
         b, n, d = x.shape
         q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        a = attention.context_parallel_attention(q, k, v, is_causal=True)
+        a = context_parallel_attention(q, k, v, is_causal=True)
         return self.head(x + self.out(a.transpose(1, 2).reshape(b, n, d)))
 
 

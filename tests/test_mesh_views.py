@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 import re
 
 import pytest
@@ -89,16 +88,8 @@ def fake_world(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def build(shape: tuple[int, ...]) -> ParallelMesh:
-    return ParallelMesh(ParallelismConfig(**{f"{a}_size": s for a, s in zip(AXES, shape)}), "cpu")
-
-
-@pytest.fixture(autouse=True)
-def _no_ndparallel_env(monkeypatch):
-    """Sizes not given are read from NDPARALLEL_*; make sure none leaks in from the environment."""
-    for name in list(os.environ):
-        if name.startswith("NDPARALLEL_"):
-            monkeypatch.delenv(name)
+def build(shape: tuple[int, ...], fsdp: bool = False) -> ParallelMesh:
+    return ParallelMesh(ParallelismConfig(**{f"{a}_size": s for a, s in zip(AXES, shape)}), "cpu", fsdp=fsdp)
 
 
 # ---- the independent helpers themselves -----------------------------------------------------------
@@ -126,7 +117,7 @@ def test_views(shape):
     fsdp_size = sizes["dp_shard"] * sizes["cp"] * sizes["sp"]
     for rank in range(n):
         with fake_world(rank, n):
-            mesh = build(shape)
+            mesh = build(shape, fsdp=True)  # FSDP2 will wrap: the data-parallel mesh exists for every shape
             assert set(mesh.names) == set(ALL_VIEWS)
             assert mesh.config.sizes() == sizes
             for name, axes in ALL_VIEWS.items():
@@ -135,13 +126,17 @@ def test_views(shape):
                 assert mesh.ranks(name) == want, where
                 assert mesh.size(name) == len(want) == math.prod(sizes[a] for a in axes), where
                 assert mesh.rank(name) == want.index(rank), where
-            hsdp = mesh.hsdp()
-            assert tuple(hsdp.mesh.shape) == (sizes["dp_replicate"], fsdp_size)
-            assert hsdp.mesh_dim_names == ("dp_replicate", "fsdp")
-            # rows: replicas; columns: the fsdp group; every rank with this rank's tp coordinate
-            assert hsdp.mesh.flatten().tolist() == expected_ranks(rank, shape, AXES[:-1])
-            assert hsdp.get_local_rank("dp_replicate") == mesh.rank("dp_replicate")
-            assert hsdp.get_local_rank("fsdp") == mesh.rank("fsdp")
+            # The mesh FSDP2 wraps over: HSDP's (dp_replicate, fsdp) when there are replicas, else the fsdp view.
+            dp = mesh.data_parallel()
+            if sizes["dp_replicate"] > 1:
+                assert tuple(dp.mesh.shape) == (sizes["dp_replicate"], fsdp_size)
+                # rows: replicas; columns: the fsdp group; every rank with this rank's tp coordinate
+                assert dp.mesh.flatten().tolist() == expected_ranks(rank, shape, AXES[:-1])
+                assert dp.get_local_rank(0) == mesh.rank("dp_replicate")
+                assert dp.get_local_rank(1) == mesh.rank("fsdp")
+            else:
+                assert dp.mesh.flatten().tolist() == expected_ranks(rank, shape, EXPECTED_VIEWS["fsdp"])
+                assert dp.get_local_rank() == mesh.rank("fsdp")
 
 
 def test_minus_one_is_resolved_against_the_world():
@@ -169,6 +164,41 @@ def test_unknown_view_lists_valid_names():
             mesh["dp_shard_tp"]
         message = str(info.value)
         assert all(name in message for name in ALL_VIEWS)
+
+
+def _new_groups(shape: tuple[int, ...], fsdp: bool) -> int:
+    """Process groups created while building the mesh of `shape` (as rank 0)."""
+    n = math.prod(shape)
+    with fake_world(0, n):
+        before = len(dist.distributed_c10d._world.pg_map)
+        build(shape, fsdp)
+        return len(dist.distributed_c10d._world.pg_map) - before
+
+
+@pytest.mark.parametrize("shape,groups,fsdp", [
+    ((1, 1, 1, 1, 1), 0, True),  # one process: every view is the default group
+    ((1, 4, 1, 1, 1), 0, True),  # one axis spanning the world: the default group serves every view
+    ((1, 2, 1, 1, 2), 2, True),  # dp_shard and tp only; batch = fsdp = loss = dp_shard's group
+    ((2, 2, 1, 1, 2), 4, True),  # dp_replicate, dp_shard, tp, and one flattened (dp_replicate x dp_shard)
+    ((1, 2, 2, 1, 1), 2, True),  # dp_shard and cp; their product (fsdp = loss = ...) spans the world: default group
+    ((2, 2, 2, 1, 2), 7, True),  # 4 axes; batch (= dp), fsdp (= dp_shard_cp), loss (= dp_cp)
+    ((2, 1, 1, 1, 2), 2, False),  # DDP x TP without FSDP2 would need dp_replicate and tp only ...
+    ((2, 1, 1, 1, 2), 3, True),  # ... with FSDP2 replicating, a one-rank dp_shard dimension beside them
+])
+def test_groups_only_for_axes_and_views_that_exist(shape, groups, fsdp):
+    """Size-1 axes get no dimension and views that repeat another's axes share its group (before: every axis and
+    six flattened views made groups: 11 per rank for every shape here but the first two)."""
+    assert _new_groups(shape, fsdp) == groups
+
+
+def test_views_of_one_rank_have_no_group():
+    with fake_world(0, 4):
+        mesh = build((1, 2, 1, 1, 2))
+        assert mesh.world.mesh_dim_names == ("dp_shard", "tp")
+        assert (mesh.size("cp"), mesh.rank("cp"), mesh.ranks("cp")) == (1, 0, [0])
+        with pytest.raises(ValueError, match=r"mesh view 'cp' \(cp_size=1\) holds this rank alone and has no "
+                                             r"process group; check mesh.size\('cp'\) > 1"):
+            mesh.group("cp")
 
 
 def test_mesh_needs_initialised_process_group():

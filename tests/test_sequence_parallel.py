@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from harness import assert_refused, outcomes, run_ranks
 from ndparallel import Accelerator, ParallelismConfig
-from ndparallel.parallel.context import SequenceShards
+from ndparallel.parallel.sequence import SequenceShards
 from test_context_parallel import _batch, _CustomAttentionLM, loss_diff
 from test_parity import max_param_diff, reference, run_layout
 from tiny_models import build_model

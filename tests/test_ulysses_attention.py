@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import run_ranks
-from ndparallel.parallel.context import SequenceShards, sharded_attention
-from ndparallel.parallel.ulysses import check_heads, heads_to_seq, kv_repeats, seq_to_heads, ulysses_attention
+from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention
+from ndparallel.parallel.sequence.collectives import heads_to_seq, seq_to_heads
+from ndparallel.parallel.sequence.ulysses import check_heads, kv_repeats
 
 HEADS = {2: [(4, 4), (4, 2), (6, 1)], 4: [(8, 8), (8, 4), (8, 2), (4, 1)]}  # (query, key/value heads)
 TOLERANCE = 1e-10
@@ -46,12 +47,9 @@ def _compare(cp: int, strategy: str, load_balance: bool) -> dict[str, float]:
         full.backward(dout)
 
         layout = SequenceShards.of(seq, cp, cp_rank, load_balance, sp, sp_rank)
-
-        def attend(a, b, c, causal=causal, layout=layout):
-            return sharded_attention(a, b, c, layout.cp, cp_group, strategy, is_causal=causal)
-
         local = [layout.shard(t.detach(), 2).clone().requires_grad_() for t in (q, k, v)]
-        out = ulysses_attention(*local, sp_group, attend)
+        out = sequence_parallel_attention(*local, layout, cp_group=cp_group, sp_group=sp_group, strategy=strategy,
+                                          is_causal=causal)
         out.backward(layout.shard(dout, 2))
         diffs = [out - layout.shard(full, 2)] + [t.grad - layout.shard(r.grad, 2) for t, r in zip(local, (q, k, v))]
         errors[f"seq={seq} heads={hq}/{hkv} causal={causal}"] = max(d.abs().max().item() for d in diffs)

@@ -3,6 +3,7 @@
     from ndparallel import Accelerator, ParallelismConfig, FullyShardedDataParallelPlugin
 """
 
+from ._version import __version__
 from .accelerator import Accelerator, DistributedType
 from .checkpoint import CheckpointError, ProjectConfiguration, init_empty_weights
 from .config import (
@@ -12,9 +13,8 @@ from .config import (
     TorchTensorParallelConfig,
 )
 from .mesh import ParallelMesh
+from .parallel.sequence import context_parallel_attention
 from .utils import set_seed
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Accelerator",
@@ -26,6 +26,7 @@ __all__ = [
     "ProjectConfiguration",
     "TorchContextParallelConfig",
     "TorchTensorParallelConfig",
+    "context_parallel_attention",
     "init_empty_weights",
     "set_seed",
     "__version__",

@@ -1,8 +1,9 @@
 """The `Accelerator`: Hugging Face Accelerate's training API over one ND device mesh.
 
 It only orchestrates: the mesh comes from `ndparallel.mesh`, models are parallelised by `ndparallel.parallel`,
-data loaders sharded by `ndparallel.data`, the loss made right by `ndparallel.loss`, clipping done by
-`ndparallel.clip`.
+data loaders sharded by `ndparallel.data`, the loss made right by `ndparallel.loss`, sequences sharded by
+`ndparallel.parallel.sequence`, clipping done by `ndparallel.clip`, metrics gathered by `ndparallel.operations`;
+what it prepared is kept in one `ndparallel.record.PreparedObjects`, which checkpoints read and write.
 
 Differences from Accelerate, on purpose:
 - the LR scheduler steps once per optimizer step (Accelerate steps it once per process), so a run on N
@@ -10,14 +11,13 @@ Differences from Accelerate, on purpose:
 - `backward` weights each rank's loss by its share of the optimizer step's loss tokens (see `ndparallel.loss`),
   so unequal numbers of -100 labels over ranks and micro-steps give the single-process gradient;
 - `reduce` and `gather` run over the ranks that hold distinct data (the ``loss`` and ``batch`` views), never
-  counting tensor-parallel copies twice.
+  counting tensor-parallel copies twice; `reduce_loss` gives the exact global token mean of a step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import gc
 import os
 import warnings
@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from . import attention, checkpoint, clip, metrics, parallel
+from . import checkpoint, clip, metrics, operations, parallel
 from .config import (
     ACCUMULATION_ENV,
     MIXED_PRECISION,
@@ -41,15 +41,15 @@ from .config import (
     SIZE_FIELDS,
     FullyShardedDataParallelPlugin,
     ParallelismConfig,
+    compute_dtype,
     size_env_var,
 )
 from .data import PreparedDataLoader
 from .loss import GradientState
 from .mesh import ParallelMesh
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .parallel import comm
-from .parallel.context import shard_loss_tokens
-from .parallel.precision import DTYPES
+from .parallel.sequence import SequenceSharding
+from .record import PreparedObjects
 from .runtime import init_runtime
 from .utils import progress_bar
 
@@ -73,9 +73,12 @@ class Accelerator:
     """Trains a model with the parallelisms of a `ParallelismConfig` (plain DDP over all processes without one).
 
     Args:
-        parallelism_config: sizes of each parallelism; None reads the sizes ``ndparallel launch`` passed, or
-            uses DDP over every process when none were passed.
-        fsdp_plugin: FSDP2 settings; FSDP2 is used when ``dp_shard * cp * sp > 1`` or a plugin is given.
+        parallelism_config: sizes of each parallelism; sizes it leaves unset are read from what ``ndparallel launch``
+            passed (`ParallelismConfig.from_env`). None: the launch's sizes, or DDP over every process when none
+            were passed.
+        fsdp_plugin: FSDP2 settings. FSDP2 wraps the model when parameters are sharded (``dp_shard * cp * sp > 1``),
+            when a plugin is given, or when tensor parallelism meets data parallelism (torch's DDP takes no DTensor
+            parameters, so replication is FSDP2 over a shard group of one).
         mixed_precision: "no", "bf16" or "fp16" (None: ``$NDPARALLEL_MIXED_PRECISION`` or "no").
         gradient_accumulation_steps: micro-steps per optimizer step (None: ``$NDPARALLEL_GRADIENT_ACCUMULATION_STEPS``
             or 1).
@@ -119,24 +122,25 @@ class Accelerator:
         if parallelism_config is None:
             launched = any(os.environ.get(size_env_var(f)) for f in SIZE_FIELDS)
             parallelism_config = ParallelismConfig() if launched else ParallelismConfig(dp_replicate_size=-1)
+        parallelism_config = ParallelismConfig.from_env(parallelism_config)
 
         self.runtime = init_runtime(cpu)
         self.parallelism_config = parallelism_config.resolve(self.runtime.world_size)
-        self.mesh = ParallelMesh(self.parallelism_config, self.device.type)
+        self.mesh = ParallelMesh(self.parallelism_config, self.device.type,
+                                 fsdp=parallel.uses_fsdp(self.parallelism_config, fsdp_plugin))
         self.fsdp_plugin = fsdp_plugin
         self.mixed_precision = mixed_precision
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.device_placement = device_placement
         self.gradient_state = GradientState(gradient_accumulation_steps, self.mesh.size("loss"))
-        self.scaler = torch.amp.GradScaler(self.device.type) if mixed_precision == "fp16" else None
-        self._models: list[nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._dataloaders: list[PreparedDataLoader] = []
-        self._schedulers: list[AcceleratedScheduler] = []
+        # This rank's part of every sequence under context/sequence parallelism (None without): the one geometry
+        # the data loaders count loss tokens with and maybe_context_parallel shards with.
+        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh)
+        scaler = torch.amp.GradScaler(self.device.type) if mixed_precision == "fp16" else None
+        self.prepared = PreparedObjects(self.gradient_state, scaler)  # what save_state / load_state cover
         # id(original parameter) -> (weak reference to it, the parameter that replaced it in prepare()).
         self._param_map: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
-        self._prepared: set[int] = set()  # ids of every object prepare() has taken, to refuse a second time
-        self._custom_objects: list[Any] = []  # register_for_checkpointing
+        self._taken: set[int] = set()  # ids of every object prepare() has taken, to refuse a second time
         checkpoint.announce(fsdp_plugin)  # cpu_ram_efficient_loading: tell transformers, as Accelerate does
 
     # ---- processes and mesh ------------------------------------------------------------------------
@@ -165,13 +169,19 @@ class Accelerator:
         return self.local_process_index == 0
 
     @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The gradient scaler of fp16 mixed precision (None otherwise)."""
+        return self.prepared.scaler
+
+    @property
     def torch_device_mesh(self):
-        """The world `DeviceMesh`; its flattened views (``fsdp``, ``batch``, ``dp``...) can be indexed by name."""
+        """The world `DeviceMesh`: a dimension for each axis of more than one rank, and the flattened views that
+        span several of them, by name (``mesh[name]`` answers every view name)."""
         return self.mesh.world
 
     @property
     def distributed_type(self) -> DistributedType:
-        if parallel.uses_fsdp(self.mesh, self.fsdp_plugin):
+        if parallel.uses_fsdp(self.parallelism_config, self.fsdp_plugin):
             return DistributedType.FSDP
         if self.num_processes == 1:
             return DistributedType.NO
@@ -202,7 +212,7 @@ class Accelerator:
         kinds = [self._kind(i, obj) for i, obj in enumerate(args)]
         seen: set[int] = set()
         for i, obj in enumerate(args):
-            if id(obj) in self._prepared or id(obj) in seen or isinstance(
+            if id(obj) in self._taken or id(obj) in seen or isinstance(
                     obj, (DistributedDataParallel, FSDPModule, AcceleratedOptimizer, PreparedDataLoader,
                           AcceleratedScheduler)):
                 raise ValueError(
@@ -216,7 +226,7 @@ class Accelerator:
                 if kinds[i] == kind:
                     extra = {"tp_plan": tp_plan} if kind == "model" else {}
                     out[i] = getattr(self, f"prepare_{kind}")(obj, **extra)
-                    self._prepared.add(id(obj))  # only once prepared: a failed prepare() may be retried
+                    self._taken.add(id(obj))  # only once prepared: a failed prepare() may be retried
         return out[0] if len(out) == 1 else tuple(out)
 
     @staticmethod
@@ -237,24 +247,23 @@ class Accelerator:
 
     def prepare_model(self, model: nn.Module, tp_plan: dict[str, str] | None = None) -> nn.Module:
         old = dict(model.named_parameters())
-        dtype = DTYPES[self.mixed_precision]
+        options = parallel.PrepareOptions(self.device, self.fsdp_plugin, self.mixed_precision, tp_plan)
         # A model on the meta device (cpu_ram_efficient_loading) gets its weights after it is parallelised.
         prepared = checkpoint.parallelize_loading_weights(
-            model, self.fsdp_plugin, self.device,
-            lambda m: parallel.parallelize(m, self.mesh, self.fsdp_plugin, dtype, self.device, tp_plan))
+            model, self.fsdp_plugin, self.device, lambda m: parallel.parallelize(m, self.mesh, options))
         new = dict(self.unwrap_model(prepared).named_parameters())
         for name, param in old.items():
             if new.get(name) is not None and new[name] is not param:
                 self._param_map[id(param)] = (weakref.ref(param), new[name])
-        self._models.append(prepared)
-        for opt in self._optimizers:  # optimizers prepared before this model follow its new parameters too
+        self.prepared.models.append(prepared)
+        for opt in self.prepared.optimizers:  # optimizers prepared before this model follow its new parameters too
             self._remap(opt.optimizer)
         return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         self._remap(optimizer)
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
-        self._optimizers.append(wrapped)
+        self.prepared.optimizers.append(wrapped)
         return wrapped
 
     def _remap(self, optimizer: torch.optim.Optimizer) -> None:
@@ -283,36 +292,29 @@ class Accelerator:
                             dtype=torch.long, device=self.device)
         if self.num_processes > 1:
             dist.broadcast(seed, src=0)
+        sharding = self.sequence_sharding  # under CP/SP a rank's loss averages over its shard's tokens only
         prepared = PreparedDataLoader(
             dataloader, num_shards=self.mesh.size("batch"), shard_index=self.mesh.rank("batch"),
             seed=int(seed.item()), device=self.device, put_on_device=self.device_placement,
-            window=self.gradient_accumulation_steps, window_group=self.mesh.group("batch"),
-            on_batch=self.gradient_state.on_batch, local_count=self._shard_loss_tokens(),
+            window=self.gradient_accumulation_steps,
+            window_group=self.mesh.group("batch") if self.mesh.size("batch") > 1 else None,
+            gradient_state=self.gradient_state,
+            local_count=sharding.count_loss_tokens if sharding is not None else None,
         )
-        self._dataloaders.append(prepared)
+        self.prepared.dataloaders.append(prepared)
         return prepared
 
     prepare_data_loader = prepare_dataloader  # Accelerate's spelling
 
-    def _shard_loss_tokens(self) -> Any:
-        """Under context/sequence parallelism each rank's loss averages over its shard (cp x sp) of the sequences
-        only: the function that counts those tokens, for the loss factor (see `ndparallel.loss`); None otherwise."""
-        if self.mesh.size("cp") == 1 and self.mesh.size("sp") == 1:
-            return None
-        cp = self.parallelism_config.cp_handler
-        return functools.partial(shard_loss_tokens, size=self.mesh.size("cp"), rank=self.mesh.rank("cp"),
-                                 load_balance=cp.load_balance, sp_size=self.mesh.size("sp"),
-                                 sp_rank=self.mesh.rank("sp"))
-
     def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> AcceleratedScheduler:
-        optimizers = [o for o in self._optimizers if scheduler.optimizer in (o, o.optimizer)]
+        optimizers = [o for o in self.prepared.optimizers if scheduler.optimizer in (o, o.optimizer)]
         if not optimizers:
             raise ValueError(
                 "prepare(): the LR scheduler's optimizer has not been prepared; pass the optimizer to prepare() "
                 "in the same call or before the scheduler"
             )
         wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state)
-        self._schedulers.append(wrapped)
+        self.prepared.schedulers.append(wrapped)
         return wrapped
 
     # ---- the training step --------------------------------------------------------------------------
@@ -342,7 +344,7 @@ class Accelerator:
         sync = self.gradient_state.advance()
         with contextlib.ExitStack() as stack:
             if not sync:
-                for model in models or self._models:
+                for model in models or self.prepared.models:
                     stack.enter_context(self.no_sync(model))
             yield
 
@@ -368,35 +370,32 @@ class Accelerator:
         """Shard `buffers` in place along `buffer_seq_dims` over ``cp x sp`` for the block; a no-op without CP/SP.
 
         Inside, each buffer holds this rank's part of every sequence (load-balanced: chunks r and 2*cp-1-r of
-        2*cp; with sp > 1, a contiguous 1/sp of that; see `ndparallel.parallel.context.SequenceShards`) and the
-        prepared model's attention spans the whole sequence (Ulysses over sp, `ndparallel.parallel.ulysses`). On
-        exit, buffers not in `no_restore_buffers` get their full contents back. Pass ``shift_labels`` (labels
-        shifted by one *before* sharding) rather than ``labels``, and ``position_ids``; run backward inside too.
-        Nothing here communicates: bad input raises on every rank before any collective.
+        2*cp; with sp > 1, a contiguous 1/sp of that; see `ndparallel.parallel.sequence.SequenceShards`) and the
+        prepared model's attention spans the whole sequence. On exit, buffers not in `no_restore_buffers` get their
+        full contents back. Pass ``shift_labels`` (labels shifted by one *before* sharding) rather than ``labels``,
+        and ``position_ids``; run backward inside too. Nothing here communicates: bad input raises on every rank
+        before any collective.
         """
         if buffers is not None and buffer_seq_dims is not None and len(buffers) != len(buffer_seq_dims):
             raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
-        if self.mesh.size("cp") == 1 and self.mesh.size("sp") == 1:
+        if self.sequence_sharding is None:
             yield
             return
-        cp, batch = self.parallelism_config.cp_handler, self.gradient_state.batch
-        with attention.sharded_sequence(
-                buffers, buffer_seq_dims, no_restore_buffers, group=self.mesh.group("cp"), size=self.mesh.size("cp"),
-                rank=self.mesh.rank("cp"), load_balance=cp.load_balance, strategy=cp.cp_comm_strategy,
-                expected_tokens=batch.local_tokens if batch is not None else None, sp_group=self.mesh.group("sp"),
-                sp_size=self.mesh.size("sp"), sp_rank=self.mesh.rank("sp")):
+        batch = self.gradient_state.batch
+        with self.sequence_sharding.sharded(buffers, buffer_seq_dims, no_restore_buffers,
+                                            expected_tokens=batch.local_tokens if batch is not None else None):
             yield
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        dtype = DTYPES[self.mixed_precision]
+        dtype = compute_dtype(self.mixed_precision)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             yield
 
     def unscale_gradients(self) -> None:
         if self.scaler is None:
             return
-        for opt in self._optimizers:
+        for opt in self.prepared.optimizers:
             try:
                 self.scaler.unscale_(opt.optimizer)
             except RuntimeError as exc:  # already unscaled since the last update(): nothing to do
@@ -411,22 +410,35 @@ class Accelerator:
     # ---- collectives for metrics ----------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
         """Concatenate tensors (or dicts/lists of them) along dim 0 over the ranks with distinct samples."""
-        return comm.gather(tensor, self.mesh["batch"])
+        return operations.gather(tensor, self.mesh, "batch")
 
     def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """`gather`, minus the samples repeated to even out the last batch across ranks."""
         drop = self.gradient_state.remainder
         if use_gather_object or not isinstance(data, (torch.Tensor, dict, list, tuple)):
-            parts: list[Any] = [None] * self.mesh.size("batch")
-            dist.all_gather_object(parts, data, group=self.mesh.group("batch"))
+            parts = operations.gather_object(data, self.mesh, "batch")
             flat = [x for part in parts for x in (part if isinstance(part, list) else [part])]
             return flat[: len(flat) - drop]
         gathered = self.gather(data)
-        return comm.map_tensors(gathered, lambda t: t[: t.shape[0] - drop]) if drop else gathered
+        return operations.map_tensors(gathered, lambda t: t[: t.shape[0] - drop]) if drop else gathered
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Sum or average over the ranks whose values are distinct contributions (the ``loss`` view)."""
-        return comm.reduce(tensor, self.mesh["loss"], reduction, scale)
+        return operations.reduce(tensor, self.mesh, "loss", reduction, scale)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The global token mean of the loss of this optimizer step, for logging. Collective.
+
+        Call it once per micro-step with that micro-step's `loss` (this rank's mean, as passed to `backward`). It
+        returns the mean over every loss token of every rank of the ``loss`` view and of the micro-steps of the
+        current accumulation window so far -- on the micro-step that ends the window (``sync_gradients``), exactly
+        the loss a single process computes on the whole global batch of the step, whatever the -100 labels, context
+        / sequence shards and accumulation steps. Without loss-token counts (no labels in the batch) it is the mean
+        of the ranks' and micro-steps' losses. A float64 scalar tensor, so that summing many ranks' fp32 losses adds no
+        rounding of its own. See `ndparallel.loss`.
+        """
+        sums = operations.reduce(self.gradient_state.log_loss(loss), self.mesh, "loss", "sum")
+        return sums[0] / sums[1]
 
     # ---- checkpoints (ndparallel.checkpoint; docs/checkpoints.md) ---------------------------------------------
     @property
@@ -439,7 +451,7 @@ class Accelerator:
         if bad:
             raise ValueError(f"register_for_checkpointing: object(s) at position(s) {bad} have no state_dict and "
                              "load_state_dict methods")
-        self._custom_objects.extend(objects)
+        self.prepared.custom_objects.extend(objects)
 
     def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
         """Write a crash-safe, sharded checkpoint of everything prepared (and registered); return its directory.
@@ -448,13 +460,19 @@ class Accelerator:
         ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps the newest ``total_limit``. Collective.
         """
         self._ignored_kwargs("save_state", kwargs)
-        return str(checkpoint.save_state(self, output_dir))
+        return str(checkpoint.save_state(self.prepared, self._run_settings(), self.project_configuration, output_dir))
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
         """Restore a checkpoint written by `save_state` under this or any other layout (the newest complete one
         of the project without `input_dir`); return its directory. Collective."""
         self._ignored_kwargs("load_state", kwargs)
-        return str(checkpoint.load_state(self, input_dir))
+        return str(checkpoint.load_state(self.prepared, self.project_configuration, input_dir))
+
+    def _run_settings(self) -> checkpoint.RunSettings:
+        plugin = self.fsdp_plugin
+        return checkpoint.RunSettings(self.parallelism_config, self.device.type, self.mixed_precision,
+                                      self.gradient_accumulation_steps,
+                                      plugin.state_dict_type if plugin is not None else checkpoint.SHARDED)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> str:
@@ -508,7 +526,7 @@ class Accelerator:
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
         """The model without its DDP wrapper (FSDP2 and checkpointing change no parameter names)."""
-        return model.module if isinstance(model, DistributedDataParallel) else model
+        return parallel.unwrap(model)
 
     def end_training(self) -> None:
         """Release the process group (call once, at the end of the script)."""

@@ -2,9 +2,10 @@
 
 `ParallelismConfig` keeps Hugging Face Accelerate's field names so a script written for Accelerate's
 ND-parallel API runs with only its imports changed. Every size defaults to 1; at most one may be -1,
-meaning "the ranks that are left". A size left unset (``None``) is read from the environment variable
-``NDPARALLEL_<FIELD>`` (``NDPARALLEL_DP_SHARD_SIZE``...), which ``ndparallel launch`` sets, so a script
-that builds ``ParallelismConfig()`` with no arguments picks up the launch's sizes.
+meaning "the ranks that are left". A size left unset (``None``) is 1, unless the Accelerator reads it from the
+environment variable ``NDPARALLEL_<FIELD>`` (``NDPARALLEL_DP_SHARD_SIZE``...), which ``ndparallel launch`` sets:
+`ParallelismConfig.from_env`, the only place that reads them. So a launched script that builds
+``ParallelismConfig()`` with no arguments runs with the launch's sizes.
 
 Validation happens twice: when the object is built (types, -1 at most once) and in `resolve`, against the
 world size, with errors that show every factor.
@@ -16,7 +17,8 @@ import dataclasses
 import math
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,25 @@ ENV_PREFIX = "NDPARALLEL_"
 # Settings `ndparallel launch` passes to the Accelerator of every rank (used when the script leaves them unset).
 MIXED_PRECISION_ENV = ENV_PREFIX + "MIXED_PRECISION"
 ACCUMULATION_ENV = ENV_PREFIX + "GRADIENT_ACCUMULATION_STEPS"
+
+# Floating-point dtypes by the names settings use. Mixed precision is one of MIXED_PRECISION: "no" computes in the
+# parameters' own dtype, the others in that dtype (`compute_dtype`).
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                                  "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+def compute_dtype(mixed_precision: str) -> torch.dtype | None:
+    """The dtype a `mixed_precision` setting computes in; None for "no"."""
+    return None if mixed_precision == "no" else DTYPES[mixed_precision]
+
+
+def parse_dtype(value: Any, what: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in DTYPES:
+        return DTYPES[value.lower()]
+    raise ValueError(f"{what}: unknown dtype {value!r}; use one of {sorted(DTYPES)} or a torch.dtype")
 
 
 def size_env_var(field_name: str) -> str:
@@ -74,7 +95,7 @@ class TorchContextParallelConfig:
 
     cp_comm_strategy: "allgather" (all-gather K/V over cp; their gradients are reduce-scattered back) or "ring"
         (pass K/V blocks around the ring with point-to-point sends, merge partial results by log-sum-exp; memory
-        stays 1/cp of the sequence). Both are exact; see `ndparallel.parallel.context`.
+        stays 1/cp of the sequence). Both are exact; see `ndparallel.parallel.sequence`.
     load_balance: rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks, so causal attention costs every rank
         the same (sequence length must be a multiple of 2*cp); False: rank r holds chunk r of cp (a multiple of cp).
     """
@@ -110,20 +131,14 @@ class ParallelismConfig:
     sp_size: int | None = None
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
+    # Size fields left unset (None): 1, or what `from_env` reads for them.
+    unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.unset = frozenset(name for name in SIZE_FIELDS if getattr(self, name) is None)
         for name in SIZE_FIELDS:
             value = getattr(self, name)
-            if value is None:
-                raw = os.environ.get(size_env_var(name))
-                if raw is None or raw == "":
-                    value = 1
-                else:
-                    try:
-                        value = int(raw)
-                    except ValueError:
-                        raise ValueError(f"environment variable {size_env_var(name)}={raw!r} is not an integer") from None
-            setattr(self, name, _check_size(name, value))
+            setattr(self, name, _check_size(name, 1 if value is None else value))
         unknown = [name for name in SIZE_FIELDS if getattr(self, name) == -1]
         if len(unknown) > 1:
             raise ValueError(
@@ -137,6 +152,24 @@ class ParallelismConfig:
             self.tp_handler = TorchTensorParallelConfig()
         if self.cp_handler is None:
             self.cp_handler = TorchContextParallelConfig()
+
+    @classmethod
+    def from_env(cls, config: ParallelismConfig | None = None,
+                 environ: Mapping[str, str] | None = None) -> ParallelismConfig:
+        """`config` (default: all sizes unset) with each size it left unset read from ``NDPARALLEL_<FIELD>``
+        (`size_env_var`), which ``ndparallel launch`` sets; 1 where that is unset or empty too."""
+        config = cls() if config is None else config
+        environ = os.environ if environ is None else environ
+        sizes = {}
+        for name in config.unset:
+            raw = environ.get(size_env_var(name), "")
+            if raw == "":
+                continue
+            try:
+                sizes[name] = int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {size_env_var(name)}={raw!r} is not an integer") from None
+        return dataclasses.replace(config, **{**{n: getattr(config, n) for n in SIZE_FIELDS}, **sizes})
 
     # ---- sizes --------------------------------------------------------------------------------------
     def sizes(self) -> dict[str, int]:
@@ -260,16 +293,6 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 # ---- FSDP plugin ----------------------------------------------------------------------------------------
 AUTO_WRAP_POLICIES = ("transformer_based_wrap", "no_wrap")
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
-
-
-def parse_dtype(value: Any, what: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str) and value.lower() in _DTYPES:
-        return _DTYPES[value.lower()]
-    raise ValueError(f"{what}: unknown dtype {value!r}; use one of {sorted(_DTYPES)} or a torch.dtype")
 
 
 @dataclass
@@ -372,8 +395,6 @@ class FullyShardedDataParallelPlugin:
             f"got {type(policy).__name__}"
         )
 
-
-MIXED_PRECISION = ("no", "bf16", "fp16")
 
 __all__ = [
     "AXES",

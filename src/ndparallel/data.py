@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from .loss import BatchInfo, count_loss_tokens
+from .loss import BatchInfo, GradientState, count_loss_tokens
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -191,16 +191,17 @@ class PreparedDataLoader:
 
     def __init__(self, loader: DataLoader, *, num_shards: int, shard_index: int, seed: int,
                  device: torch.device, put_on_device: bool, window: int, window_group: dist.ProcessGroup | None,
-                 on_batch: Callable[[BatchInfo], None] | None = None,
+                 gradient_state: GradientState | None = None,
                  local_count: Callable[[Any], int | None] | None = None) -> None:
         self.base_loader = loader
         self.device = device  # this rank's device: batches go there (if put_on_device), token counts always
         self.put_on_device = put_on_device
         self.window = window
-        self.window_group = window_group
-        self.on_batch = on_batch
-        # Loss tokens this rank's model sees in a batch, when it sees only part of each sequence (context
-        # parallelism: its shard); None: the whole batch. Window totals always count whole sequences.
+        self.window_group = window_group  # ranks with distinct samples (None: this rank alone)
+        self.gradient_state = gradient_state  # told which batch is current, while this loader is iterated
+        # Loss tokens this rank's model sees in a batch, when it sees only part of each sequence (context/sequence
+        # parallelism: `SequenceSharding.count_loss_tokens`); None: the whole batch. Window totals always count whole
+        # sequences.
         self.local_count = local_count
         self.epoch = 0
         self.seed = seed
@@ -278,11 +279,21 @@ class PreparedDataLoader:
         if any(c is None for c in counts):
             return None
         total = torch.tensor([sum(counts)], dtype=torch.long, device=self.device)
-        if self.window_group is not None and dist.get_world_size(self.window_group) > 1:
+        if self.window_group is not None:
             dist.all_reduce(total, group=self.window_group)
         return int(total.item())
 
     def __iter__(self) -> Iterator[Any]:
+        if self.gradient_state is None:
+            yield from self._batches()
+            return
+        self.gradient_state.enter(self)
+        try:
+            yield from self._batches()
+        finally:  # also when the loop stops early (the generator is closed)
+            self.gradient_state.leave(self)
+
+    def _batches(self) -> Iterator[Any]:
         self._shard.set_epoch(self.epoch)
         self._position, self._resume = self._resume, 0
         self._set_shard_resume(self._position)
@@ -306,10 +317,10 @@ class PreparedDataLoader:
             for i, batch in enumerate(window):
                 last = i == len(window) - 1
                 end = last and pending is _END
-                if self.on_batch is not None:
-                    self.on_batch(BatchInfo(local_tokens=counts[i], window_tokens=total, window_batches=len(window),
-                                            ends_window=last, end_of_dataloader=end,
-                                            padding=self._shard.last_padding if end else 0))
+                if self.gradient_state is not None:
+                    self.gradient_state.on_batch(self, BatchInfo(
+                        local_tokens=counts[i], window_tokens=total, window_batches=len(window), ends_window=last,
+                        end_of_dataloader=end, padding=self._shard.last_padding if end else 0))
                 self._position += self._step  # counted before the yield: the batch is the caller's now
                 yield move_to_device(batch, self.device, self.loader.pin_memory) if self.put_on_device else batch
         self.epoch += 1

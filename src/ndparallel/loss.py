@@ -1,12 +1,21 @@
-"""Making the loss right across ranks and gradient-accumulation steps.
+"""Making the loss right across ranks and gradient-accumulation steps: the one place that knows which tokens count.
 
-The target is the gradient a single process would get from the mean token loss over the *global* batch of one
-optimizer step: every token of every micro-batch of every rank of the ``loss`` view, each weighted equally.
+Which tokens count (`loss_labels`, `count_loss_tokens`). A causal LM predicts token t+1 at position t, so the label
+of position t is ``labels[t+1]``: the batch's ``shift_labels`` when it has them (already shifted, as context
+parallelism needs), else its ``labels`` shifted the way Hugging Face models shift them (``labels[..., 1:]``, -100 at
+the end). Positions labelled -100 do not count. Under context/sequence parallelism a rank's loss averages over its
+shard of the positions only; `count_loss_tokens(batch, shard=...)` counts those (the shard comes from
+`ndparallel.parallel.sequence.SequenceSharding`, which knows the geometry). Nothing else in the library counts loss
+tokens.
+
+The gradient. The target is the gradient a single process would get from the mean token loss over the *global*
+batch of one optimizer step: every token of every micro-batch of every rank of the ``loss`` view, each weighted
+equally.
 
     L = (1 / N) * sum_{steps a} sum_{ranks r} S_{a,r}
 
 where S_{a,r} is the sum of token losses of rank r's micro-batch at accumulation step a, and N = sum n_{a,r} is
-the number of counted tokens (labels != -100) over the whole optimizer step.
+the number of counted tokens over the whole optimizer step.
 
 What each rank has is its own mean, l_{a,r} = S_{a,r} / n_{a,r} (what Hugging Face models and
 ``F.cross_entropy(..., ignore_index=-100)`` return). The data-parallel wrapper *averages* gradients over the W
@@ -20,36 +29,60 @@ and the gradient that results is (1/W) * sum_r sum_a f_{a,r} * grad(l_{a,r}) = (
 The prepared data loader supplies the counts: it reads one accumulation window of batches ahead, counts each
 batch's tokens, and all-reduces the window's total over ``batch`` (ranks with distinct samples; context- and
 sequence-parallel peers share samples, so summing over them would count tokens twice). When the counts are
-unknown (no ``labels`` in the batch, or a data loader that was not prepared), the factor falls back to
+unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back to
 1 / (micro-batches in the window) -- Accelerate's 1 / gradient_accumulation_steps -- which is exact when every
 micro-batch has the same number of tokens.
+
+The logged loss (`GradientState.log_loss`, behind ``Accelerator.reduce_loss``). Each rank adds S_{a,r} = l_{a,r} *
+n_{a,r} and n_{a,r} of every micro-step of a window; summed over the ``loss`` ranks, their ratio is the token mean of
+the step so far, and L itself on the micro-step that ends the window. Without counts each loss weighs 1: the plain
+mean over ranks and micro-steps.
+
+Which loader counts. Loaders register as active while they are iterated, innermost last (as Accelerate's
+GradientState keeps a stack of active loaders): the loss factor, the accumulation window and the logged loss follow
+the innermost active loader, so an evaluation loader iterated inside a training step never feeds the training loss.
+Outside any loop they follow the loader that yielded last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
 
-def count_loss_tokens(batch: Any) -> int | None:
-    """Number of tokens that contribute to a causal-LM loss of `batch`, or None when it cannot tell.
-
-    ``shift_labels`` (already shifted, as context parallelism needs) counts every position; ``labels`` (the
-    Hugging Face convention: the model shifts them) counts positions 1..L-1. -100 is ignored.
-    """
+def loss_labels(batch: Any) -> torch.Tensor | None:
+    """The label of every position of `batch` under a causal-LM loss, aligned with the positions (see the module
+    docstring), or None when the batch has neither ``shift_labels`` nor ``labels``."""
     if not isinstance(batch, Mapping):
         return None
-    if isinstance(batch.get("shift_labels"), torch.Tensor):
-        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    shifted = batch.get("shift_labels")
+    if isinstance(shifted, torch.Tensor):
+        return shifted
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and labels.dim() >= 1:
-        return int((labels[..., 1:] != IGNORE_INDEX).sum())
+        return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
     return None
+
+
+def count_loss_tokens(batch: Any,
+                      shard: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> int | None:
+    """Tokens that contribute to the loss of `batch` (labels other than -100), or None when it cannot tell.
+
+    `shard` takes the aligned labels (sequence on the last dimension) to this rank's part of them, for a rank that
+    sees only part of each sequence; it returns None when the length cannot be split (then so does this).
+    """
+    labels = loss_labels(batch)
+    if labels is not None and shard is not None:
+        labels = shard(labels)
+    if labels is None:
+        return None
+    return int((labels != IGNORE_INDEX).sum())
 
 
 @dataclass
@@ -64,8 +97,20 @@ class BatchInfo:
     padding: int = 0  # samples repeated at the end of this (final) batch to even it out across ranks
 
 
+def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps: int) -> float:
+    """f = n * W / N for the micro-batch `info` describes (see the module docstring), else 1 / micro-batches."""
+    if info is None:
+        return 1.0 / accumulation_steps
+    if info.local_tokens is None or info.window_tokens is None:
+        return 1.0 / info.window_batches
+    if info.window_tokens == 0:
+        return 0.0
+    return info.local_tokens * loss_world_size / info.window_tokens
+
+
 class GradientState:
-    """Accumulation bookkeeping: when gradients synchronise, and the loss factor of the current micro-batch."""
+    """Accumulation bookkeeping: when gradients synchronise, which data loader's batch the step is on, and the
+    running sums of the logged loss."""
 
     def __init__(self, accumulation_steps: int, loss_world_size: int) -> None:
         self.accumulation_steps = accumulation_steps
@@ -73,21 +118,53 @@ class GradientState:
         self.sync_gradients = True
         self.step = 0
         self.num_steps = 0  # optimizer steps (synchronising micro-steps) begun, for checkpoints
-        self.batch: BatchInfo | None = None
-        self._batch_is_new = False
-        self.remainder = 0  # padding of the last batch, for gather_for_metrics
+        self._active: list[Hashable] = []  # loaders being iterated, innermost last
+        self._last: Hashable | None = None  # the loader that yielded last
+        self._batches: dict[Hashable, BatchInfo] = {}
+        self._fresh: set[Hashable] = set()  # loaders whose latest batch no micro-step has started on yet
+        self._logged: dict[Hashable, tuple[torch.Tensor, BatchInfo | None, bool]] = {}  # log_loss's running sums
 
-    def on_batch(self, info: BatchInfo) -> None:
-        self.batch = info
-        self._batch_is_new = True
-        self.remainder = info.padding if info.end_of_dataloader else 0
+    # ---- data loaders ------------------------------------------------------------------------------------------
+    def enter(self, loader: Hashable) -> None:
+        """`loader` starts a pass: its batches feed the step until it ends (`leave`)."""
+        self._active.append(loader)
 
+    def leave(self, loader: Hashable) -> None:
+        if loader in self._active:
+            del self._active[len(self._active) - 1 - self._active[::-1].index(loader)]
+
+    def on_batch(self, loader: Hashable, info: BatchInfo) -> None:
+        self._batches[loader] = info
+        self._fresh.add(loader)
+        self._last = loader
+
+    def _current(self) -> Hashable | None:
+        return self._active[-1] if self._active else self._last
+
+    @property
+    def batch(self) -> BatchInfo | None:
+        """What the current data loader (innermost active, else the last to yield) said of its latest batch."""
+        return self._batches.get(self._current())
+
+    @property
+    def remainder(self) -> int:
+        """Samples repeated at the end of the current loader's final batch (`gather_for_metrics` drops them)."""
+        info = self.batch
+        return info.padding if info is not None and info.end_of_dataloader else 0
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        info = self.batch
+        return info is not None and info.end_of_dataloader
+
+    # ---- micro-steps -------------------------------------------------------------------------------------------
     def advance(self) -> bool:
         """Called when a micro-step starts (``accumulate``); returns whether this step synchronises."""
-        if self._batch_is_new and self.batch is not None:
+        key = self._current()
+        if key in self._fresh:
             # The prepared data loader knows where the windows end, including a short last one.
-            self._batch_is_new = False
-            self.sync_gradients = self.batch.ends_window
+            self._fresh.discard(key)
+            self.sync_gradients = self._batches[key].ends_window
             self.step = 0 if self.sync_gradients else self.step + 1
         else:
             self.step += 1
@@ -97,6 +174,34 @@ class GradientState:
         self.num_steps += self.sync_gradients
         return self.sync_gradients
 
+    def loss_factor(self) -> float:
+        """The factor `backward` scales the current micro-batch's loss by (`loss_factor`)."""
+        return loss_factor(self.batch, self.loss_world_size, self.accumulation_steps)
+
+    def log_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Add this micro-step's mean loss to its window's running sums; return this rank's ``[sum of token losses,
+        tokens]`` so far in fp64 (see the module docstring). Summed over the ``loss`` ranks, their ratio is the
+        global token mean of the step so far."""
+        if loss.numel() != 1:
+            raise ValueError(f"reduce_loss expects this rank's mean loss (one element), got shape {tuple(loss.shape)}")
+        key, info = self._current(), self.batch
+        sums, last_info, window_ended = self._logged.get(key, (None, None, True))
+        if info is not None and info is last_info:
+            raise ValueError("reduce_loss was called twice for one micro-batch; call it once per micro-step with that "
+                             "micro-step's loss")
+        if window_ended or sums is None:
+            sums = torch.zeros(2, dtype=torch.float64, device=loss.device)
+        tokens = info.local_tokens if info is not None and info.local_tokens is not None else None
+        value = loss.detach().reshape(()).to(torch.float64)
+        if tokens is None:  # unknown counts: every loss weighs one
+            sums = sums + torch.stack([value, value.new_ones(())])
+        elif tokens:  # a rank without loss tokens adds nothing (its mean over zero tokens may be NaN)
+            sums = sums + torch.stack([value * tokens, value.new_tensor(float(tokens))])
+        ends = info.ends_window if info is not None else self.sync_gradients
+        self._logged[key] = (sums, info, ends)
+        return sums
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | bool]:
         """The counters a checkpoint keeps (accumulated gradients themselves are not saved)."""
         return {"step": self.step, "num_steps": self.num_steps, "sync_gradients": self.sync_gradients}
@@ -104,15 +209,6 @@ class GradientState:
     def load_state_dict(self, state: dict[str, int | bool]) -> None:
         self.step, self.num_steps = int(state["step"]), int(state["num_steps"])
         self.sync_gradients = bool(state["sync_gradients"])
-        self.batch, self._batch_is_new, self.remainder = None, False, 0
-
-    def loss_factor(self) -> float:
-        """f = n * W / N for the current micro-batch (see the module docstring), else 1 / accumulation steps."""
-        info = self.batch
-        if info is None:
-            return 1.0 / self.accumulation_steps
-        if info.local_tokens is None or info.window_tokens is None:
-            return 1.0 / info.window_batches
-        if info.window_tokens == 0:
-            return 0.0
-        return info.local_tokens * self.loss_world_size / info.window_tokens
+        self._batches.clear()
+        self._fresh.clear()
+        self._logged.clear()

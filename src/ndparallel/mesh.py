@@ -1,7 +1,7 @@
 """The one world `DeviceMesh` and the named views derived from it.
 
-Axes, outermost first: ``dp_replicate, dp_shard, cp, sp, tp`` (all five are always present; size-1 axes cost
-nothing). Code asks the mesh for a group *by purpose*, never by rank arithmetic:
+Axes, outermost first: ``dp_replicate, dp_shard, cp, sp, tp``. Code asks the mesh for a group *by purpose*, never
+by rank arithmetic:
 
 - ``batch`` = dp_replicate x dp_shard: ranks that receive different samples;
 - ``fsdp``  = dp_shard x cp x sp: ranks across which FSDP2 shards parameters (CP/SP ranks work on other
@@ -10,10 +10,19 @@ nothing). Code asks the mesh for a group *by purpose*, never by rank arithmetic:
   ranks over which the data-parallel wrapper averages gradients;
 - the single axes ``dp_replicate``, ``dp_shard``, ``cp``, ``sp``, ``tp``;
 - Accelerate's flattened names, kept for compatibility: ``dp`` (= batch), ``dp_shard_cp``, ``dp_cp``.
+
+Process groups exist only where they are needed. The world mesh has a dimension for each axis of more than one
+rank (as Accelerate's has); a view spanning one such axis *is* that axis's group; a view spanning several is
+flattened once, under the first name that spans them (``loss`` and ``dp_cp`` share a group when cp is 1). A view of
+one rank has no group: `size` and `rank` answer 1 and 0 without one, and asking for its group raises. (One process
+keeps all five axes: there every group is the default one and costs nothing.) The one exception: when FSDP2 will wrap
+models but shards over one rank (replication only, as under DDP x TP), ``dp_shard`` keeps its dimension so that
+`data_parallel` can give FSDP2 a mesh on the same root as the tensor-parallel one.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch.distributed as dist
@@ -35,58 +44,102 @@ VIEWS: dict[str, tuple[str, ...]] = {
 class ParallelMesh:
     """The world mesh of a resolved `ParallelismConfig` plus its named views.
 
-    ``mesh["fsdp"]`` returns the 1-D `DeviceMesh` of that view that contains this rank; ``mesh.size(name)``
-    and ``mesh.rank(name)`` give its size and this rank's coordinate in it.
+    ``mesh.size(name)`` and ``mesh.rank(name)`` give a view's size and this rank's coordinate in it;
+    ``mesh[name]`` / ``mesh.group(name)`` its 1-D `DeviceMesh` / process group (views of more than one rank only).
     """
 
-    def __init__(self, config: ParallelismConfig, device_type: str) -> None:
+    def __init__(self, config: ParallelismConfig, device_type: str, fsdp: bool = False) -> None:
+        """`fsdp`: FSDP2 will wrap models over `data_parallel()` (``ndparallel.parallel.uses_fsdp``)."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialised before building the mesh")
-        config = config.resolve(dist.get_world_size())
+        world_size = dist.get_world_size()
+        config = config.resolve(world_size)
         self.config = config
         self.device_type = device_type
-        shape = tuple(config.sizes()[axis] for axis in AXES)
-        self.world: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-        self._views: dict[str, DeviceMesh] = {axis: self.world[axis] for axis in AXES}
-        for name, axes in VIEWS.items():
-            self._views[name] = self.world[axes]._flatten(name)
+        self._sizes = config.sizes()
+        self._axes: dict[str, tuple[str, ...]] = {**{axis: (axis,) for axis in AXES}, **VIEWS}
+        dims = tuple(axis for axis in AXES if self._sizes[axis] > 1) or AXES
+        replicate_only = fsdp and world_size > 1 and self.size("fsdp") == 1
+        if replicate_only:  # FSDP2 needs a (one-rank) fsdp dimension of this mesh, for HSDP or beside tp
+            dims = tuple(a for a in AXES if a in dims or a == "dp_shard")
+        self.world: DeviceMesh = init_device_mesh(device_type, tuple(self._sizes[a] for a in dims), mesh_dim_names=dims)
+        self._views: dict[str, DeviceMesh | None] = {}
+        by_axes: dict[tuple[str, ...], DeviceMesh] = {}
+        for name, axes in self._axes.items():
+            live = tuple(a for a in axes if self._sizes[a] > 1 or world_size == 1)
+            if not live:
+                self._views[name] = None
+                continue
+            if live not in by_axes:
+                by_axes[live] = self.world[live[0]] if len(live) == 1 else self.world[live]._flatten(name)
+            self._views[name] = by_axes[live]
+        if replicate_only:
+            self._views["fsdp"] = self.world["dp_shard"]
+        self._data_parallel: DeviceMesh | None = None
         # Creating a gloo group is not a synchronisation point: a rank that raced ahead and exited (say, on a
         # bad-input error raised right after) would reset connections other ranks are still opening.
-        if dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        if world_size > 1 and dist.get_backend() != "fake":
             dist.barrier()
 
     @property
     def names(self) -> list[str]:
-        return list(self._views)
+        return list(self._axes)
+
+    def _axes_of(self, name: str) -> tuple[str, ...]:
+        try:
+            return self._axes[name]
+        except KeyError:
+            raise KeyError(f"no mesh view named {name!r}; valid names: {', '.join(self._axes)}") from None
 
     def __getitem__(self, name: str) -> DeviceMesh:
-        try:
-            return self._views[name]
-        except KeyError:
-            raise KeyError(f"no mesh view named {name!r}; valid names: {', '.join(self._views)}") from None
+        axes = self._axes_of(name)
+        view = self._views[name]
+        if view is None:
+            raise ValueError(
+                f"mesh view {name!r} ({' x '.join(f'{a}_size={self._sizes[a]}' for a in axes)}) holds this rank "
+                f"alone and has no process group; check mesh.size({name!r}) > 1 before asking for it"
+            )
+        return view
 
     def size(self, name: str) -> int:
-        return self[name].size()
+        return math.prod(self._sizes[a] for a in self._axes_of(name))
 
     def rank(self, name: str) -> int:
         """This rank's coordinate along view `name` (0 .. size-1)."""
-        return self[name].get_local_rank()
+        self._axes_of(name)
+        view = self._views[name]
+        return 0 if view is None else view.get_local_rank()
 
     def group(self, name: str) -> dist.ProcessGroup:
+        """The process group of view `name` (a view of more than one rank)."""
         return self[name].get_group()
 
     def ranks(self, name: str) -> list[int]:
         """Global ranks of the view group that contains this rank, in view order."""
-        return self[name].mesh.flatten().tolist()
+        self._axes_of(name)
+        view = self._views[name]
+        return [dist.get_rank()] if view is None else view.mesh.flatten().tolist()
 
-    def hsdp(self) -> DeviceMesh:
-        """2-D (dp_replicate, fsdp) mesh for HSDP: replicate outside, shard inside."""
+    def data_parallel(self) -> DeviceMesh:
+        """The mesh FSDP2 wraps over: 2-D (dp_replicate, fsdp) for HSDP when dp_replicate > 1 (replicate outside,
+        shard inside), else the 1-D ``fsdp`` view. Needs the mesh built with ``fsdp=True`` where fsdp has one rank."""
+        if self._data_parallel is None:
+            if self._views["fsdp"] is None:
+                raise ValueError("FSDP2 over a one-rank fsdp view needs the mesh built with ParallelMesh(..., fsdp=True)")
+            if self.size("dp_replicate") > 1:
+                self._data_parallel = self._concatenate(("dp_replicate", "fsdp"))
+            else:
+                self._data_parallel = self._views["fsdp"]
+        return self._data_parallel
+
+    def _concatenate(self, names: tuple[str, ...]) -> DeviceMesh:
+        views = [self._views[n] for n in names]
         if hasattr(DeviceMesh, "_concatenate"):
-            return DeviceMesh._concatenate([self._views["dp_replicate"], self._views["fsdp"]])
-        with warnings.catch_warnings():  # older torch: slicing a flattened dim from the root mesh
+            return DeviceMesh._concatenate(views)
+        with warnings.catch_warnings():  # older torch: slicing (flattened) dimensions from the root mesh
             warnings.simplefilter("ignore")
-            return self.world["dp_replicate", "fsdp"]
+            return self.world[tuple(v.mesh_dim_names[0] for v in views)]
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{axis}={self.config.sizes()[axis]}" for axis in AXES)
+        sizes = ", ".join(f"{axis}={self._sizes[axis]}" for axis in AXES)
         return f"ParallelMesh({sizes}, device_type={self.device_type!r})"

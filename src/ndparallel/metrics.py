@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .config import compute_dtype
+
 # Dense peak FLOP/s of one device, by (name fragment, dtype); bf16/fp16 tensor cores, tf32 for fp32.
 PEAK_FLOPS: dict[tuple[str, torch.dtype], float] = {
     ("H200", torch.bfloat16): 989e12, ("H100", torch.bfloat16): 989e12, ("A100", torch.bfloat16): 312e12,
@@ -176,6 +178,6 @@ def timer_for(accelerator: Any, model: Any = None, seq_len: int | None = None,
     if config is not None and seq_len is not None:
         fpt = flops_per_token(config, seq_len)
     if peak is None and fpt is not None:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+        dtype = compute_dtype(accelerator.mixed_precision) or torch.float32
         peak = peak_flops(accelerator.device, dtype)[0]
     return StepTimer(fpt, peak, num_devices=accelerator.num_processes, device=accelerator.device)

@@ -41,7 +41,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--uneven-labels", action="store_true")
+    p.add_argument("--eval-inside-step", action="store_true",
+                   help="iterate a prepared evaluation loader (other loss-token counts) inside every training step")
     p.add_argument("--mixed-precision", default="no")
+    p.add_argument("--float64", action="store_true", help="the model and its loss in float64 (exactness checks)")
     p.add_argument("--no-fsdp-plugin", action="store_true")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
@@ -65,20 +68,31 @@ def main(argv: list[str] | None = None) -> dict:
                               gradient_accumulation_steps=args.accum)
 
     set_seed(0)
-    model = build_model(args.model, **({"attn_implementation": args.attn_implementation}
-                                       if args.attn_implementation else {}))
+    model = build_model(args.model, args.float64, **({"attn_implementation": args.attn_implementation}
+                                                     if args.attn_implementation else {}))
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     global_batch = args.micro_batch * accelerator.data_parallel_size * args.accum
     dataset = TokenDataset(args.steps * global_batch, args.seq_len, VOCAB, args.uneven_labels)
     dataloader = DataLoader(dataset, batch_size=args.micro_batch, shuffle=False)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    eval_loader = None
+    if args.eval_inside_step:  # two loss tokens per sample: counts unlike any training batch's
+        eval_set = TokenDataset(2 * accelerator.data_parallel_size, args.seq_len, VOCAB)
+        eval_set.labels[:, : args.seq_len - 2] = -100
+        eval_loader = accelerator.prepare(DataLoader(eval_set, batch_size=1))
 
     losses: list[float] = []
-    step_losses: list[torch.Tensor] = []
+    eval_losses: list[float] = []
     model.train()
     for batch in dataloader:
         with accelerator.accumulate(model):
+            if eval_loader is not None:  # an evaluation pass in the middle of the step must not touch its loss
+                model.eval()
+                with torch.no_grad():
+                    for eval_batch in eval_loader:
+                        eval_losses.append(float(accelerator.reduce_loss(model(**eval_batch).loss)))
+                model.train()
             buffers = [batch["input_ids"], batch["labels"]]
             if accelerator.cp_size * accelerator.sp_size > 1:  # what a context/sequence-parallel script adds: labels
                 # shifted before sharding, and global positions for the rotary embeddings, sharded with the inputs
@@ -94,19 +108,11 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        logged = loss.detach()
-        if accelerator.cp_size * accelerator.sp_size > 1:
-            # Each cp rank's loss is the mean over its own shard, and shards hold different numbers of loss tokens
-            # (the -100 that ends shift_labels lies in one of them): weighting each by its share of the window's
-            # tokens (loss factor x micro-batches) makes the mean over ranks the global token mean.
-            state = accelerator.gradient_state
-            logged = logged * state.loss_factor() * state.batch.window_batches
-        step_losses.append(accelerator.reduce(logged, "mean"))
+        logged = accelerator.reduce_loss(loss)  # the global token mean of the step so far, on every rank
         if accelerator.sync_gradients:
-            losses.append(float(torch.stack(step_losses).mean()))
-            step_losses = []
+            losses.append(float(logged))
 
-    result: dict = {"losses": losses, "lr": scheduler.get_last_lr()[0]}
+    result: dict = {"losses": losses, "lr": scheduler.get_last_lr()[0], "eval_losses": eval_losses}
     if args.return_params:
         result["params"] = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
                             for name, p in accelerator.unwrap_model(model).named_parameters()}

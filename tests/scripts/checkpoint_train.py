@@ -97,7 +97,6 @@ def main(argv: list[str] | None = None) -> dict:
     losses: dict[int, float] = {}
     saved: list[str] = []
     step = accelerator.gradient_state.num_steps  # optimizer steps done (restored by load_state)
-    step_losses: list[torch.Tensor] = []
     model.train()
     while step < args.steps:
         for batch in dataloader:
@@ -116,16 +115,12 @@ def main(argv: list[str] | None = None) -> dict:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            # This rank's share of the global token-mean loss of the window (see ndparallel.loss), so the logged
-            # loss is the same number under every layout.
-            state = accelerator.gradient_state
-            step_losses.append(accelerator.reduce(loss.detach() * state.loss_factor() * state.batch.window_batches,
-                                                  "mean"))
+            # The global token mean of the step (the same number under every layout).
+            logged = accelerator.reduce_loss(loss)
             if accelerator.sync_gradients:
                 step += 1
                 counter.count += 1
-                losses[step] = float(torch.stack(step_losses).mean())
-                step_losses = []
+                losses[step] = float(logged)
                 if step == args.pause_in_save:
                     os.environ["NDPARALLEL_TEST_PAUSE_IN_SAVE"] = args.pause_marker
                 if step in args.save_at:

@@ -21,7 +21,7 @@ record = {
     "world_size": int(os.environ["WORLD_SIZE"]),
     "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NDPARALLEL_")},
     "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-    "sizes": {k: v for k, v in ParallelismConfig().to_dict().items() if k.endswith("_size")},
+    "sizes": {k: v for k, v in ParallelismConfig.from_env().to_dict().items() if k.endswith("_size")},
 }
 print("RESULT " + json.dumps(record), flush=True)
 if args.fail_rank == rank:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,13 +12,18 @@ from torch.utils.data import Dataset
 VOCAB = 96
 
 
-def build_model(name: str = "llama", **overrides):
+def build_model(name: str = "llama", float64: bool = False, **overrides):
     """A 2-layer GQA model (8 query heads, 4 KV heads: tp up to 4 splits both) in fp32 with SDPA attention;
-    ``"plain"`` is `PlainTransformer`, a decoder written without transformers."""
+    ``"plain"`` is `PlainTransformer`, a decoder written without transformers. `float64`: the model and its loss in
+    float64 (transformers' causal-LM loss would compute in float32), for checks of exactness."""
     import transformers
 
     if name == "plain":
         return PlainTransformer(**overrides)
+    if float64:
+        model = build_model(name, **overrides).double()
+        model.loss_function = float64_causal_lm_loss
+        return model
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
                   tie_word_embeddings=False, attn_implementation="sdpa")
@@ -32,6 +37,17 @@ def build_model(name: str = "llama", **overrides):
         raise ValueError(f"unknown tiny model {name!r}; choose from {sorted(configs) + ['plain']}")
     config_cls, model_cls = configs[name]
     return model_cls(config_cls(**common))
+
+
+def float64_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                           num_items_in_batch: Any = None, ignore_index: int = -100,
+                           shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """transformers' ForCausalLMLoss (same arguments and meaning) without its upcast of the logits to float32."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
+                           ignore_index=ignore_index, reduction="mean" if num_items_in_batch is None else "sum")
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 class TokenDataset(Dataset):

@@ -21,11 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
+from ..utils import progress_bar
 from . import storage
+from .manifest import read_metadata, tied_names
 from .storage import CheckpointError, on_main, rank
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -41,18 +47,6 @@ def parse_size(size: int | str) -> int:
     if not match:
         raise ValueError(f"max_shard_size must be a positive int or a size like '10GB' or '500MiB', got {size!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2)])
-
-
-def tied_names(model: nn.Module) -> dict[str, str]:
-    """Parameter names that alias an earlier name (tied weights): {later name: first name}."""
-    first: dict[int, str] = {}
-    tied = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            tied[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return tied
 
 
 def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -114,8 +108,6 @@ def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict[str, torch.Ten
 
 
 def _progress(total: int, desc: str) -> Any:
-    from ..utils import progress_bar
-
     return progress_bar(total=total, desc=desc, unit="B", unit_scale=True, main_process=rank() == 0, file=sys.stderr)
 
 
@@ -166,8 +158,6 @@ def _model_dir(checkpoint: Path, model_index: int) -> tuple[Path, dict[str, str]
     """The model directory of a checkpoint (verified) and its tied names; a bare DCP directory works too."""
     if (checkpoint / ".metadata").is_file() and not (checkpoint / storage.METADATA_FILE).exists():
         return checkpoint, {}
-    from .state import read_metadata
-
     meta = read_metadata(checkpoint)
     count = len(meta.get("models", []))
     if not 0 <= model_index < count:
@@ -181,8 +171,6 @@ def _model_dir(checkpoint: Path, model_index: int) -> tuple[Path, dict[str, str]
 def merge_weights(checkpoint_dir: str | Path, output_dir: str | Path, model_index: int = 0,
                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> Path:
     """Convert model `model_index` of a sharded (or full) checkpoint into a Hugging Face directory, offline."""
-    import torch.distributed.checkpoint as dcp
-
     max_bytes = parse_size(max_shard_size)
     model_dir, tied = _model_dir(Path(checkpoint_dir), model_index)
     final = Path(output_dir)

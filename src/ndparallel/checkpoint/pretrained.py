@@ -33,9 +33,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
+from .manifest import compare_tensors
 from .storage import CheckpointError, agree, is_distributed, on_main, rank
 
 # What transformers' from_pretrained reads to build real weights on local rank 0 only (as under Accelerate).
@@ -150,9 +156,9 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 def _check_files(model: nn.Module, path: Path) -> dict[str, Any]:
     """Rank 0: the model's state dict names/shapes against the safetensors headers; raise listing mismatches."""
-    from safetensors import safe_open
-
-    from .state import compare_tensors
+    from safetensors import (
+        safe_open,  # installed with transformers, which pretrained weights come from
+    )
 
     saved: dict[str, list[int]] = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -178,8 +184,6 @@ def _tied_source(model: nn.Module, name: str) -> str | None:
 
 
 def _load_files(model: nn.Module, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
     try:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
     except ImportError as exc:  # torch < 2.9

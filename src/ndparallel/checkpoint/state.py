@@ -21,6 +21,9 @@ continues rank 0's streams.
 
 Validation happens on rank 0 before the first collective of a load, and its verdict is broadcast, so a bad
 checkpoint raises the same `CheckpointError` on every rank instead of hanging one of them.
+
+What is saved is the Accelerator's `ndparallel.record.PreparedObjects`; the run's settings that the metadata
+records come as a `RunSettings`.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ import platform
 import random
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,24 +45,44 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 
+from .._version import __version__
+from ..config import ParallelismConfig
+from ..parallel import unwrap
+from ..record import PreparedObjects
 from . import storage
-from .export import tied_names
-from .project import checkpoint_number, latest_checkpoint, prune
-from .storage import CheckpointError, CheckpointNotFoundError, agree, on_main, rank, world_size
-
-if TYPE_CHECKING:
-    from ..accelerator import Accelerator
+from .manifest import compare_tensors, read_metadata, tensor_shapes, tied_names
+from .project import ProjectConfiguration, checkpoint_number, latest_checkpoint, prune
+from .storage import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    agree,
+    on_main,
+    rank,
+    world_size,
+)
 
 SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
 
 
-# ---- what the Accelerator holds --------------------------------------------------------------------------------
-def _optimizer_owners(acc: Accelerator) -> list[int]:
+@dataclass(frozen=True)
+class RunSettings:
+    """The Accelerator's settings a checkpoint records (and `save_state` follows)."""
+
+    parallelism: ParallelismConfig
+    device_type: str
+    mixed_precision: str
+    gradient_accumulation_steps: int
+    state_dict_type: str = SHARDED  # the FSDP plugin's: how models and optimizers are written
+
+
+# ---- what was prepared -------------------------------------------------------------------------------------------
+def _optimizer_owners(prepared: PreparedObjects) -> list[int]:
     """For each prepared optimizer, the index of the prepared model whose parameters it updates."""
-    params = [{id(p) for p in m.parameters()} for m in acc._models]
+    params = [{id(p) for p in m.parameters()} for m in prepared.models]
     owners = []
-    for j, opt in enumerate(acc._optimizers):
+    for j, opt in enumerate(prepared.optimizers):
         mine = {id(p) for group in opt.param_groups for p in group["params"]}
         owner = next((i for i, ps in enumerate(params) if mine <= ps), None)
         if owner is None:
@@ -65,10 +90,6 @@ def _optimizer_owners(acc: Accelerator) -> list[int]:
                                   "model together with its optimizer before save_state / load_state")
         owners.append(owner)
     return owners
-
-
-def _tensor_shapes(state: dict[str, Any]) -> dict[str, list[int]]:
-    return {name: list(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
 
 
 def _hf_config_files(model: torch.nn.Module, directory: Path) -> None:
@@ -84,27 +105,23 @@ def _hf_config_files(model: torch.nn.Module, directory: Path) -> None:
 
 def _class_name(model: torch.nn.Module) -> str:
     """The model's own class name (FSDP2 swaps in a subclass named ``FSDP<name>``)."""
-    from torch.distributed.fsdp import FSDPModule
-
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
-def _components(acc: Accelerator) -> dict[str, Any]:
-    """What a checkpoint of this Accelerator holds, as compared at load time."""
+def _components(prepared: PreparedObjects) -> dict[str, Any]:
+    """What a checkpoint of these objects holds, as compared at load time."""
     return {
-        "models": [_class_name(acc.unwrap_model(m)) for m in acc._models],
-        "optimizers": [type(o.optimizer).__name__ for o in acc._optimizers],
-        "param_groups": [len(o.param_groups) for o in acc._optimizers],
-        "schedulers": [type(s.scheduler).__name__ for s in acc._schedulers],
-        "dataloaders": len(acc._dataloaders),
-        "custom_objects": [type(o).__name__ for o in acc._custom_objects],
-        "scaler": acc.scaler is not None,
+        "models": [_class_name(unwrap(m)) for m in prepared.models],
+        "optimizers": [type(o.optimizer).__name__ for o in prepared.optimizers],
+        "param_groups": [len(o.param_groups) for o in prepared.optimizers],
+        "schedulers": [type(s.scheduler).__name__ for s in prepared.schedulers],
+        "dataloaders": len(prepared.dataloaders),
+        "custom_objects": [type(o).__name__ for o in prepared.custom_objects],
+        "scaler": prepared.scaler is not None,
     }
 
 
 def _versions() -> dict[str, str]:
-    from .. import __version__
-
     out = {"ndparallel": __version__, "torch": torch.__version__, "python": platform.python_version()}
     try:
         import transformers
@@ -146,8 +163,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 # ---- writing and reading model / optimizer states ---------------------------------------------------------------
 def _write_state(state: dict[str, Any], directory: Path, full: bool) -> None:
-    import torch.distributed.checkpoint as dcp
-
     if full:  # rank 0 holds the whole state (get_*_state_dict with full_state_dict=True, cpu_offload=True)
         error = None
         if rank() == 0:
@@ -163,8 +178,6 @@ def _write_state(state: dict[str, Any], directory: Path, full: bool) -> None:
 
 def _read_state(state: dict[str, Any], directory: Path, full: bool, what: str) -> dict[str, Any]:
     """Fill `state` (sharded: this rank's DTensors) from `directory`; full: rank 0 reads the whole state."""
-    import torch.distributed.checkpoint as dcp
-
     if full:
         error, loaded = None, {}
         if rank() == 0:
@@ -185,14 +198,9 @@ def _read_state(state: dict[str, Any], directory: Path, full: bool, what: str) -
 
 
 # ---- save --------------------------------------------------------------------------------------------------------
-def state_dict_type(acc: Accelerator) -> str:
-    plugin = acc.fsdp_plugin
-    return plugin.state_dict_type if plugin is not None else SHARDED
-
-
-def save_state(acc: Accelerator, output_dir: str | Path | None = None) -> Path:
-    """Collective: write a checkpoint of everything `acc` prepared; return its directory (see the module doc)."""
-    project = acc.project_configuration
+def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration,
+               output_dir: str | Path | None = None) -> Path:
+    """Collective: write a checkpoint of everything `prepared` holds; return its directory (see the module doc)."""
     if project.automatic_checkpoint_naming:
         if output_dir is not None:
             warnings.warn(f"save_state({str(output_dir)!r}): ignored, automatic_checkpoint_naming writes to "
@@ -202,12 +210,12 @@ def save_state(acc: Accelerator, output_dir: str | Path | None = None) -> Path:
         raise ValueError("save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
     else:
         final = Path(output_dir)
-    if not acc.gradient_state.sync_gradients:
+    if not prepared.gradient_state.sync_gradients:
         warnings.warn("save_state() in the middle of a gradient-accumulation window: the gradients accumulated so far "
                       "are not saved; save after the optimizer step", stacklevel=3)
-    full = state_dict_type(acc) == FULL
+    full = run.state_dict_type == FULL
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
-    owners = _optimizer_owners(acc)
+    owners = _optimizer_owners(prepared)
 
     def make_staging() -> Path:
         if project.automatic_checkpoint_naming and final.exists():
@@ -218,32 +226,33 @@ def save_state(acc: Accelerator, output_dir: str | Path | None = None) -> Path:
     started = time.perf_counter()
     staging = on_main(make_staging)
     models = []
-    for i, model in enumerate(acc._models):
+    for i, model in enumerate(prepared.models):
         state = get_model_state_dict(model, options=options)
-        models.append({"tensors": _tensor_shapes(state)})
+        models.append({"tensors": tensor_shapes(state)})
         _write_state(state, staging / f"model_{i}", full)
         del state
         if rank() == 0:
-            _hf_config_files(acc.unwrap_model(model), staging / f"model_{i}")
+            _hf_config_files(unwrap(model), staging / f"model_{i}")
     storage.pause_point("models written")
-    for j, opt in enumerate(acc._optimizers):
-        state = get_optimizer_state_dict(acc._models[owners[j]], opt.optimizer, options=options)
+    for j, opt in enumerate(prepared.optimizers):
+        state = get_optimizer_state_dict(prepared.models[owners[j]], opt.optimizer, options=options)
         _write_state(state, staging / f"optimizer_{j}", full)
         del state
 
     error = None
     try:
         if rank() == 0:
-            for k, scheduler in enumerate(acc._schedulers):
+            for k, scheduler in enumerate(prepared.schedulers):
                 storage.write_bytes(staging / f"scheduler_{k}.pt",
                                     storage.torch_bytes(scheduler.state_dict(), f"LR scheduler {k}"))
-            if acc.scaler is not None:
-                storage.write_bytes(staging / "scaler.pt", storage.torch_bytes(acc.scaler.state_dict(), "grad scaler"))
-            for k, obj in enumerate(acc._custom_objects):
+            if prepared.scaler is not None:
+                storage.write_bytes(staging / "scaler.pt",
+                                    storage.torch_bytes(prepared.scaler.state_dict(), "grad scaler"))
+            for k, obj in enumerate(prepared.custom_objects):
                 storage.write_bytes(staging / f"custom_checkpoint_{k}.pt", storage.torch_bytes(
                     obj.state_dict(), f"registered object {k} ({type(obj).__name__})"))
-            storage.write_json(staging / "dataloaders.json", [dl.state_dict() for dl in acc._dataloaders])
-            storage.write_json(staging / "gradient_state.json", acc.gradient_state.state_dict())
+            storage.write_json(staging / "dataloaders.json", [dl.state_dict() for dl in prepared.dataloaders])
+            storage.write_json(staging / "gradient_state.json", prepared.gradient_state.state_dict())
         storage.write_bytes(staging / f"random_states_{rank()}.pt", storage.torch_bytes(_rng_state(), "RNG state"))
     except (OSError, TypeError) as exc:
         error = exc
@@ -253,13 +262,13 @@ def save_state(acc: Accelerator, output_dir: str | Path | None = None) -> Path:
     files = storage.checksum_files(staging)
     metadata = {
         "format": storage.FORMAT, "format_version": storage.FORMAT_VERSION, "complete": True,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": acc.gradient_state.num_steps,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": prepared.gradient_state.num_steps,
         "iteration": project.iteration if project.automatic_checkpoint_naming else None,
-        "world_size": world_size(), "parallelism": acc.parallelism_config.to_dict(), "device": acc.device.type,
-        "state_dict_type": SHARDED if not full else FULL, "mixed_precision": acc.mixed_precision,
-        "gradient_accumulation_steps": acc.gradient_accumulation_steps, "versions": _versions(),
-        **_components(acc), "model_tensors": [m["tensors"] for m in models],
-        "model_tied": [tied_names(acc.unwrap_model(m)) for m in acc._models], "optimizer_models": owners,
+        "world_size": world_size(), "parallelism": run.parallelism.to_dict(), "device": run.device_type,
+        "state_dict_type": SHARDED if not full else FULL, "mixed_precision": run.mixed_precision,
+        "gradient_accumulation_steps": run.gradient_accumulation_steps, "versions": _versions(),
+        **_components(prepared), "model_tensors": [m["tensors"] for m in models],
+        "model_tied": [tied_names(unwrap(m)) for m in prepared.models], "optimizer_models": owners,
         "files": files, "save_seconds": round(time.perf_counter() - started, 3),
     }
 
@@ -275,10 +284,9 @@ def save_state(acc: Accelerator, output_dir: str | Path | None = None) -> Path:
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
-def _resolve_input(acc: Accelerator, input_dir: str | Path | None) -> Path:
+def _resolve_input(project: ProjectConfiguration, input_dir: str | Path | None) -> Path:
     if input_dir is not None:
         return Path(input_dir)
-    project = acc.project_configuration
     if not project.automatic_checkpoint_naming:
         raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True) "
                          "to find the newest checkpoint")
@@ -288,56 +296,10 @@ def _resolve_input(acc: Accelerator, input_dir: str | Path | None) -> Path:
     return newest
 
 
-def _listing(names: list[str], limit: int = 10) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
-def compare_tensors(saved: dict[str, list[int]], expected: dict[str, list[int]], what: str) -> str | None:
-    """A message listing missing, unexpected and mismatched tensors, or None when names and shapes agree."""
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    shapes = [f"{n}: checkpoint {tuple(saved[n])} vs model {tuple(expected[n])}"
-              for n in sorted(set(saved) & set(expected)) if list(saved[n]) != list(expected[n])]
-    if not (missing or unexpected or shapes):
-        return None
-    parts = [f"{what} does not match the model (a checkpoint of another model?)"]
-    if missing:
-        parts.append(f"{len(missing)} tensor(s) of the model are not in the checkpoint: {_listing(missing)}")
-    if unexpected:
-        parts.append(f"{len(unexpected)} tensor(s) of the checkpoint are not in the model: {_listing(unexpected)}")
-    if shapes:
-        parts.append(f"{len(shapes)} tensor(s) differ in shape: {_listing(shapes)}")
-    return "; ".join(parts)
-
-
-def read_metadata(path: Path) -> dict[str, Any]:
-    """The metadata of a complete checkpoint at `path`, or a `CheckpointError` saying what is wrong."""
-    if not path.exists():
-        partial = storage.staging_dir(path)
-        hint = f" (an interrupted save left {partial.name})" if partial.exists() else ""
-        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist{hint}")
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint path {path} is not a directory")
-    meta_path = path / storage.METADATA_FILE
-    if not meta_path.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {storage.METADATA_FILE} (a save that did "
-                              "not finish, or not an ndparallel checkpoint)")
-    meta = storage.read_json(meta_path, "checkpoint metadata")
-    if not isinstance(meta, dict) or meta.get("format") != storage.FORMAT:
-        raise CheckpointError(f"{meta_path} is not ndparallel checkpoint metadata")
-    if meta.get("format_version", 0) > storage.FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {meta['format_version']}, newer than this "
-                              f"ndparallel reads ({storage.FORMAT_VERSION}); upgrade ndparallel")
-    if not meta.get("complete"):
-        raise CheckpointError(f"checkpoint {path} is incomplete (its metadata is not marked complete)")
-    return meta
-
-
-def _validate(acc: Accelerator, path: Path) -> dict[str, Any]:
-    """Rank 0: the checkpoint's metadata if `acc` can load it, else a `CheckpointError` naming the problem."""
+def _validate(prepared: PreparedObjects, path: Path) -> dict[str, Any]:
+    """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem."""
     meta = read_metadata(path)
-    mine = _components(acc)
+    mine = _components(prepared)
     keys = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects", "scaler")
     if any(meta.get(k) != mine[k] for k in keys):
         def describe(c: dict[str, Any]) -> str:
@@ -351,43 +313,43 @@ def _validate(acc: Accelerator, path: Path) -> dict[str, Any]:
     if meta.get("param_groups") != mine["param_groups"]:
         raise CheckpointError(f"checkpoint {path}: the optimizers had {meta.get('param_groups')} parameter groups, "
                               f"these have {mine['param_groups']}")
-    for i, model in enumerate(acc._models):
-        expected = _tensor_shapes(get_model_state_dict(model))
+    for i, model in enumerate(prepared.models):
+        expected = tensor_shapes(get_model_state_dict(model))
         problem = compare_tensors(meta["model_tensors"][i], expected, f"checkpoint {path}: model {i}")
         if problem:
             raise CheckpointError(problem)
     return meta
 
 
-def _check_dcp_metadata(acc: Accelerator, path: Path, meta: dict[str, Any]) -> None:
+def _check_dcp_metadata(prepared: PreparedObjects, path: Path, meta: dict[str, Any]) -> None:
     """Rank 0: read DCP's own (pickled) metadata files safely, so a bad one fails here and not inside DCP."""
     if meta["state_dict_type"] == SHARDED:
-        names = [f"model_{i}" for i in range(len(acc._models))]
-        for name in names + [f"optimizer_{j}" for j in range(len(acc._optimizers))]:
+        names = [f"model_{i}" for i in range(len(prepared.models))]
+        for name in names + [f"optimizer_{j}" for j in range(len(prepared.optimizers))]:
             storage.read_dcp_metadata(path / name)
 
 
-def load_state(acc: Accelerator, input_dir: str | Path | None = None) -> Path:
-    """Collective: restore everything `save_state` wrote into the objects `acc` prepared; return the directory."""
-    path = _resolve_input(acc, input_dir)
-    meta = on_main(lambda: _validate(acc, path))
+def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_dir: str | Path | None = None) -> Path:
+    """Collective: restore everything `save_state` wrote into the `prepared` objects; return the directory."""
+    path = _resolve_input(project, input_dir)
+    meta = on_main(lambda: _validate(prepared, path))
     storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
-    on_main(lambda: _check_dcp_metadata(acc, path, meta))
+    on_main(lambda: _check_dcp_metadata(prepared, path, meta))
 
     # Small states first, on every rank: a corrupt file fails everywhere before any model is touched.
     saved_world = meta["world_size"]
     error, small = None, {}
     try:
         small["schedulers"] = [storage.load_torch_file(path / f"scheduler_{k}.pt", f"LR scheduler {k}")
-                               for k in range(len(acc._schedulers))]
-        small["scaler"] = storage.load_torch_file(path / "scaler.pt", "grad scaler") if acc.scaler else None
+                               for k in range(len(prepared.schedulers))]
+        small["scaler"] = storage.load_torch_file(path / "scaler.pt", "grad scaler") if prepared.scaler else None
         small["custom"] = [storage.load_torch_file(path / f"custom_checkpoint_{k}.pt", f"registered object {k}")
-                           for k in range(len(acc._custom_objects))]
+                           for k in range(len(prepared.custom_objects))]
         small["dataloaders"] = storage.read_json(path / "dataloaders.json", "data loader positions")
         small["gradient_state"] = storage.read_json(path / "gradient_state.json", "gradient state")
         rng_rank = rank() if saved_world == world_size() else 0
         small["rng"] = storage.load_torch_file(path / f"random_states_{rng_rank}.pt", "RNG state")
-        for loader, state in zip(acc._dataloaders, small["dataloaders"]):
+        for loader, state in zip(prepared.dataloaders, small["dataloaders"]):
             loader.load_state_dict(state)
     except (CheckpointError, ValueError, KeyError) as exc:
         error = exc
@@ -395,32 +357,32 @@ def load_state(acc: Accelerator, input_dir: str | Path | None = None) -> Path:
 
     full = meta["state_dict_type"] == FULL
     read_options = StateDictOptions(full_state_dict=full, cpu_offload=full, broadcast_from_rank0=full)
-    for i, model in enumerate(acc._models):
+    for i, model in enumerate(prepared.models):
         state = {} if full else get_model_state_dict(model)
         state = _read_state(state, path / f"model_{i}", full, f"model {i}")
         set_model_state_dict(model, state, options=read_options)
         del state
-    for j, opt in enumerate(acc._optimizers):
-        model = acc._models[meta["optimizer_models"][j]]
+    for j, opt in enumerate(prepared.optimizers):
+        model = prepared.models[meta["optimizer_models"][j]]
         state = {} if full else get_optimizer_state_dict(model, opt.optimizer)
         state = _read_state(state, path / f"optimizer_{j}", full, f"optimizer {j}")
         set_optimizer_state_dict(model, opt.optimizer, state, options=read_options)
         del state
 
-    for scheduler, state in zip(acc._schedulers, small["schedulers"]):
+    for scheduler, state in zip(prepared.schedulers, small["schedulers"]):
         scheduler.load_state_dict(state)
-    if acc.scaler is not None:
-        acc.scaler.load_state_dict(small["scaler"])
-    for obj, state in zip(acc._custom_objects, small["custom"]):
+    if prepared.scaler is not None:
+        prepared.scaler.load_state_dict(small["scaler"])
+    for obj, state in zip(prepared.custom_objects, small["custom"]):
         obj.load_state_dict(state)
-    acc.gradient_state.load_state_dict(small["gradient_state"])
+    prepared.gradient_state.load_state_dict(small["gradient_state"])
     rng_crcs = {info["crc32"] for name, info in meta["files"].items() if name.startswith("random_states_")}
     if saved_world != world_size() and len(rng_crcs) > 1:
         warnings.warn(f"checkpoint saved by {saved_world} process(es) with different random states, loaded by "
                       f"{world_size()}: every rank continues the random streams of rank 0", stacklevel=3)
     _set_rng_state(small["rng"])
     number = checkpoint_number(path)
-    if acc.project_configuration.automatic_checkpoint_naming and number is not None:
-        acc.project_configuration.iteration = number + 1
+    if project.automatic_checkpoint_naming and number is not None:
+        project.iteration = number + 1
     storage.barrier()
     return path

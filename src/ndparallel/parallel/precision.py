@@ -1,6 +1,6 @@
 """Mixed precision outside FSDP2: autocast around the model's forward.
 
-Under FSDP2 the `MixedPrecisionPolicy` casts parameters instead (see `parallel.data`). fp16 also needs a
+Under FSDP2 the `MixedPrecisionPolicy` casts parameters instead (see `data_parallel`). fp16 also needs a
 gradient scaler, which the Accelerator owns.
 """
 
@@ -11,18 +11,22 @@ import functools
 import torch
 from torch import nn
 
-DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from ..mesh import ParallelMesh
+from .data_parallel import uses_fsdp
+from .options import PrepareOptions
 
 
-def apply_autocast(model: nn.Module, dtype: torch.dtype, device_type: str) -> nn.Module:
-    """Run ``model.forward`` under ``torch.autocast(device_type, dtype)``."""
+def apply_autocast(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
+    """Run ``model.forward`` under ``torch.autocast`` in the mixed-precision dtype, unless FSDP2 casts instead."""
+    dtype = options.dtype
+    if dtype is None or uses_fsdp(mesh.config, options.fsdp_plugin):
+        return model
     forward = model.forward
 
     @functools.wraps(forward)
     def autocast_forward(*args, **kwargs):
-        with torch.autocast(device_type=device_type, dtype=dtype):
+        with torch.autocast(device_type=options.device.type, dtype=dtype):
             return forward(*args, **kwargs)
 
     model.forward = autocast_forward
-    model._ndparallel_original_forward = forward
     return model

@@ -40,6 +40,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..config import TorchTensorParallelConfig
+from ..mesh import ParallelMesh
+from .options import PrepareOptions
 
 STYLES: dict[str, str] = {
     "colwise": "Linear/Embedding split along its output features; output stays split (feeds a rowwise layer)",
@@ -343,11 +345,22 @@ def tensor_parallel_styles(model: nn.Module, tp: int, config: TorchTensorParalle
     return styles
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, styles: Mapping[str, ParallelStyle],
-                          loss_parallel: bool = False) -> nn.Module:
-    """Shard `model` over `tp_mesh` with the styles of `tensor_parallel_styles`."""
-    model = parallelize_module(model, tp_mesh, dict(styles))
-    if loss_parallel:
+def check_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> None:
+    """Raise, before any collective, if `model` cannot be split over ``tp`` with its plan (nothing to check at
+    tp 1)."""
+    if mesh.size("tp") > 1:
+        check_not_sharded(model, mesh["tp"])
+        tensor_parallel_styles(model, mesh.size("tp"), mesh.config.tp_handler, options.tp_plan)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
+    """Shard `model` over ``tp`` with the styles of its plan (`tensor_parallel_styles`); nothing at tp 1."""
+    if mesh.size("tp") == 1:
+        return model
+    handler = mesh.config.tp_handler
+    styles = tensor_parallel_styles(model, mesh.size("tp"), handler, options.tp_plan)
+    model = parallelize_module(model, mesh["tp"], styles)
+    if handler.loss_parallel:
         _run_forward_in_loss_parallel(model)
     return model
 

@@ -1,43 +1,28 @@
-"""The one place where context parallelism and Ulysses sequence parallelism hook into attention.
+"""The hooks that give a prepared model context/sequence-parallel attention without changing its code.
 
-While ``Accelerator.maybe_context_parallel(buffers=...)`` is open, the sequence is *sharded*: its buffers hold this
-rank's part of every sequence (`ndparallel.parallel.context.SequenceShards`: the cp layout, then a contiguous piece
-of it per sp rank), and attention must look at the whole sequence. Ulysses (`ndparallel.parallel.ulysses`) wraps
-the context-parallel attention: with ``sp > 1`` it all-to-alls to head sharding, runs it on the cp rank's shard, and
-all-to-alls back. "Context parallelism" in messages below covers both. Two entry points get it there:
-
-- **Hugging Face models** (``attn_implementation="sdpa"`` or ``"eager"``) need no change: `prepare_model` registers
-  ndparallel's function in transformers' `AttentionInterface` and switches the model to it. While the sequence is
-  sharded that function computes exact context-parallel attention, restoring the model's mask from global positions
-  (causal or full; a sliding window only when it covers the whole sequence); otherwise it hands over to the model's
-  own implementation, so evaluation of unsharded batches (padding masks included) works as before. A forward
-  pre-hook checks the model's inputs first (see `_check_hf_inputs`).
-- **Any other model** calls `context_parallel_attention(q, k, v, is_causal=..., scale=...)` in place of
-  `torch.nn.functional.scaled_dot_product_attention`.
-
-Why a process-wide state (`_ACTIVE`) rather than an argument: transformers calls the registered function by name,
-with no handle to ndparallel objects, and autograd may run backward (and activation-checkpoint recomputation) on
-another thread, where context variables are not visible. Only `sharded_sequence` sets it, for the duration of one
-``with`` block.
+`prepare_model` registers ndparallel's attention function in transformers' `AttentionInterface` (and a mask
+function beside it) and switches the model to it. While a sequence is sharded (`sharding.active()`), that function
+computes exact attention over the whole sequence through `sharding.context_parallel_attention`, restoring the
+model's mask from global positions (causal or full; a sliding window only when it covers the whole sequence);
+otherwise it hands over to the model's own implementation (``sdpa`` or ``eager``), so evaluation of unsharded
+batches, padding masks included, works as before. A forward pre-hook checks the model's inputs first
+(`_check_hf_inputs`): it refuses what sharded attention would silently get wrong and gives the model global
+``position_ids``. Models that are not Hugging Face models get the pre-hook only; they call
+`context_parallel_attention` themselves.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .loss import IGNORE_INDEX
-from .parallel.context import STRATEGIES, SequenceShards, sharded_attention
-from .parallel.ulysses import ulysses_attention
+from ...loss import count_loss_tokens
+from .sharding import ShardedSequence, active, context_parallel_attention
 
 ATTN_IMPLEMENTATION = "ndparallel_context_parallel"  # the name registered in transformers' registries
 SUPPORTED_HF_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -49,136 +34,6 @@ LABELS_HELP = (
     "maybe_context_parallel(buffers=...)"
 )
 
-
-@dataclass
-class ShardedSequence:
-    """What attention needs to know while the sequence is sharded."""
-
-    layout: SequenceShards  # this rank's part: cp layout, then its sp piece
-    group: dist.ProcessGroup  # cp
-    strategy: str
-    full: dict[int, torch.Tensor]  # id(buffer) -> the buffer's full-sequence copy, for input checks
-    expected_tokens: int | None = None  # loss tokens of this shard, as counted by the prepared data loader
-    forwards: int = 0  # forwards of prepared models inside the block
-    attention_calls: int = 0
-    sp_group: dist.ProcessGroup | None = None  # Ulysses over sp when layout.sp_size > 1
-
-
-_ACTIVE: ShardedSequence | None = None
-
-
-def active() -> ShardedSequence | None:
-    """The sharded-sequence state of this process, or None outside ``maybe_context_parallel``."""
-    return _ACTIVE
-
-
-# ---- sharding buffers in place ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def sharded_sequence(buffers: list[torch.Tensor] | None, seq_dims: list[int] | None,
-                     no_restore: set[torch.Tensor] | None, *, group: dist.ProcessGroup, size: int, rank: int,
-                     load_balance: bool = True, strategy: str = "allgather",
-                     expected_tokens: int | None = None, sp_group: dist.ProcessGroup | None = None,
-                     sp_size: int = 1, sp_rank: int = 0) -> Iterator[ShardedSequence]:
-    """Shard `buffers` in place along their `seq_dims` for the duration of the block; restore on exit those not in
-    `no_restore`. `group`/`size`/`rank` are ``cp``'s, `sp_*` those of ``sp`` (Ulysses; see `SequenceShards`).
-    Every check comes before anything is changed, and nothing here communicates."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        raise RuntimeError("maybe_context_parallel blocks cannot be nested")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"cp_comm_strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
-    if not buffers:
-        sizes = " x ".join(f"{a}_size={n}" for a, n in (("cp", size), ("sp", sp_size)) if n > 1) or "cp_size=1"
-        raise ValueError(
-            f"maybe_context_parallel() with {sizes} needs the batch's sequence tensors: pass "
-            "buffers=[batch['input_ids'], batch['shift_labels'], batch['position_ids']] and buffer_seq_dims=[1, 1, 1]"
-        )
-    if seq_dims is None:
-        raise ValueError("maybe_context_parallel(buffers=...) needs buffer_seq_dims: the sequence dimension of each "
-                         "buffer, e.g. [1, 1, 1] for [batch, seq] tensors")
-    for i, buf in enumerate(buffers):
-        if not isinstance(buf, torch.Tensor):
-            raise TypeError(f"maybe_context_parallel: buffers[{i}] is a {type(buf).__name__}, not a tensor")
-        if buf.requires_grad:
-            raise ValueError(f"maybe_context_parallel: buffers[{i}] requires grad and cannot be sharded in place; "
-                             "shard inputs (ids, labels, positions), not tensors autograd tracks")
-    for i, (buf, dim) in enumerate(zip(buffers, seq_dims)):
-        if not -buf.dim() <= dim < buf.dim():
-            raise ValueError(f"maybe_context_parallel: buffer_seq_dims[{i}]={dim} is out of range for a buffer of "
-                             f"shape {tuple(buf.shape)}")
-    lengths = {buf.shape[dim] for buf, dim in zip(buffers, seq_dims)}
-    if len(lengths) > 1:
-        shapes = ", ".join(f"{tuple(b.shape)} (dim {d})" for b, d in zip(buffers, seq_dims))
-        raise ValueError(f"maybe_context_parallel: the buffers' sequence lengths differ: {shapes}")
-    layout = SequenceShards.of(lengths.pop(), size, rank, load_balance, sp_size, sp_rank)
-    unique = list({id(b): (b, d) for b, d in zip(buffers, seq_dims)}.values())
-    storages = [b.untyped_storage().data_ptr() for b, _ in unique]
-    if len(set(storages)) < len(storages):
-        raise ValueError("maybe_context_parallel: two buffers share memory (one is a view of the other); sharding "
-                         "one in place would corrupt the other -- pass copies (.clone())")
-    keep = {id(b) for b in (no_restore or ())}
-    full = {id(b): b.clone() for b, _ in unique}
-    for buf, dim in unique:
-        part = layout.shard(full[id(buf)], dim)
-        buf.resize_(part.shape)  # in place, as torch's context_parallel does: the caller's batch sees the shard
-        buf.copy_(part)
-    state = ShardedSequence(layout, group, strategy, full, expected_tokens, sp_group=sp_group)
-    _ACTIVE = state
-    failed = False
-    try:
-        yield state
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        _ACTIVE = None
-        for buf, _ in unique:
-            if id(buf) not in keep:
-                buf.resize_(full[id(buf)].shape)
-                buf.copy_(full[id(buf)])
-        if not failed and state.forwards and not state.attention_calls:
-            raise RuntimeError(
-                "maybe_context_parallel: the model ran on sharded sequences, but none of its attention went through "
-                "ndparallel's context-parallel attention, so each rank attended only to its own shard. Hugging Face "
-                "models need attn_implementation='sdpa' or 'eager'; other models must call "
-                "ndparallel.attention.context_parallel_attention in place of scaled_dot_product_attention"
-            )
-
-
-# ---- the attention entry point ------------------------------------------------------------------------------------
-def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                               is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """`scaled_dot_product_attention` for models run under context parallelism; the entry point for models that
-    are not Hugging Face ``sdpa``/``eager`` models.
-
-    Takes ``[batch, heads, seq, head_dim]`` query, key and value (key/value may have fewer heads: GQA). Inside
-    ``maybe_context_parallel`` ``seq`` is this rank's shard and the result is exact attention over the whole
-    sequence (causal by global position, or full); outside, it is plain SDPA. No attention mask or dropout.
-    """
-    state = _ACTIVE
-    if state is None:
-        kwargs = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
-                                                                **kwargs)
-    state.attention_calls += 1
-    cp = state.layout.cp
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sharded_attention(q, k, v, cp, state.group, state.strategy, is_causal, scale)
-
-    if state.layout.sp_size == 1:
-        return attend(query, key, value)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() != 4 or t.shape[2] != state.layout.local_len:
-            raise ValueError(
-                f"sequence-parallel attention: {name} has shape {tuple(t.shape)}, expected [batch, heads, "
-                f"{state.layout.local_len}, head_dim] (this rank's {state.layout.local_len} of "
-                f"{state.layout.seq_len} positions)"
-            )
-    return ulysses_attention(query, key, value, state.sp_group, attend)
-
-
-# ---- Hugging Face integration ---------------------------------------------------------------------------------------
 _ORIGINAL: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (config, its attn_implementation before ours)
 
 
@@ -191,7 +46,7 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The function registered in transformers' `AttentionInterface` (its calling convention)."""
-    state = _ACTIVE
+    state = active()
     if state is None:
         if module.training and torch.is_grad_enabled():
             raise RuntimeError(
@@ -228,7 +83,7 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
 def _hf_mask(*args: Any, **kwargs: Any) -> Any:
     """The mask function registered beside `_hf_attention`: none while sharded (attention rebuilds it from global
     positions), else the mask the model's own implementation would get."""
-    if _ACTIVE is not None:
+    if active() is not None:
         return None
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -309,7 +164,7 @@ class _InputCheck:
         self.sizes = sizes  # e.g. "cp_size=2 x sp_size=2", for messages
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        state = _ACTIVE
+        state = active()
         if state is None:
             if model.training and torch.is_grad_enabled():
                 raise RuntimeError(
@@ -392,7 +247,7 @@ def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts:
             )
     _check_config(config, total)
     shift = kwargs.get("shift_labels")
-    got = int((shift != IGNORE_INDEX).sum()) if isinstance(shift, torch.Tensor) else None
+    got = count_loss_tokens(kwargs) if isinstance(shift, torch.Tensor) else None
     if got == 0 and kwargs.get("num_items_in_batch") is None:
         # A shard without loss tokens (say, all prompt): a mean over zero tokens is NaN and would poison every
         # gradient. Summed over no tokens the loss is 0; backward still runs, and `backward` weights it by 0.

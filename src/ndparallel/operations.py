@@ -1,4 +1,6 @@
-"""Collectives over a mesh view on nested structures of tensors: gather and reduce."""
+"""The Accelerator's collectives for metrics and logging, on nested structures of tensors: gather along the
+``batch`` view and reduce over the ``loss`` view (Accelerate's `accelerate.utils.operations`). Each takes the mesh
+and the name of the view, and does nothing on a view of one rank."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+
+from .mesh import ParallelMesh
 
 REDUCTIONS = ("sum", "mean", "none")
 
@@ -22,14 +25,14 @@ def map_tensors(obj: Any, fn) -> Any:
     raise TypeError(f"can only gather/reduce tensors and dicts/lists/tuples of tensors, got {type(obj).__name__}")
 
 
-def gather_tensor(tensor: torch.Tensor, view: DeviceMesh) -> torch.Tensor:
+def gather_tensor(tensor: torch.Tensor, mesh: ParallelMesh, view: str) -> torch.Tensor:
     """Concatenate every view rank's `tensor` along dim 0, in view order; sizes along dim 0 may differ."""
-    if view.size() == 1:
+    if mesh.size(view) == 1:
         return tensor if tensor.dim() else tensor.unsqueeze(0)
-    group = view.get_group()
+    group = mesh.group(view)
     tensor = tensor.contiguous() if tensor.dim() else tensor.reshape(1)
     n = torch.tensor([tensor.shape[0]], device=tensor.device, dtype=torch.long)
-    sizes = [torch.zeros_like(n) for _ in range(view.size())]
+    sizes = [torch.zeros_like(n) for _ in range(mesh.size(view))]
     dist.all_gather(sizes, n, group=group)
     sizes = [int(s.item()) for s in sizes]
     longest = max(sizes)
@@ -41,11 +44,20 @@ def gather_tensor(tensor: torch.Tensor, view: DeviceMesh) -> torch.Tensor:
     return torch.cat([p[:s] for p, s in zip(parts, sizes)])
 
 
-def gather(obj: Any, view: DeviceMesh) -> Any:
-    return map_tensors(obj, lambda t: gather_tensor(t, view))
+def gather(obj: Any, mesh: ParallelMesh, view: str) -> Any:
+    return map_tensors(obj, lambda t: gather_tensor(t, mesh, view))
 
 
-def reduce(obj: Any, view: DeviceMesh, reduction: str = "sum", scale: float = 1.0) -> Any:
+def gather_object(obj: Any, mesh: ParallelMesh, view: str) -> list[Any]:
+    """Every view rank's picklable `obj`, in view order."""
+    if mesh.size(view) == 1:
+        return [obj]
+    parts: list[Any] = [None] * mesh.size(view)
+    dist.all_gather_object(parts, obj, group=mesh.group(view))
+    return parts
+
+
+def reduce(obj: Any, mesh: ParallelMesh, view: str, reduction: str = "sum", scale: float = 1.0) -> Any:
     """All-reduce every tensor of `obj` over `view`; returns new tensors.
 
     "sum" adds, "mean" averages (integers become floats); "none" sums too, as Accelerate's `reduce` does.
@@ -57,10 +69,10 @@ def reduce(obj: Any, view: DeviceMesh, reduction: str = "sum", scale: float = 1.
         out = t.detach().clone()
         if not out.is_floating_point() and reduction == "mean":
             out = out.float()
-        if view.size() > 1:
-            dist.all_reduce(out, group=view.get_group())
+        if mesh.size(view) > 1:
+            dist.all_reduce(out, group=mesh.group(view))
         if reduction == "mean":
-            out /= view.size()
+            out /= mesh.size(view)
         return out * scale if scale != 1.0 else out
 
     return map_tensors(obj, one)

@@ -16,38 +16,29 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import FullyShardedDataParallelPlugin
+from ..config import FullyShardedDataParallelPlugin, ParallelismConfig
 from ..mesh import ParallelMesh
+from .blocks import block_classes, blocks_of
+from .options import PrepareOptions
 
 
-def uses_fsdp(mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None) -> bool:
-    """Whether FSDP2 wraps the model: parameters are sharded, a plugin asks for it, or DDP meets TP (above)."""
-    return plugin is not None or mesh.size("fsdp") > 1 or (mesh.size("tp") > 1 and mesh.size("loss") > 1)
-
-
-def block_classes(model: nn.Module, names: Iterable[str] | None) -> list[type[nn.Module]]:
-    """Classes of the transformer blocks to wrap: `names`, or the model's ``_no_split_modules``.
-
-    Raises when a requested name matches no module of the model, listing the classes it has.
-    """
-    explicit = names is not None
-    names = list(names) if explicit else list(getattr(model, "_no_split_modules", None) or [])
-    present = {type(m).__name__: type(m) for m in model.modules()}
-    missing = [n for n in names if n not in present]
-    if missing and explicit:
-        raise ValueError(
-            f"transformer_cls_names_to_wrap: {missing} not found in {type(model).__name__}; "
-            f"its module classes are: {sorted(present)}"
-        )
-    return [present[n] for n in names if n in present]
+def uses_fsdp(config: ParallelismConfig, plugin: FullyShardedDataParallelPlugin | None) -> bool:
+    """Whether FSDP2 wraps the model under the resolved `config`: parameters are sharded (fsdp > 1), a plugin asks
+    for it, or DDP meets TP (above)."""
+    fsdp = config.dp_shard_size * config.cp_size * config.sp_size
+    return plugin is not None or fsdp > 1 or (config.tp_size > 1 and config.dp_replicate_size * fsdp > 1)
 
 
 def _ignored_params(model: nn.Module, ignored) -> set[nn.Parameter]:
@@ -91,19 +82,18 @@ def broadcast_module_states(model: nn.Module, src: int = 0) -> None:
         dist.broadcast(tensor.data, src=src)
 
 
-def apply_fsdp(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None,
-               dtype: torch.dtype | None, device: torch.device) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """Shard each transformer block, then the root, over ``fsdp`` (HSDP when dp_replicate > 1)."""
-    plugin = plugin or FullyShardedDataParallelPlugin()
-    dp_mesh = mesh.hsdp() if mesh.size("dp_replicate") > 1 else mesh["fsdp"]
+    plugin = options.fsdp_plugin or FullyShardedDataParallelPlugin()
+    dp_mesh = mesh.data_parallel()
     offload: OffloadPolicy = (
-        CPUOffloadPolicy(pin_memory=device.type == "cuda") if plugin.cpu_offload else OffloadPolicy()
+        CPUOffloadPolicy(pin_memory=options.device.type == "cuda") if plugin.cpu_offload else OffloadPolicy()
     )
     kwargs = dict(
         mesh=dp_mesh,
         # With a shard group of one rank (replication only) there is nothing to free after forward.
         reshard_after_forward=plugin.reshard_after_forward and mesh.size("fsdp") > 1,
-        mp_policy=mixed_precision_policy(plugin, dtype),
+        mp_policy=mixed_precision_policy(plugin, options.dtype),
         offload_policy=offload,
         ignored_params=_ignored_params(model, plugin.ignored_modules) or None,
     )
@@ -121,14 +111,14 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataPar
                 "transformer_cls_names_to_wrap): FSDP2 shards the root module only",
                 stacklevel=3,
             )
-        for module in model.modules():
-            if isinstance(module, tuple(blocks)) and module is not model:
-                fully_shard(module, **kwargs)
+        for module in blocks_of(model, blocks):
+            fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
 
-def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
+    device = options.device
     return DistributedDataParallel(
         model,
         process_group=mesh.group("loss"),
@@ -136,16 +126,15 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.
     )
 
 
-def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, plugin: FullyShardedDataParallelPlugin | None,
-                        dtype: torch.dtype | None, device: torch.device) -> nn.Module:
-    if uses_fsdp(mesh, plugin):
-        return apply_fsdp(model, mesh, plugin, dtype, device)
+def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
+    """FSDP2 / HSDP, DDP, or nothing (see the module docstring): the outermost wrapper, applied last."""
+    if uses_fsdp(mesh.config, options.fsdp_plugin):
+        return apply_fsdp(model, mesh, options)
     if mesh.size("loss") > 1:
-        return apply_ddp(model, mesh, device)
+        return apply_ddp(model, mesh, options)
     return model
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn the gradient reduction of an FSDP2 model on or off (used for accumulation steps)."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model without its DDP wrapper (FSDP2 and activation checkpointing change no parameter names)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

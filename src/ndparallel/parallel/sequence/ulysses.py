@@ -1,15 +1,16 @@
 """Ulysses sequence parallelism: attention over a sequence sharded on ``sp`` by switching to head sharding.
 
-Each rank of ``sp`` holds 1/sp of every sequence (`ndparallel.parallel.context.SequenceShards`). Around attention:
+Each rank of ``sp`` holds 1/sp of every sequence (`layout.SequenceShards`). Around attention:
 
 1. one all-to-all over ``sp`` turns sequence-sharded ``[batch, heads, L/sp, head_dim]`` query/key/value into
    head-sharded ``[batch, heads/sp, L, head_dim]``: rank s keeps heads ``[s*heads/sp, (s+1)*heads/sp)`` of every
    rank's piece and concatenates the pieces in sp order;
 2. attention runs on whole-length sequences for those heads (plain SDPA, or with ``cp > 1`` the context-parallel
-   attention of `ndparallel.parallel.context` over the cp rank's shard: "unified sequence parallelism");
+   attention (all-gather or ring) over the cp rank's shard: "unified sequence parallelism");
 3. a second all-to-all turns the output back into sequence-sharded ``[batch, heads, L/sp, head_dim]``.
 
-Backward runs the same collectives the other way round (each all-to-all's gradient is the inverse all-to-all).
+Backward runs the same collectives the other way round (each all-to-all's gradient is the inverse all-to-all;
+`collectives.SeqToHeads` / `HeadsToSeq`).
 Per layer and direction a rank sends (sp-1)/sp of its q, k, v and output shards; the amount per rank falls as sp
 grows, unlike all-gather CP, whose K/V traffic per rank is constant.
 
@@ -22,10 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .collectives import HeadsToSeq, SeqToHeads
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp_size: int, tp_size: int = 1, where: str = "") -> None:
@@ -54,69 +56,19 @@ def kv_repeats(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     return sp_size // math.gcd(num_kv_heads, sp_size)
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``x[t]`` (first dim = group size) goes to rank t; returns what every rank sent here, ``out[t]`` from rank t."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
-def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """``[B, H, L, D]`` (this rank's piece of the sequence, all heads) -> ``[B, H/size, size*L, D]``."""
-    b, h, n, d = x.shape
-    parts = _all_to_all(x.reshape(b, size, h // size, n, d).transpose(0, 1), group)  # [size, B, H/size, L, D]
-    return parts.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * n, d)
-
-
-def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """``[B, H/size, size*L, D]`` -> ``[B, H, L, D]``: the inverse of `seq_to_heads`."""
-    b, h, n, d = x.shape
-    parts = _all_to_all(x.reshape(b, h, size, n // size, d).permute(2, 0, 1, 3, 4), group)  # [size, B, H/size, L, D]
-    return parts.transpose(0, 1).reshape(b, size * h, n // size, d)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return seq_to_heads(x, group, size)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return heads_to_seq(grad, ctx.group, ctx.size), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return heads_to_seq(x, group, size)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return seq_to_heads(grad, ctx.group, ctx.size), None, None
-
-
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup,
                       attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Attention of sequence-sharded ``[batch, heads, local_len, head_dim]`` tensors over `group` (``sp``).
 
     `attend(q, k, v)` computes attention over the whole (cp-local) sequence of head-sharded tensors (GQA allowed:
-    k/v may have fewer heads). Shapes are checked before any collective; every rank of `group` sees the same ones.
+    k/v may have fewer heads). Shapes are checked by the caller (`ndparallel.parallel.sequence.attention`); every
+    rank of `group` sees the same ones.
     """
     size = dist.get_world_size(group)
     if size == 1:
         return attend(query, key, value)
-    for name, t in (("key", key), ("value", value)):
-        if t.dim() != 4 or t.shape[0] != query.shape[0] or t.shape[2] != query.shape[2]:
-            raise ValueError(f"Ulysses attention: {name} has shape {tuple(t.shape)}, query {tuple(query.shape)}; "
-                             "expected [batch, heads, local_len, head_dim] with equal batch and length")
-    if key.shape[1] != value.shape[1]:
-        raise ValueError(f"Ulysses attention: key has {key.shape[1]} heads, value {value.shape[1]}")
     repeats = kv_repeats(query.shape[1], key.shape[1], size)
     if repeats > 1:
         key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
-    q, k, v = (_SeqToHeads.apply(t, group, size) for t in (query, key, value))
-    out = attend(q, k, v)
-    return _HeadsToSeq.apply(out, group, size)
+    q, k, v = (SeqToHeads.apply(t, group, size) for t in (query, key, value))
+    return HeadsToSeq.apply(attend(q, k, v), group, size)

@@ -2,7 +2,7 @@
 
 Forward, on each of the `size` ranks, for t = 0 .. size-1: the rank holds the K/V block of rank (rank - t) and,
 while sending it on to rank+1 and receiving the next one from rank-1 (point-to-point), attends its local query
-chunks to that block's key chunks (`ndparallel.parallel.blockwise`), merging partial outputs by their
+chunks to that block's key chunks (`kernels`), merging partial outputs by their
 log-sum-exp. Under a causal mask, chunk pairs above the diagonal are skipped and diagonal pairs are causal blocks;
 with the load-balanced layout every rank computes the same number of pairs.
 
@@ -19,34 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .blockwise import acc_dtype, block_backward, block_forward, merge
-from .context import SequenceLayout
+from .collectives import Ring
+from .kernels import acc_dtype, block_backward, block_forward, merge
+from .layout import SequenceLayout
 
 _KV_TAG, _GRAD_TAG = 7, 8  # P2P tags: K/V blocks and their gradients may be in flight between the same peers
-
-
-class _Ring:
-    """Point-to-point exchange with the next and previous rank of a group's ring."""
-
-    def __init__(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
-        self.group = group
-        self.next = dist.get_global_rank(group, (rank + 1) % size)
-        self.prev = dist.get_global_rank(group, (rank - 1) % size)
-
-    def start(self, tensors: list[torch.Tensor], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
-        """Send `tensors` to the next rank and receive the previous rank's (same shapes); returns the receive
-        buffers and the requests to wait on."""
-        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in recv]
-        return recv, dist.batch_isend_irecv(ops)
-
-    @staticmethod
-    def finish(pending: tuple[list[torch.Tensor], list[Any]]) -> list[torch.Tensor]:
-        recv, works = pending
-        for w in works:
-            w.wait()
-        return recv
 
 
 def pairs(layout: SequenceLayout, owner: int, causal: bool):
@@ -66,7 +43,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
                 group: dist.ProcessGroup, causal: bool, scale: float) -> torch.Tensor:
         n, chunks = layout.chunk_len, len(layout.chunk_ids())
-        ring = _Ring(group, layout.size, layout.rank)
+        ring = Ring(group, layout.size, layout.rank)
         out: list[Any] = [None] * chunks
         lse: list[Any] = [None] * chunks
         block, owner = [key.contiguous(), value.contiguous()], layout.rank
@@ -77,7 +54,7 @@ class _RingAttention(torch.autograd.Function):
                 o, l = block_forward(_chunk(query, j, n), _chunk(k, i, n), _chunk(v, i, n), scale, diagonal)
                 out[j], lse[j] = merge(out[j], lse[j], o, l)
             if pending is not None:
-                block, owner = _Ring.finish(pending), (owner - 1) % layout.size
+                block, owner = Ring.finish(pending), (owner - 1) % layout.size
         result, lse_all = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(query, key, value, result, lse_all)
         ctx.layout, ctx.group, ctx.causal, ctx.scale = layout, group, causal, scale
@@ -88,7 +65,7 @@ class _RingAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         layout: SequenceLayout = ctx.layout
         n, acc = layout.chunk_len, acc_dtype(query)
-        ring = _Ring(ctx.group, layout.size, layout.rank)
+        ring = Ring(ctx.group, layout.size, layout.rank)
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
         block, owner = [key.contiguous(), value.contiguous()], layout.rank
         grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in block]
@@ -102,18 +79,17 @@ class _RingAttention(torch.autograd.Function):
                 _chunk(dk, i, n).add_(g[1])
                 _chunk(dv, i, n).add_(g[2])
             # The accumulators follow their block: after `size` hops they are back with the block's owner.
-            grads = _Ring.finish(ring.start(grads, _GRAD_TAG))
+            grads = Ring.finish(ring.start(grads, _GRAD_TAG))
             if pending is not None:
-                block, owner = _Ring.finish(pending), (owner - 1) % layout.size
+                block, owner = Ring.finish(pending), (owner - 1) % layout.size
         return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None, None
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
-                   group: dist.ProcessGroup, is_causal: bool, scale: float | None) -> torch.Tensor:
+                   group: dist.ProcessGroup, is_causal: bool, scale: float) -> torch.Tensor:
     """Exact attention of the local queries over the sequence sharded on `group` (see the module docstring).
 
-    Shapes as `scaled_dot_product_attention`: ``[batch, heads, local_len, head_dim]``; K/V may have fewer heads.
+    ``[batch, heads, local_len, head_dim]`` tensors (K/V may have fewer heads: GQA); shapes are checked by the caller
+    (`ndparallel.parallel.sequence.attention`).
     """
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
     return _RingAttention.apply(query, key, value, layout, group, bool(is_causal), float(scale))

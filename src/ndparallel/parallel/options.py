@@ -1,0 +1,27 @@
+"""What `prepare` applies to one model besides the mesh: the third argument of every ``apply_x(model, mesh, options)``.
+
+The mesh's config (``mesh.config``) holds the tensor- and context-parallel settings (``tp_handler``, ``cp_handler``);
+these are the Accelerator's and `prepare`'s own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..config import FullyShardedDataParallelPlugin, compute_dtype
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    device: torch.device  # this rank's device
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None
+    mixed_precision: str = "no"  # one of config.MIXED_PRECISION
+    tp_plan: Mapping[str, str] | None = None  # prepare(model, tp_plan=...): overrides the plan's other sources
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype mixed precision computes in (None: no mixed precision)."""
+        return compute_dtype(self.mixed_precision)

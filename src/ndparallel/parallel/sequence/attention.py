@@ -1,0 +1,64 @@
+"""Exact attention over sequences sharded on ``cp x sp``: the one function every entry point ends in.
+
+`sequence_parallel_attention` checks the shapes once, then (sp > 1) runs Ulysses over ``sp`` around the
+context-parallel attention over ``cp`` (all-gather or ring, by `CP_ATTENTION`), or plain SDPA when cp is 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .allgather import allgather_attention
+from .layout import SequenceShards
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
+# cp_comm_strategy -> attention over the cp shards; the names are `ndparallel.config.CP_STRATEGIES`, which validates
+# them when a `TorchContextParallelConfig` is built.
+CP_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {"allgather": allgather_attention, "ring": ring_attention}
+
+
+def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shards: SequenceShards) -> None:
+    """Raise unless q/k/v are ``[batch, heads, local_len, head_dim]`` shards of this layout, with query heads a
+    multiple of the key/value heads (GQA). The same on every rank, so it raises before any collective."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4 or t.shape[0] != query.shape[0] or t.shape[2] != shards.local_len:
+            raise ValueError(
+                f"sequence-sharded attention: {name} has shape {tuple(t.shape)}, expected [batch, heads, "
+                f"{shards.local_len}, head_dim] (this rank's {shards.local_len} of {shards.seq_len} positions), with "
+                f"the query's batch size {query.shape[0]}"
+            )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(f"sequence-sharded attention: key has {key.shape[1]} heads, value {value.shape[1]}")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"sequence-sharded attention: {query.shape[1]} query heads are not a multiple of "
+                         f"{key.shape[1]} key/value heads")
+
+
+def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shards: SequenceShards,
+                                *, cp_group: dist.ProcessGroup | None = None, sp_group: dist.ProcessGroup | None = None,
+                                strategy: str = "allgather", is_causal: bool = True,
+                                scale: float | None = None) -> torch.Tensor:
+    """Exact attention of this rank's shard of queries over the whole sequence (causal by global position, or full).
+
+    `shards` says which positions this rank holds (`SequenceShards`); `cp_group` / `sp_group` are the ``cp`` and
+    ``sp`` groups (needed when their size is above 1); `strategy` is the context-parallel one ("allgather" or
+    "ring"). Tensors are ``[batch, heads, local_len, head_dim]``; key/value may have fewer heads (GQA).
+    """
+    check_qkv(query, key, value, shards)
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    layout, cp_attention = shards.cp, CP_ATTENTION[strategy]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layout.size == 1:
+            gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
+        return cp_attention(q, k, v, layout, cp_group, is_causal, scale)
+
+    if shards.sp_size == 1:
+        return attend(query, key, value)
+    return ulysses_attention(query, key, value, sp_group, attend)

@@ -1,0 +1,130 @@
+"""The collectives of context and sequence parallelism, over the ``cp`` or ``sp`` group they are given.
+
+- all-gather CP: `gather_pair` (every rank's K and V shards, in global sequence order) and its adjoint
+  `reduce_scatter_pair` (the K/V gradients summed, each rank receiving its own shard);
+- ring CP: `Ring`, a point-to-point exchange with the next and previous rank;
+- Ulysses SP: `seq_to_heads` / `heads_to_seq`, the two all-to-alls between sequence and head sharding, and their
+  differentiable forms `SeqToHeads` / `HeadsToSeq` (each one's gradient is the other).
+
+Attention tensors are ``[batch, heads, seq, head_dim]``; the sequence is dim 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .layout import SequenceLayout
+
+SEQ_DIM = 2
+
+
+# ---- all-gather / reduce-scatter along the sequence ------------------------------------------------------------------
+def gather_sequence(x: torch.Tensor, layout: SequenceLayout, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's shard of `x` concatenated in global order (not differentiable)."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(layout.size)]
+    dist.all_gather(parts, x, group=group)
+    return layout.unshard(parts, dim=SEQ_DIM)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, layout: SequenceLayout, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum of every rank's full-sequence `x`, each rank receiving its own shard of the sum."""
+    parts = [layout.shard(x, SEQ_DIM, rank=r).contiguous() for r in range(layout.size)]
+    out = torch.empty_like(parts[layout.rank])
+    dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def gather_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
+                group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_sequence` of two tensors (K and V) with one collective when their shapes allow: one rendezvous per
+    layer instead of two, the same bytes."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return gather_sequence(a, layout, group), gather_sequence(b, layout, group)
+    return gather_sequence(torch.cat([a, b], dim=1), layout, group).chunk(2, dim=1)
+
+
+def reduce_scatter_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
+                        group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reduce_scatter_sequence` of two tensors (the K and V gradients), with one collective when shapes allow."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return reduce_scatter_sequence(a, layout, group), reduce_scatter_sequence(b, layout, group)
+    return reduce_scatter_sequence(torch.cat([a, b], dim=1), layout, group).chunk(2, dim=1)
+
+
+# ---- the ring ------------------------------------------------------------------------------------------------------
+class Ring:
+    """Point-to-point exchange with the next and previous rank of a group's ring."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % size)
+
+    def start(self, tensors: list[torch.Tensor], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
+        """Send `tensors` to the next rank and receive the previous rank's (same shapes); returns the receive
+        buffers and the requests to wait on."""
+        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in recv]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def finish(pending: tuple[list[torch.Tensor], list[Any]]) -> list[torch.Tensor]:
+        recv, works = pending
+        for w in works:
+            w.wait()
+        return recv
+
+
+# ---- Ulysses all-to-alls -------------------------------------------------------------------------------------------
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x[t]`` (first dim = group size) goes to rank t; returns what every rank sent here, ``out[t]`` from rank t."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """``[B, H, L, D]`` (this rank's piece of the sequence, all heads) -> ``[B, H/size, size*L, D]``: rank s keeps
+    heads ``[s*H/size, (s+1)*H/size)`` of every rank's piece, the pieces concatenated in rank order."""
+    b, h, n, d = x.shape
+    parts = _all_to_all(x.reshape(b, size, h // size, n, d).transpose(0, 1), group)  # [size, B, H/size, L, D]
+    return parts.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * n, d)
+
+
+def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """``[B, H/size, size*L, D]`` -> ``[B, H, L, D]``: the inverse of `seq_to_heads`."""
+    b, h, n, d = x.shape
+    parts = _all_to_all(x.reshape(b, h, size, n // size, d).permute(2, 0, 1, 3, 4), group)  # [size, B, H/size, L, D]
+    return parts.transpose(0, 1).reshape(b, size * h, n // size, d)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """`seq_to_heads`, differentiable: its backward is `heads_to_seq`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return seq_to_heads(x, group, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return heads_to_seq(grad, ctx.group, ctx.size), None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """`heads_to_seq`, differentiable: its backward is `seq_to_heads`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return heads_to_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return seq_to_heads(grad, ctx.group, ctx.size), None, None
