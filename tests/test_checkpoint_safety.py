@@ -1,6 +1,6 @@
 """Checkpoints that must not load, and saves that must not break: a table of bad checkpoints (each with its clear
-error, the same on every rank, raised before any rank can hang), a real ``kill -9`` in the middle of a save, and
-automatic naming with ``total_limit``."""
+error, the same on every rank, raised before any rank can hang, and nothing of the run touched), a real ``kill -9``
+in the middle of a save, and automatic naming with ``total_limit``."""
 
 from __future__ import annotations
 
@@ -59,16 +59,36 @@ def _save(tmp: Path, name: str, world: int, *flags: str) -> Path:
     return tmp / name / "step_1"
 
 
-def _try_loads(cases: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """In each rank of an FSDP2 run: load every case, and collect what each raised."""
-    accelerator, *_ = checkpoint_train.build(checkpoint_train.parse(["--dp-shard-size", "2"]))
+def _run_state(accelerator, model, optimizer, dataloader, scheduler, counter) -> str:
+    """Everything load_state could overwrite, as one string (parameters and optimizer moments summed)."""
+    local = [getattr(t, "_local_tensor", t) for t in model.parameters()]
+    moments = [getattr(v, "_local_tensor", v) for state in optimizer.optimizer.state.values() for v in state.values()]
+    return repr((float(sum(t.double().abs().sum() for t in local)), float(sum(t.double().abs().sum() for t in moments)),
+                 dataloader.state_dict(), scheduler.state_dict()["last_epoch"], counter.count,
+                 accelerator.gradient_state.state_dict(), torch.get_rng_state().sum().item()))
+
+
+def _try_loads(cases: dict[str, str]) -> dict[str, tuple[str, str, bool]]:
+    """In each rank of an FSDP2 run after one step: load every case; collect what each raised, and whether the
+    run's state changed."""
+    args = checkpoint_train.parse(["--dp-shard-size", "2"])
+    objects = checkpoint_train.build(args)
+    accelerator, model, optimizer, dataloader, *_ = objects
+    batches = iter(dataloader)
+    next(batches)
+    batch = next(batches)  # at sample 16: the checkpoints (saved after one step) are at sample 8
+    accelerator.backward(model(**batch).loss)
+    optimizer.step()
+    optimizer.zero_grad()
     out = {}
     for case, path in cases.items():
+        before = _run_state(*objects)
         try:
             accelerator.load_state(path)
             out[case] = ("no error", "")
         except Exception as exc:  # noqa: BLE001 - the test looks at the type and message
             out[case] = (type(exc).__name__, str(exc))
+        out[case] += (_run_state(*objects) != before,)
     accelerator.end_training()
     return out
 
@@ -97,22 +117,56 @@ def bad_checkpoints(tmp_path_factory):
     torch.save({"last_epoch": Payload(marker)}, buffer)
     (copy("malicious_state") / "scheduler_0.pt").write_bytes(buffer.getvalue())
     _record(cases["malicious_state"], "scheduler_0.pt")
+    # Files that pass their CRC32 (re-recorded) but hold values no save writes.
+    for case, name, content in [
+        ("bad_gradient_state", "gradient_state.json", {"step": "x", "num_steps": 2, "sync_gradients": True}),
+        ("bad_dataloaders", "dataloaders.json", {"epoch": 0, "position": 8}),
+        ("bad_dataloader_entry", "dataloaders.json", [{"epoch": -1, "position": "8", "unit": "samples"}]),
+    ]:
+        (copy(case) / name).write_text(json.dumps(content))
+        _record(cases[case], name)
+    torch.save({"python": (3, (1, 2), None), "torch": torch.zeros(3, dtype=torch.uint8)},
+               copy("bad_random_states") / "random_states_1.pt")
+    _record(cases["bad_random_states"], "random_states_1.pt")
+    # Valid files that the objects themselves refuse: the loader (another kind of batching), the registered object
+    # (a state without its key) -- refused after the data loader was loaded, which must be put back.
+    state = json.loads((good / "dataloaders.json").read_text())
+    state[0]["unit"] = "batches"
+    (copy("other_batching") / "dataloaders.json").write_text(json.dumps(state))
+    _record(cases["other_batching"], "dataloaders.json")
+    torch.save({}, copy("refused_by_object") / "custom_checkpoint_0.pt")
+    _record(cases["refused_by_object"], "custom_checkpoint_0.pt")
+    meta = json.loads((copy("bad_metadata_field") / META).read_text())
+    meta["optimizer_models"] = [5]
+    (cases["bad_metadata_field"] / META).write_text(json.dumps(meta))
     cases["other_shapes"] = _save(tmp, "wide", 1, "--no-fsdp-plugin", "--hidden-size", "64")
     cases["other_depth"] = _save(tmp, "deep", 1, "--no-fsdp-plugin", "--layers", "3")
     cases["other_optimizer"] = _save(tmp, "sgd", 1, "--no-fsdp-plugin", "--optimizer", "sgd")
+    cases["good"] = good  # last: the one load that changes the run
     results = run_ranks(_try_loads, 2, {k: str(v) for k, v in cases.items()})
     return results, marker
 
 
+CORRUPT = "CheckpointCorruptError"  # a CheckpointError: damaged files (load_state() of a project skips these)
 BAD = [  # case, exception class, message pattern
     ("missing", "CheckpointNotFoundError", r"does_not_exist does not exist"),
     ("interrupted_save", "CheckpointError", r"is incomplete: it has no ndparallel_checkpoint\.json"),
-    ("not_ndparallel", "CheckpointError", r"ndparallel_checkpoint\.json \(checkpoint metadata\) cannot be read"),
-    ("missing_file", "CheckpointError", r"file scheduler_0\.pt is missing"),
-    ("truncated_file", "CheckpointError", r"file model_0/__\d_0\.distcp has \d+ bytes, the checkpoint recorded \d+"),
-    ("corrupt_file", "CheckpointError", r"file optimizer_0/__\d_0\.distcp is corrupt \(its CRC32 differs"),
-    ("malicious_metadata", "CheckpointError", r"refusing to load posix\.system from checkpoint metadata"),
-    ("malicious_state", "CheckpointError", r"scheduler_0\.pt \(LR scheduler 0\) cannot be read: .*Weights only load"),
+    ("not_ndparallel", CORRUPT, r"ndparallel_checkpoint\.json \(checkpoint metadata\) cannot be read"),
+    ("missing_file", CORRUPT, r"file scheduler_0\.pt is missing"),
+    ("truncated_file", CORRUPT, r"file model_0/__\d_0\.distcp has \d+ bytes, the checkpoint recorded \d+"),
+    ("corrupt_file", CORRUPT, r"file optimizer_0/__\d_0\.distcp is corrupt \(its CRC32 differs"),
+    ("malicious_metadata", CORRUPT, r"refusing to load posix\.system from checkpoint metadata"),
+    ("malicious_state", CORRUPT, r"scheduler_0\.pt \(LR scheduler 0\) cannot be read: .*Weights only load"),
+    ("bad_gradient_state", CORRUPT, r"gradient_state\.json has invalid values: step='x' \(step and num_steps: ints"),
+    ("bad_dataloaders", CORRUPT, r"dataloaders\.json must be a list of 1 data loader state\(s\), got dict"),
+    ("bad_dataloader_entry", CORRUPT, r"dataloaders\.json entry 0 has invalid values: epoch=-1, position='8'"),
+    ("bad_random_states", CORRUPT, r"random_states_1\.pt does not hold valid random generator states"),
+    ("other_batching", "CheckpointError", r"data loader 0 refused its saved state: ValueError: data loader position "
+                                          r"was saved in batches \(batch_size=\d+\) but this loader counts samples"),
+    ("refused_by_object", "CheckpointError", r"registered object 0 \(StepCounter\) refused its saved state: "
+                                             r"KeyError: 'count'"),
+    ("bad_metadata_field", CORRUPT, r"ndparallel_checkpoint\.json is not valid: 'optimizer_models' must list the "
+                                    r"model index of each of the 1 optimizer\(s\), got \[5\]"),
     ("other_shapes", "CheckpointError", r"model 0 does not match the model .*differ in shape: "
                                         r".*model\.embed_tokens\.weight: checkpoint \(96, 64\) vs model \(96, 32\)"),
     ("other_depth", "CheckpointError", r"tensor\(s\) of the checkpoint are not in the model: model\.layers\.2\."),
@@ -125,10 +179,17 @@ BAD = [  # case, exception class, message pattern
 def test_bad_checkpoint_raises_a_clear_error_on_every_rank(bad_checkpoints, case, kind, pattern):
     results, marker = bad_checkpoints
     assert results[0][case] == results[1][case], f"ranks disagree: {results[0][case]} / {results[1][case]}"
-    raised, message = results[0][case]
+    raised, message, touched = results[0][case]
     assert raised == kind, f"{case}: {raised}: {message}"
     assert __import__("re").search(pattern, message), f"{case}: {message!r} does not match {pattern!r}"
+    assert not touched, f"{case}: the refused load changed the model, optimizer, data loader or counters"
     assert not marker.exists(), "a malicious checkpoint ran code"
+
+
+def test_the_good_checkpoint_loads_and_changes_the_run(bad_checkpoints):
+    """The control of the table: the checkpoint the bad ones were made from loads, and `_run_state` sees it."""
+    results, _ = bad_checkpoints
+    assert results[0]["good"] == results[1]["good"] == ("no error", "", True)
 
 
 # ---- kill -9 in the middle of a save ------------------------------------------------------------------------------

@@ -1,20 +1,32 @@
-"""Starting torch.distributed: backend, device and a one-process world when nothing launched us.
+"""Starting torch.distributed: backend, device, collective timeout, and a one-process world when nothing launched us;
+and the heartbeat a rank leaves for ``ndparallel launch --stall-timeout``.
 
-Environment variables read here (``ndparallel launch`` sets them):
+Environment variables read here (``ndparallel launch`` sets the first ones):
 - ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``: torchrun's;
-- ``NDPARALLEL_CPU=1``: use the CPU and gloo even where CUDA is available.
+- ``NDPARALLEL_CPU=1``: use the CPU and gloo even where CUDA is available;
+- ``NDPARALLEL_TIMEOUT``: seconds a collective may wait for the other ranks before it fails (default 600; see
+  `resolve_timeout`); an explicit ``init_runtime(timeout=...)`` (``InitProcessGroupKwargs(timeout=...)``) wins;
+- ``NDPARALLEL_HEARTBEAT_DIR``: set by ``ndparallel launch --stall-timeout``; `heartbeat` writes there.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 CPU_ENV = "NDPARALLEL_CPU"
+TIMEOUT_ENV = "NDPARALLEL_TIMEOUT"
+HEARTBEAT_ENV = "NDPARALLEL_HEARTBEAT_DIR"
+# Long enough for a slow checkpoint write on a shared filesystem, short enough that a rank that never arrives is
+# reported within minutes instead of torch's 30 (gloo) -- and the same for NCCL.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -25,6 +37,9 @@ class Runtime:
     local_world_size: int
     device: torch.device
     backend: str
+    # How long a collective may wait (what the process group got when this module started it; the library's
+    # monitored barriers use it either way).
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
 
 
 def _free_port() -> int:
@@ -37,12 +52,38 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def init_runtime(cpu: bool = False) -> Runtime:
+def resolve_timeout(timeout: datetime.timedelta | float | None = None) -> datetime.timedelta:
+    """The collective timeout: `timeout` if given (a timedelta or seconds), else ``$NDPARALLEL_TIMEOUT`` (seconds),
+    else `DEFAULT_TIMEOUT` (10 minutes). Raises ValueError / TypeError naming the setting when it is not > 0."""
+    where = "timeout"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT
+        where = f"${TIMEOUT_ENV}"
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{where} must be a number of seconds > 0, got {raw!r}") from None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"{where} must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"{where} must be > 0 seconds, got {timeout.total_seconds():g}")
+    return timeout
+
+
+def init_runtime(cpu: bool = False, timeout: datetime.timedelta | float | None = None,
+                 backend: str | None = None) -> Runtime:
     """Initialise the default process group if needed and pick this rank's device.
 
-    NCCL and ``cuda:LOCAL_RANK`` when CUDA is available and `cpu` is False; gloo and the CPU otherwise.
-    A process not started by a launcher becomes a world of one.
+    NCCL and ``cuda:LOCAL_RANK`` when CUDA is available and `cpu` is False; gloo and the CPU otherwise (`backend`
+    overrides the choice). Collectives wait at most `timeout` (see `resolve_timeout`: by default
+    ``$NDPARALLEL_TIMEOUT`` or 10 minutes) for the other ranks, then fail; a process group that already exists
+    keeps its own timeout. A process not started by a launcher becomes a world of one.
     """
+    timeout = resolve_timeout(timeout)
     cpu = cpu or env_flag(CPU_ENV) or not torch.cuda.is_available()
     if not dist.is_initialized():
         if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
@@ -54,10 +95,10 @@ def init_runtime(cpu: bool = False) -> Runtime:
                 f"incomplete launch environment: {', '.join(missing)} not set; start the script with "
                 "`ndparallel launch` (or torchrun), or set all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
             )
-        backend = "gloo" if cpu else "nccl"
-        if not cpu:
+        backend = backend or ("gloo" if cpu else "nccl")
+        if "nccl" in backend:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     backend = dist.get_backend()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -67,4 +108,59 @@ def init_runtime(cpu: bool = False) -> Runtime:
     else:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    return Runtime(rank, world_size, local_rank, local_world_size, device, str(backend))
+    heartbeat("init_process_group")
+    return Runtime(rank, world_size, local_rank, local_world_size, device, str(backend), timeout)
+
+
+# ---- heartbeat -------------------------------------------------------------------------------------------------
+_RECORD_BYTES = 512  # every record is padded to this size, so each beat is one write at offset 0
+
+
+class _Heartbeat:
+    fd: int | None = None
+    pid: int = -1
+    host: str = ""
+    call: str = ""
+    since: float = 0.0
+    written: float = 0.0
+
+
+def heartbeat(call: str) -> None:
+    """Tell ``ndparallel launch --stall-timeout`` that this rank is alive and in library call `call`.
+
+    A no-op unless the launcher asked for heartbeats (``$NDPARALLEL_HEARTBEAT_DIR``). Otherwise one write of 512
+    bytes to ``<dir>/rank_<RANK>.json`` when the call changes, or when a second has passed since the last write --
+    a few microseconds, cheap enough for every training step. The launcher reports a rank whose record is older
+    than the stall timeout, names the call it was last in, and stops the job.
+    """
+    directory = os.environ.get(HEARTBEAT_ENV)
+    if not directory:
+        return
+    now = time.time()
+    if call == _Heartbeat.call and now - _Heartbeat.written < 1.0 and _Heartbeat.pid == os.getpid():
+        return
+    if _Heartbeat.pid != os.getpid():  # first beat, or a forked child (a data-loader worker): its own record
+        if _Heartbeat.pid != -1 and _Heartbeat.fd is not None:
+            return  # a forked child is not a rank: only the process that opened the record writes it
+        path = os.path.join(directory, f"rank_{os.environ.get('RANK', '0')}.json")
+        try:
+            _Heartbeat.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        except OSError:
+            _Heartbeat.fd = None
+        _Heartbeat.pid, _Heartbeat.host = os.getpid(), socket.gethostname()
+    if _Heartbeat.fd is None:
+        return
+    if call != _Heartbeat.call:
+        _Heartbeat.call, _Heartbeat.since = call, now
+    record = json.dumps({"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                         "host": _Heartbeat.host, "pid": _Heartbeat.pid, "call": call[:200],
+                         "since": _Heartbeat.since, "time": now}).encode()
+    try:
+        if hasattr(os, "pwrite"):
+            os.pwrite(_Heartbeat.fd, record.ljust(_RECORD_BYTES), 0)
+        else:  # Windows
+            os.lseek(_Heartbeat.fd, 0, os.SEEK_SET)
+            os.write(_Heartbeat.fd, record.ljust(_RECORD_BYTES))
+    except OSError:
+        return
+    _Heartbeat.written = now

@@ -13,6 +13,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,20 @@ class StepCounter:
         self.count = state["count"]
 
 
+def pause_after_models(marker: str) -> None:
+    """Test hook, in this process only: the next save stops once its models are written (when it asks for the
+    first optimizer's state), writes `marker` and sleeps until killed. It replaces the function save_state calls
+    there, so the library needs no switch of its own for this."""
+    from ndparallel.checkpoint import state
+
+    def paused(*args, **kwargs):
+        Path(marker).write_text("models written")
+        while True:
+            time.sleep(60)
+
+    state.get_optimizer_state_dict = paused
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     for axis in ("dp_replicate", "dp_shard", "tp", "cp"):
@@ -55,7 +71,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--total-limit", type=int, default=None)
     p.add_argument("--save-at", type=int, nargs="*", default=[])
     p.add_argument("--load", default=None, help="a checkpoint directory, or 'latest' (the project's newest)")
-    p.add_argument("--pause-in-save", type=int, default=None, help="step whose save pauses (test hook)")
+    p.add_argument("--pause-in-save", type=int, default=None, help="step whose save pauses (pause_after_models)")
     p.add_argument("--pause-marker", default=None)
     p.add_argument("--return-params", action="store_true")
     p.add_argument("--json-out", default=None)
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     losses: dict[int, float] = {}
     saved: list[str] = []
-    step = accelerator.gradient_state.num_steps  # optimizer steps done (restored by load_state)
+    step = accelerator.gradient_state.optimizer_steps  # optimizer steps done (restored by load_state)
     model.train()
     while step < args.steps:
         for batch in dataloader:
@@ -122,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
                 counter.count += 1
                 losses[step] = float(logged)
                 if step == args.pause_in_save:
-                    os.environ["NDPARALLEL_TEST_PAUSE_IN_SAVE"] = args.pause_marker
+                    pause_after_models(args.pause_marker)
                 if step in args.save_at:
                     saved.append(accelerator.save_state(
                         None if args.project_dir else os.path.join(args.save_dir, f"step_{step}")))

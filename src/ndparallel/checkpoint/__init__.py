@@ -2,9 +2,11 @@
 Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `save_model`, `get_state_dict`,
 `register_for_checkpointing`) call into this package; see docs/checkpoints.md.
 
-- `storage`: staging directory + atomic rename, metadata file, checksums, safe reading;
+- `storage`: staging directory + atomic rename (replacing only a previous checkpoint), metadata file, checksums,
+  safe reading, plain-words write errors (disk full, permission);
 - `project`: `ProjectConfiguration`, automatic naming, ``total_limit``, the newest complete checkpoint;
 - `manifest`: the metadata file, tensor names and shapes, tied names: what is checked before anything loads;
+- `validate`: the values of the small files and metadata fields, checked before anything loads;
 - `state`: what `save_state` / `load_state` write and read, from the Accelerator's record of prepared objects;
 - `export`: `save_model`, `get_state_dict`, `merge_weights` (``ndparallel merge-weights``);
 - `pretrained`: ``cpu_ram_efficient_loading`` and `init_empty_weights`.
@@ -15,9 +17,10 @@ from .manifest import read_metadata
 from .pretrained import announce, init_empty_weights, parallelize_loading_weights
 from .project import ProjectConfiguration, latest_checkpoint
 from .state import FULL, SHARDED, RunSettings, load_state, save_state
-from .storage import CheckpointError, CheckpointNotFoundError
+from .storage import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "FULL",

@@ -1,9 +1,11 @@
 """Where checkpoints live: Accelerate's `ProjectConfiguration`, automatic naming, ``total_limit``, newest one.
 
 With ``automatic_checkpoint_naming=True``, ``save_state()`` writes ``<project_dir>/checkpoints/checkpoint_<i>``
-(i = ``iteration``, then incremented), keeps the newest ``total_limit`` complete checkpoints, and
+with i the larger of ``iteration`` and one past the highest number already in the folder (so a new checkpoint
+always has the highest number, also in a folder an earlier run filled), then sets ``iteration`` to i + 1. It then
+keeps the newest ``total_limit`` complete checkpoints of the folder -- never deleting the one just written -- and
 ``load_state()`` without a directory loads the complete checkpoint with the highest i -- never a directory a
-crash left half written.
+crash left half written -- or, when that one is damaged, the newest one that verifies.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .storage import METADATA_FILE, OLD_SUFFIX, PARTIAL_SUFFIX, read_json
+from .storage import OLD_SUFFIX, PARTIAL_SUFFIX, is_complete_checkpoint
 
 CHECKPOINTS_DIR = "checkpoints"
 _NAME = re.compile(r"checkpoint_(\d+)")
@@ -26,10 +28,12 @@ class ProjectConfiguration:
     """Accelerate's project settings that concern checkpoints.
 
     - project_dir: root of the project; automatic checkpoints go to ``<project_dir>/checkpoints``.
-    - logging_dir: kept for compatibility (ndparallel has no trackers); defaults to `project_dir`.
+    - logging_dir: where trackers (`ndparallel.tracking`) write; defaults to `project_dir`.
     - automatic_checkpoint_naming: name checkpoints ``checkpoint_<iteration>`` and find the newest one.
-    - total_limit: keep at most this many automatic checkpoints (the oldest are deleted after a save).
-    - iteration: number of the next automatic checkpoint (set past the loaded one by ``load_state``).
+    - total_limit: keep at most this many automatic checkpoints in the folder (the lowest-numbered are deleted
+      after a save; the one just written always has the highest number and is kept).
+    - iteration: lowest number of the next automatic checkpoint (a higher one is taken when the folder already
+      holds ``checkpoint_<iteration>`` or higher); set past the loaded one by ``load_state``.
     - save_on_each_node: not supported (checkpoints need a filesystem shared by all nodes); warns if set.
     """
 
@@ -72,23 +76,19 @@ def checkpoint_number(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def is_complete(path: Path) -> bool:
-    """Whether `path` holds a checkpoint whose save finished (its metadata file says so)."""
-    meta = path / METADATA_FILE
-    if not meta.is_file():
-        return False
-    try:
-        return bool(read_json(meta, "checkpoint metadata").get("complete"))
-    except (ValueError, AttributeError):
-        return False
-
-
 def complete_checkpoints(directory: Path) -> list[Path]:
     """Complete ``checkpoint_<i>`` directories under `directory`, oldest (lowest i) first."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if p.is_dir() and checkpoint_number(p) is not None and is_complete(p)]
+    found = [p for p in directory.iterdir() if checkpoint_number(p) is not None and is_complete_checkpoint(p)]
     return sorted(found, key=checkpoint_number)
+
+
+def next_number(directory: Path, iteration: int) -> int:
+    """The number of the next automatic checkpoint: `iteration`, or one past the highest ``checkpoint_<i>`` in
+    `directory` (complete or not, file or directory) if that is higher -- never an existing name."""
+    taken = [checkpoint_number(p) for p in directory.iterdir()] if directory.is_dir() else []
+    return max([iteration, *(n + 1 for n in taken if n is not None)])
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -103,13 +103,13 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def prune(directory: Path, total_limit: int | None) -> list[Path]:
-    """Rank 0, after a successful save: delete the oldest complete checkpoints beyond `total_limit`, and
-    leftovers of interrupted saves. Returns the deleted checkpoints."""
+def prune(directory: Path, total_limit: int | None, keep: Path) -> list[Path]:
+    """Rank 0, after the save of `keep`: delete the oldest complete checkpoints beyond `total_limit` (never
+    `keep`), and leftovers of interrupted saves. Returns the deleted checkpoints."""
     removed = []
     if total_limit is not None:
-        found = complete_checkpoints(directory)
-        for path in found[: max(0, len(found) - total_limit)]:
+        found = [p for p in complete_checkpoints(directory) if p != keep]
+        for path in found[: max(0, len(found) + 1 - total_limit)]:
             doomed = path.parent / f".{path.name}.deleting"
             os.rename(path, doomed)  # atomic: a crash mid-delete leaves no half-deleted "complete" checkpoint
             shutil.rmtree(doomed)

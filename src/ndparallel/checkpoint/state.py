@@ -19,8 +19,12 @@ process). The data loaders' positions are counted in samples of the pass (see `n
 the same thing under any data-parallel size. Random states are per rank: under another world size every rank
 continues rank 0's streams.
 
-Validation happens on rank 0 before the first collective of a load, and its verdict is broadcast, so a bad
-checkpoint raises the same `CheckpointError` on every rank instead of hanging one of them.
+Everything is checked before anything is loaded: the metadata and what it was saved from (rank 0, verdict
+broadcast), every file's size and CRC32 (each rank a share), DCP's metadata, and the values of the small files
+(`validate`). A bad checkpoint raises the same `CheckpointError` on every rank, instead of hanging one of them,
+and leaves the prepared objects as they were. ``load_state()`` of a project skips a damaged newest checkpoint
+for the newest one that verifies. A save writes into a staging directory (`storage`); a failed write raises on
+every rank, saying why (disk full, permission), and leaves previous checkpoints untouched.
 
 What is saved is the Accelerator's `ndparallel.record.PreparedObjects`; the run's settings that the metadata
 records come as a `RunSettings`.
@@ -28,10 +32,13 @@ records come as a `RunSettings`.
 
 from __future__ import annotations
 
+import os
 import platform
 import random
+import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +58,10 @@ from .._version import __version__
 from ..config import ParallelismConfig
 from ..parallel import unwrap
 from ..record import PreparedObjects
-from . import storage
+from ..runtime import heartbeat
+from . import storage, validate
 from .manifest import compare_tensors, read_metadata, tensor_shapes, tied_names
-from .project import ProjectConfiguration, checkpoint_number, latest_checkpoint, prune
+from .project import ProjectConfiguration, checkpoint_number, complete_checkpoints, next_number, prune
 from .storage import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -63,7 +71,7 @@ from .storage import (
     world_size,
 )
 
-SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
+SHARDED, FULL = validate.SHARDED, validate.FULL
 
 
 @dataclass(frozen=True)
@@ -164,14 +172,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # ---- writing and reading model / optimizer states ---------------------------------------------------------------
 def _write_state(state: dict[str, Any], directory: Path, full: bool) -> None:
     if full:  # rank 0 holds the whole state (get_*_state_dict with full_state_dict=True, cpu_offload=True)
-        error = None
         if rank() == 0:
-            try:
-                directory.mkdir(exist_ok=True)
-                torch.save(state, directory / "state.pt")
-            except OSError as exc:
-                error = exc
-        agree(error)
+            directory.mkdir(exist_ok=True)
+            with open(directory / "state.pt", "wb") as f:  # a Python file: a full disk raises OSError(ENOSPC)
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
     else:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
 
@@ -197,50 +203,83 @@ def _read_state(state: dict[str, Any], directory: Path, full: bool, what: str) -
     return state
 
 
+def _written(what: str, directory: Path, write: Callable[[], None]) -> None:
+    """Collective: run `write` on every rank; if it failed anywhere, raise on every rank a `CheckpointError` that
+    says why in plain words (no space, permission...; `storage.write_error`)."""
+    error: BaseException | None = None
+    heartbeat(f"save_state: writing {what}")  # a long save is progress for `ndparallel launch --stall-timeout`
+    try:
+        write()
+    except (TypeError, CheckpointError) as exc:  # a state that a safe load would refuse: its own clear message
+        error = exc
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - OSError, torch's writer, DCP's wrapper
+        error = storage.write_error(exc, directory, what)
+    agree(error)
+
+
 # ---- save --------------------------------------------------------------------------------------------------------
 def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration,
                output_dir: str | Path | None = None) -> Path:
-    """Collective: write a checkpoint of everything `prepared` holds; return its directory (see the module doc)."""
-    if project.automatic_checkpoint_naming:
+    """Collective: write a checkpoint of everything `prepared` holds; return its directory (see the module doc).
+
+    An existing `output_dir` is replaced only if it is empty or a complete ndparallel checkpoint; anything else
+    is refused on every rank before anything is written. A failed write raises on every rank, saying why, and
+    removes this save's partial files; previous checkpoints are untouched."""
+    automatic = project.automatic_checkpoint_naming
+    if automatic:
         if output_dir is not None:
             warnings.warn(f"save_state({str(output_dir)!r}): ignored, automatic_checkpoint_naming writes to "
                           f"{project.checkpoints_dir}", stacklevel=3)
-        final = project.checkpoints_dir / f"checkpoint_{project.iteration}"
     elif output_dir is None:
         raise ValueError("save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
-    else:
-        final = Path(output_dir)
     if not prepared.gradient_state.sync_gradients:
         warnings.warn("save_state() in the middle of a gradient-accumulation window: the gradients accumulated so far "
                       "are not saved; save after the optimizer step", stacklevel=3)
-    full = run.state_dict_type == FULL
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     owners = _optimizer_owners(prepared)
 
-    def make_staging() -> Path:
-        if project.automatic_checkpoint_naming and final.exists():
-            raise CheckpointError(f"checkpoint directory {final} already exists; set "
-                                  "ProjectConfiguration.iteration to the number of the next checkpoint")
-        return storage.prepare_staging(final)
+    def make_staging() -> tuple[Path, Path]:
+        if automatic:  # the next number above every checkpoint_<i> already there: never an old run's name
+            final = project.checkpoints_dir / f"checkpoint_{next_number(project.checkpoints_dir, project.iteration)}"
+        else:
+            final = Path(output_dir)
+        return final, storage.prepare_staging(final)
 
+    final, staging = on_main(make_staging)
+    try:
+        _write_checkpoint(prepared, run, project, final, staging, owners)
+    except BaseException:
+        if rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if automatic:
+        project.iteration = checkpoint_number(final) + 1
+    return final
+
+
+def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration, final: Path,
+                      staging: Path, owners: list[int]) -> None:
+    """Collective: write every file into `staging`, checksum them, then (rank 0) commit it as `final`."""
+    full = run.state_dict_type == FULL
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     started = time.perf_counter()
-    staging = on_main(make_staging)
     models = []
     for i, model in enumerate(prepared.models):
         state = get_model_state_dict(model, options=options)
         models.append({"tensors": tensor_shapes(state)})
-        _write_state(state, staging / f"model_{i}", full)
+
+        def write_model(i: int = i, model: torch.nn.Module = model, state: dict[str, Any] = state) -> None:
+            _write_state(state, staging / f"model_{i}", full)
+            if rank() == 0:
+                _hf_config_files(unwrap(model), staging / f"model_{i}")
+        _written(f"model {i}", final.parent, write_model)
         del state
-        if rank() == 0:
-            _hf_config_files(unwrap(model), staging / f"model_{i}")
-    storage.pause_point("models written")
     for j, opt in enumerate(prepared.optimizers):
         state = get_optimizer_state_dict(prepared.models[owners[j]], opt.optimizer, options=options)
-        _write_state(state, staging / f"optimizer_{j}", full)
+        _written(f"optimizer {j}", final.parent,
+                 lambda j=j, state=state: _write_state(state, staging / f"optimizer_{j}", full))
         del state
 
-    error = None
-    try:
+    def write_small() -> None:
         if rank() == 0:
             for k, scheduler in enumerate(prepared.schedulers):
                 storage.write_bytes(staging / f"scheduler_{k}.pt",
@@ -254,16 +293,14 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
             storage.write_json(staging / "dataloaders.json", [dl.state_dict() for dl in prepared.dataloaders])
             storage.write_json(staging / "gradient_state.json", prepared.gradient_state.state_dict())
         storage.write_bytes(staging / f"random_states_{rank()}.pt", storage.torch_bytes(_rng_state(), "RNG state"))
-    except (OSError, TypeError) as exc:
-        error = exc
-    agree(error)
+    _written("the small states (schedulers, data loaders, random states...)", final.parent, write_small)
 
     storage.barrier()  # every rank's files are written before they are checksummed
     files = storage.checksum_files(staging)
     metadata = {
         "format": storage.FORMAT, "format_version": storage.FORMAT_VERSION, "complete": True,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": prepared.gradient_state.num_steps,
-        "iteration": project.iteration if project.automatic_checkpoint_naming else None,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": prepared.gradient_state.optimizer_steps,
+        "iteration": checkpoint_number(final) if project.automatic_checkpoint_naming else None,
         "world_size": world_size(), "parallelism": run.parallelism.to_dict(), "device": run.device_type,
         "state_dict_type": SHARDED if not full else FULL, "mixed_precision": run.mixed_precision,
         "gradient_accumulation_steps": run.gradient_accumulation_steps, "versions": _versions(),
@@ -275,27 +312,16 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
     def finish() -> None:
         storage.commit(staging, final, metadata)
         if project.automatic_checkpoint_naming:
-            prune(final.parent, project.total_limit)
+            try:
+                prune(final.parent, project.total_limit, keep=final)
+            except OSError as exc:  # the new checkpoint is complete: deleting old ones is not worth failing over
+                warnings.warn(f"save_state: could not delete old checkpoints beyond total_limit="
+                              f"{project.total_limit} in {final.parent}: {exc}", stacklevel=2)
 
     on_main(finish)
-    if project.automatic_checkpoint_naming:
-        project.iteration += 1
-    return final
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
-def _resolve_input(project: ProjectConfiguration, input_dir: str | Path | None) -> Path:
-    if input_dir is not None:
-        return Path(input_dir)
-    if not project.automatic_checkpoint_naming:
-        raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True) "
-                         "to find the newest checkpoint")
-    newest = on_main(lambda: latest_checkpoint(project.checkpoints_dir))
-    if newest is None:
-        raise CheckpointNotFoundError(f"no complete checkpoint in {project.checkpoints_dir}")
-    return newest
-
-
 def _validate(prepared: PreparedObjects, path: Path) -> dict[str, Any]:
     """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem."""
     meta = read_metadata(path)
@@ -303,9 +329,9 @@ def _validate(prepared: PreparedObjects, path: Path) -> dict[str, Any]:
     keys = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects", "scaler")
     if any(meta.get(k) != mine[k] for k in keys):
         def describe(c: dict[str, Any]) -> str:
-            return (f"models {c['models']}, optimizers {c['optimizers']}, LR schedulers {c['schedulers']}, "
-                    f"{c['dataloaders']} data loader(s), registered objects {c['custom_objects']}, "
-                    f"grad scaler {'yes' if c['scaler'] else 'no'}")
+            return (f"models {c.get('models')}, optimizers {c.get('optimizers')}, LR schedulers {c.get('schedulers')}, "
+                    f"{c.get('dataloaders')} data loader(s), registered objects {c.get('custom_objects')}, "
+                    f"grad scaler {'yes' if c.get('scaler') else 'no'}")
         raise CheckpointError(
             f"checkpoint {path} cannot be loaded into this Accelerator: it holds {describe(meta)}; this Accelerator "
             f"has {describe(mine)}. Prepare (and register_for_checkpointing) the same kinds of objects, in the same "
@@ -313,6 +339,7 @@ def _validate(prepared: PreparedObjects, path: Path) -> dict[str, Any]:
     if meta.get("param_groups") != mine["param_groups"]:
         raise CheckpointError(f"checkpoint {path}: the optimizers had {meta.get('param_groups')} parameter groups, "
                               f"these have {mine['param_groups']}")
+    validate.check_metadata(meta, path, len(prepared.models), len(prepared.optimizers))
     for i, model in enumerate(prepared.models):
         expected = tensor_shapes(get_model_state_dict(model))
         problem = compare_tensors(meta["model_tensors"][i], expected, f"checkpoint {path}: model {i}")
@@ -329,35 +356,111 @@ def _check_dcp_metadata(prepared: PreparedObjects, path: Path, meta: dict[str, A
             storage.read_dcp_metadata(path / name)
 
 
-def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_dir: str | Path | None = None) -> Path:
-    """Collective: restore everything `save_state` wrote into the `prepared` objects; return the directory."""
-    path = _resolve_input(project, input_dir)
+def _read_small(prepared: PreparedObjects, path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """This rank's small states from `path`, each checked (`validate`); raises `CheckpointCorruptError`."""
+    small: dict[str, Any] = {}
+    small["schedulers"] = [storage.load_torch_file(path / f"scheduler_{k}.pt", f"LR scheduler {k}")
+                           for k in range(len(prepared.schedulers))]
+    for k, state in enumerate(small["schedulers"]):
+        validate.check_mapping(state, path, f"scheduler_{k}.pt")
+    small["scaler"] = storage.load_torch_file(path / "scaler.pt", "grad scaler") if prepared.scaler else None
+    if prepared.scaler is not None:
+        validate.check_scaler(small["scaler"], path)
+    small["custom"] = [storage.load_torch_file(path / f"custom_checkpoint_{k}.pt", f"registered object {k}")
+                       for k in range(len(prepared.custom_objects))]
+    small["dataloaders"] = storage.read_json(path / "dataloaders.json", "data loader positions")
+    validate.check_dataloaders(small["dataloaders"], path, len(prepared.dataloaders))
+    small["gradient_state"] = storage.read_json(path / "gradient_state.json", "gradient state")
+    validate.check_gradient_state(small["gradient_state"], path)
+    rng_file = f"random_states_{rank() if meta['world_size'] == world_size() else 0}.pt"
+    small["rng"] = storage.load_torch_file(path / rng_file, "RNG state")
+    validate.check_rng(small["rng"], path, rng_file)
+    return small
+
+
+def _check(prepared: PreparedObjects, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective: everything about `path` that can be checked without touching `prepared` -- metadata, every
+    file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states)."""
+    heartbeat(f"load_state: checking {path.name}")
     meta = on_main(lambda: _validate(prepared, path))
     storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
     on_main(lambda: _check_dcp_metadata(prepared, path, meta))
-
-    # Small states first, on every rank: a corrupt file fails everywhere before any model is touched.
-    saved_world = meta["world_size"]
     error, small = None, {}
     try:
-        small["schedulers"] = [storage.load_torch_file(path / f"scheduler_{k}.pt", f"LR scheduler {k}")
-                               for k in range(len(prepared.schedulers))]
-        small["scaler"] = storage.load_torch_file(path / "scaler.pt", "grad scaler") if prepared.scaler else None
-        small["custom"] = [storage.load_torch_file(path / f"custom_checkpoint_{k}.pt", f"registered object {k}")
-                           for k in range(len(prepared.custom_objects))]
-        small["dataloaders"] = storage.read_json(path / "dataloaders.json", "data loader positions")
-        small["gradient_state"] = storage.read_json(path / "gradient_state.json", "gradient state")
-        rng_rank = rank() if saved_world == world_size() else 0
-        small["rng"] = storage.load_torch_file(path / f"random_states_{rng_rank}.pt", "RNG state")
-        for loader, state in zip(prepared.dataloaders, small["dataloaders"]):
-            loader.load_state_dict(state)
-    except (CheckpointError, ValueError, KeyError) as exc:
+        small = _read_small(prepared, path, meta)
+    except CheckpointError as exc:
         error = exc
+    agree(error)
+    return meta, small
+
+
+def _candidates(project: ProjectConfiguration) -> list[Path]:
+    if not project.automatic_checkpoint_naming:
+        raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True) "
+                         "to find the newest checkpoint")
+    found = on_main(lambda: complete_checkpoints(project.checkpoints_dir))
+    if not found:
+        raise CheckpointNotFoundError(f"no complete checkpoint in {project.checkpoints_dir}")
+    return found[::-1]
+
+
+def _check_newest(prepared: PreparedObjects, project: ProjectConfiguration) -> tuple[Path, dict, dict]:
+    """Collective: the newest checkpoint of the project that verifies, warning (rank 0) about each newer one that
+    is damaged; one that does not fit `prepared` (another model...) raises, as an explicit path does."""
+    skipped: list[str] = []
+    candidates = _candidates(project)
+    for i, path in enumerate(candidates):
+        try:
+            meta, small = _check(prepared, path)
+        except (storage.CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            skipped.append(f"{path.name}: {exc}")
+            if rank() == 0:
+                then = f"trying {candidates[i + 1].name}" if i + 1 < len(candidates) else "no older checkpoint left"
+                warnings.warn(f"load_state(): skipping {path}, it is damaged: {exc}; {then}", stacklevel=4)
+            continue
+        return path, meta, small
+    raise CheckpointError(f"no checkpoint in {project.checkpoints_dir} can be loaded, all are damaged: "
+                          + " | ".join(skipped))
+
+
+def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_dir: str | Path | None = None) -> Path:
+    """Collective: restore everything `save_state` wrote into the `prepared` objects; return the directory.
+
+    Every file is checked (checksums, then the values of the small files) before anything is loaded, so a bad
+    checkpoint raises the same `CheckpointError` on every rank and leaves `prepared` as it was. Without
+    `input_dir` (automatic naming), a damaged newest checkpoint is skipped, with a warning, for the newest one that
+    verifies; with `input_dir`, it raises."""
+    if input_dir is not None:
+        path = Path(input_dir)
+        meta, small = _check(prepared, path)
+    else:
+        path, meta, small = _check_newest(prepared, project)
+
+    # Objects whose load_state_dict may still refuse a state (a data loader under another kind of batching, a
+    # user's object) go first, and are all put back if one refuses: then nothing has been touched.
+    error, what = None, ""
+    try:
+        with validate.restorable() as load:
+            for k, (loader, state) in enumerate(zip(prepared.dataloaders, small["dataloaders"])):
+                what = f"data loader {k}"
+                load(loader, state, True)
+            for k, (obj, state) in enumerate(zip(prepared.custom_objects, small["custom"])):
+                what = f"registered object {k} ({type(obj).__name__})"
+                load(obj, state)
+            for k, (scheduler, state) in enumerate(zip(prepared.schedulers, small["schedulers"])):
+                what = f"LR scheduler {k}"
+                load(scheduler, state)
+            if prepared.scaler is not None:
+                what = "grad scaler"
+                load(prepared.scaler, small["scaler"])
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, with the object named
+        error = CheckpointError(f"checkpoint {path}: {what} refused its saved state: {type(exc).__name__}: {exc}")
     agree(error)
 
     full = meta["state_dict_type"] == FULL
     read_options = StateDictOptions(full_state_dict=full, cpu_offload=full, broadcast_from_rank0=full)
     for i, model in enumerate(prepared.models):
+        heartbeat(f"load_state: reading model {i}")
         state = {} if full else get_model_state_dict(model)
         state = _read_state(state, path / f"model_{i}", full, f"model {i}")
         set_model_state_dict(model, state, options=read_options)
@@ -369,20 +472,14 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
         set_optimizer_state_dict(model, opt.optimizer, state, options=read_options)
         del state
 
-    for scheduler, state in zip(prepared.schedulers, small["schedulers"]):
-        scheduler.load_state_dict(state)
-    if prepared.scaler is not None:
-        prepared.scaler.load_state_dict(small["scaler"])
-    for obj, state in zip(prepared.custom_objects, small["custom"]):
-        obj.load_state_dict(state)
-    prepared.gradient_state.load_state_dict(small["gradient_state"])
+    prepared.gradient_state.load_state_dict(small["gradient_state"])  # values checked in _read_small
     rng_crcs = {info["crc32"] for name, info in meta["files"].items() if name.startswith("random_states_")}
-    if saved_world != world_size() and len(rng_crcs) > 1:
-        warnings.warn(f"checkpoint saved by {saved_world} process(es) with different random states, loaded by "
+    if meta["world_size"] != world_size() and len(rng_crcs) > 1:
+        warnings.warn(f"checkpoint saved by {meta['world_size']} process(es) with different random states, loaded by "
                       f"{world_size()}: every rank continues the random streams of rank 0", stacklevel=3)
     _set_rng_state(small["rng"])
     number = checkpoint_number(path)
     if project.automatic_checkpoint_naming and number is not None:
-        project.iteration = number + 1
+        project.iteration = number + 1  # save_state goes higher still if the folder holds higher numbers
     storage.barrier()
     return path

@@ -8,9 +8,15 @@ A checkpoint is a directory that becomes visible only when complete:
    fsyncs it, and renames the staging directory to ``<parent>/<name>`` (an atomic `rename` on one filesystem).
 
 A ``kill -9`` at any point before the rename leaves only a hidden ``.partial`` directory, which loading never
-picks; the previous checkpoint is untouched. Overwriting an existing directory moves it aside to
-``.<name>.old`` first and deletes it after the rename; a crash between those two renames leaves the new,
-complete checkpoint in place or the old one under ``.<name>.old``.
+picks; the previous checkpoint is untouched. Only an empty directory or one of the same kind (a complete
+ndparallel checkpoint for ``save_state``, a Hugging Face export for ``save_model``) is ever replaced: anything else
+at the target -- a file, a symbolic link, a directory with other files -- is refused before anything is written
+(`replace_problem`), and checked again just before the rename. A replaced directory is moved aside to
+``.<name>.old`` first and deleted after the rename; a crash between those two renames leaves the new, complete
+checkpoint in place or the old one under ``.<name>.old``.
+
+A failed write (disk full, permission denied, read-only filesystem) is reported in those words on every rank
+(`write_error`); the caller removes the staging directory, and previous checkpoints are untouched.
 
 Reading never unpickles arbitrary objects: ``torch.load`` runs with ``weights_only=True``, and the pickled
 ``.metadata`` file of `torch.distributed.checkpoint` is read by an unpickler that only builds DCP's own metadata
@@ -19,10 +25,12 @@ classes, dtypes, sizes and paths.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 import pickle
+import re
 import shutil
 import zlib
 from collections.abc import Callable, Iterator
@@ -37,9 +45,10 @@ FORMAT = "ndparallel-checkpoint"
 FORMAT_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
-# Test hook: when set to a path, `pause_point` creates that file and sleeps, so a test can kill the process in
-# the middle of a save at a known moment.
-PAUSE_ENV = "NDPARALLEL_TEST_PAUSE_IN_SAVE"
+CHECKPOINT, EXPORT = "checkpoint", "export"  # what a directory that commit() may replace must hold
+# Files of a Hugging Face export (save_model / merge-weights): a directory holding only these may be replaced.
+_EXPORT_FILE = re.compile(r"(config|generation_config)\.json|(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)"
+                          r"|(model\.safetensors|pytorch_model\.bin)\.index\.json")
 
 
 class CheckpointError(ValueError):
@@ -48,6 +57,14 @@ class CheckpointError(ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint where one was asked for."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint whose files are damaged: missing, truncated, failing their checksum, or holding values that
+    cannot be what a save wrote. ``load_state()`` with automatic naming skips such a checkpoint for an older one."""
+
+
+_ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointNotFoundError, CheckpointCorruptError)}
 
 
 # ---- collectives that never leave a rank behind -------------------------------------------------------------
@@ -73,7 +90,7 @@ def agree(error: BaseException | str | None) -> None:
     if error is None:
         mine = None
     elif isinstance(error, CheckpointError):
-        mine = (type(error).__name__, str(error))
+        mine = (type(error).__name__ if type(error).__name__ in _ERRORS else "CheckpointError", str(error))
     else:
         mine = ("CheckpointError", error if isinstance(error, str) else f"{type(error).__name__}: {error}")
     found: list[Any] = [mine]
@@ -83,7 +100,7 @@ def agree(error: BaseException | str | None) -> None:
     first = next((f for f in found if f is not None), None)
     if first is not None:
         kind, message = first
-        raise (CheckpointNotFoundError if kind == "CheckpointNotFoundError" else CheckpointError)(message)
+        raise _ERRORS[kind](message)
 
 
 def on_main(fn: Callable[[], Any]) -> Any:
@@ -114,13 +131,57 @@ def staging_dir(final: Path) -> Path:
     return final.parent / f".{final.name}{PARTIAL_SUFFIX}"
 
 
-def prepare_staging(final: Path) -> Path:
-    """Rank 0: create an empty staging directory for `final` (removing a stale one); return its path."""
+def is_complete_checkpoint(path: Path) -> bool:
+    """Whether `path` is a directory holding a complete ndparallel checkpoint (its metadata file says so)."""
+    meta = path / METADATA_FILE
+    if path.is_symlink() or not meta.is_file():
+        return False
+    try:
+        data = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT and data.get("complete") is True
+
+
+def _is_export(path: Path) -> bool:
+    return all(p.is_file() and _EXPORT_FILE.fullmatch(p.name) for p in path.iterdir())
+
+
+def replace_problem(path: Path, kind: str) -> str | None:
+    """Why `path` must not be replaced by a new directory of `kind` (CHECKPOINT or EXPORT), or None if it may.
+
+    Only a missing path, an empty directory, or a directory of the same kind may be replaced: a complete
+    ndparallel checkpoint, or a Hugging Face export (config and weight files only)."""
+    if not os.path.lexists(path):
+        return None
+    what = "a complete ndparallel checkpoint" if kind == CHECKPOINT else "a Hugging Face model export"
+    fix = "choose another directory, or move or delete this one yourself"
+    if path.is_symlink():
+        return f"{path} is a symbolic link; only a directory holding {what} is replaced: {fix}"
+    if not path.is_dir():
+        return f"{path} exists and is a file, not a directory: {fix}"
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries or (is_complete_checkpoint(path) if kind == CHECKPOINT else _is_export(path)):
+        return None
+    shown = ", ".join(entries[:5]) + (f", ... ({len(entries) - 5} more)" if len(entries) > 5 else "")
+    return (f"{path} exists and is not {what} (it holds {shown}); only an empty directory or {what} is "
+            f"replaced: {fix}")
+
+
+def prepare_staging(final: Path, kind: str = CHECKPOINT) -> Path:
+    """Rank 0: refuse a `final` that must not be replaced (`replace_problem`), then create an empty staging
+    directory for it (removing a stale one); return its path. Nothing is written or moved before the check."""
+    problem = replace_problem(final, kind)
+    if problem:
+        raise CheckpointError(f"refusing to write to {final}: {problem}")
     staging = staging_dir(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    except OSError as exc:
+        raise write_error(exc, final.parent, f"the staging directory {staging.name}") from None
     return staging
 
 
@@ -133,6 +194,63 @@ def fsync_path(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---- why a write failed -------------------------------------------------------------------------------------------
+_PLAIN = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+          errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+          errno.EROFS: "the filesystem is read-only"}
+# How torch's zip writer reports a failed write: it hides the OSError (a full disk reads "unexpected pos").
+_TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "iostream error")
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The first OSError with an errno we can name in `exc`, its causes and contexts, and DCP's per-rank failures."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _PLAIN:
+            return e
+        todo += [e.__cause__, e.__context__]
+        todo += [f[0] for f in (getattr(e, "failures", None) or {}).values() if isinstance(f, tuple)]
+    return None
+
+
+def _free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                st = os.statvfs(p)
+            except (OSError, AttributeError):  # AttributeError: no statvfs on Windows
+                return None
+            return st.f_bavail * st.f_frsize
+    return None
+
+
+def write_error(exc: BaseException, directory: Path, what: str) -> CheckpointError:
+    """A `CheckpointError` that says in plain words why writing `what` under `directory` failed: no space, quota,
+    permission, read-only filesystem -- also when torch's own writer hid the OSError -- or else what was raised."""
+    found = _os_error(exc)
+    free = _free_bytes(directory)
+    if found is None and any(s in str(exc) for s in _TORCH_WRITE_FAILED) and free is not None and free < 2**20:
+        found = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if found is None:
+        return CheckpointError(f"writing {what} under {directory} failed: {type(exc).__name__}: {str(exc)[:1000]}")
+    reason = _PLAIN[found.errno]
+    where = f" ({found.filename})" if getattr(found, "filename", None) else ""
+    if found.errno in (errno.ENOSPC, errno.EDQUOT):
+        space = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
+        fix = ("free some space, keep fewer checkpoints (ProjectConfiguration(total_limit=...)), or save to "
+               "another filesystem")
+        return CheckpointError(f"{reason} while writing {what} under {directory}{space}: {fix}. This save was "
+                               "abandoned and its partial files removed; previous checkpoints are untouched")
+    return CheckpointError(f"{reason} while writing {what} under {directory}{where}: check that this user may "
+                           "create files there (on every node), or save to another directory. This save was "
+                           "abandoned; previous checkpoints are untouched")
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -166,31 +284,35 @@ def torch_bytes(obj: Any, what: str) -> bytes:
     return data
 
 
-def commit(staging: Path, final: Path, metadata: dict[str, Any] | None) -> None:
-    """Rank 0: write the metadata file (if any) into `staging`, then make it `final` with an atomic rename."""
-    if metadata is not None:
-        write_json(staging / METADATA_FILE, metadata)
-    fsync_path(staging)
-    old = final.parent / f".{final.name}{OLD_SUFFIX}"
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(final, old)
-    os.rename(staging, final)
-    fsync_path(final.parent)
-    if old.exists():
+def commit(staging: Path, final: Path, metadata: dict[str, Any] | None, kind: str = CHECKPOINT) -> None:
+    """Rank 0: write the metadata file (if any) into `staging`, then make it `final` with an atomic rename.
+
+    `final` is checked again (`replace_problem`: something may have appeared there during the save); on any
+    failure the staging directory is removed and `final` is as it was."""
+    try:
+        problem = replace_problem(final, kind)
+        if problem:
+            raise CheckpointError(f"refusing to write to {final}: {problem}")
+        try:
+            if metadata is not None:
+                write_json(staging / METADATA_FILE, metadata)
+            fsync_path(staging)
+        except OSError as exc:
+            raise write_error(exc, final.parent, METADATA_FILE) from None
+        old = final.parent / f".{final.name}{OLD_SUFFIX}"
+        if old.exists() and replace_problem(old, kind):
+            raise CheckpointError(f"refusing to write to {final}: {replace_problem(old, kind)}")
+        if os.path.lexists(final):
+            if old.exists():  # a leftover older than `final` (a crash between the renames of an earlier save)
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(staging, final)
+        fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if old.exists():  # only now: until `final` is in place, `old` may be the only copy of the previous one
         shutil.rmtree(old)
-
-
-def pause_point(stage: str) -> None:
-    """Test hook (see `PAUSE_ENV`): stop here, in the middle of a save, until killed."""
-    marker = os.environ.get(PAUSE_ENV)
-    if marker:
-        import time
-
-        Path(marker).write_text(stage)
-        while True:
-            time.sleep(60)
 
 
 # ---- checksums ------------------------------------------------------------------------------------------------
@@ -239,7 +361,7 @@ def verify_files(root: Path, files: dict[str, dict[str, int]]) -> None:
             error = f"checkpoint {root}: file {name} is corrupt (its CRC32 differs from the one recorded at save)"
         if error:
             break
-    agree(CheckpointError(error) if error else None)
+    agree(CheckpointCorruptError(error) if error else None)
 
 
 # ---- reading -------------------------------------------------------------------------------------------------------
@@ -248,18 +370,19 @@ def load_torch_file(path: Path, what: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} ({what}) is missing") from None
+        raise CheckpointCorruptError(f"checkpoint file {path} ({what}) is missing") from None
     except Exception as exc:  # noqa: BLE001 - a corrupt file raises many kinds of errors
-        raise CheckpointError(f"checkpoint file {path} ({what}) cannot be read: {type(exc).__name__}: {exc}") from None
+        raise CheckpointCorruptError(f"checkpoint file {path} ({what}) cannot be read: {type(exc).__name__}: "
+                                     f"{exc}") from None
 
 
 def read_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} ({what}) is missing") from None
+        raise CheckpointCorruptError(f"checkpoint file {path} ({what}) is missing") from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint file {path} ({what}) cannot be read: {exc}") from None
+        raise CheckpointCorruptError(f"checkpoint file {path} ({what}) cannot be read: {exc}") from None
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
@@ -301,9 +424,10 @@ def read_dcp_metadata(directory: Path) -> Any:
         with open(path, "rb") as f:
             return _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint directory {directory} has no .metadata file (incomplete save?)") from None
+        raise CheckpointCorruptError(f"checkpoint directory {directory} has no .metadata file (incomplete save?)") \
+            from None
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {type(exc).__name__}: {exc}") from None
+        raise CheckpointCorruptError(f"checkpoint file {path} cannot be read: {type(exc).__name__}: {exc}") from None
 
 
 def safe_reader(directory: Path):
