@@ -113,12 +113,6 @@ def _launched_without(*names: str) -> Accelerator:
     return _launched_with(**dict.fromkeys(names))
 
 
-def _prepare_twice(make: Callable[[], Any], acc: Accelerator | None = None) -> None:
-    """prepare() an object, then prepare() what prepare() returned."""
-    acc = acc or Accelerator()
-    acc.prepare(acc.prepare(make()))
-
-
 def _same_object_prepared_twice(make: Callable[[], Any]) -> None:
     """prepare() a plain object, then prepare() that same plain object again (not what prepare() returned)."""
     acc, obj = Accelerator(), make()
@@ -139,12 +133,6 @@ def _optimizer_twice_in_one_call() -> None:
 def _dataloader_twice_in_one_call() -> None:
     loader = DataLoader(list(range(8)), batch_size=2)
     Accelerator().prepare(loader, loader)
-
-
-def _prepared_scheduler_prepared_again() -> None:
-    acc = Accelerator()
-    optimizer = acc.prepare(_sgd())
-    acc.prepare(acc.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)))
 
 
 def _stepped_optimizer(acc: Accelerator) -> None:
@@ -211,28 +199,18 @@ CASES: list[Case] = [
          ValueError, rf"^prepare\(\): argument 0 \(a Linear\) {ALREADY_PREPARED}$"),
     Case("same-model-twice-in-one-call", lambda: Accelerator().prepare(*[nn.Linear(2, 2)] * 2),
          ValueError, rf"^prepare\(\): argument 1 \(a Linear\) {ALREADY_PREPARED}$"),
-    Case("FSDP-prepared-model-prepared-again", lambda: _prepare_twice(lambda: build_model("llama"), _fsdp()),
-         ValueError, rf"^prepare\(\): argument 0 \(a FSDPLlamaForCausalLM\) {ALREADY_PREPARED}$"),
     Case("same-optimizer-prepared-twice", lambda: _same_object_prepared_twice(_sgd),
          ValueError, rf"^prepare\(\): argument 0 \(a SGD\) {ALREADY_PREPARED}$"),
     Case("same-optimizer-twice-in-one-call", _optimizer_twice_in_one_call,
          ValueError, rf"^prepare\(\): argument 2 \(a SGD\) {ALREADY_PREPARED}$"),
-    Case("prepared-optimizer-prepared-again", lambda: _prepare_twice(_sgd),
-         ValueError, rf"^prepare\(\): argument 0 \(a AcceleratedOptimizer\) {ALREADY_PREPARED}$"),
     Case("same-DataLoader-prepared-twice",
          lambda: _same_object_prepared_twice(lambda: DataLoader(list(range(8)), batch_size=2)),
          ValueError, rf"^prepare\(\): argument 0 \(a DataLoader\) {ALREADY_PREPARED}$"),
     Case("same-DataLoader-twice-in-one-call", _dataloader_twice_in_one_call,
          ValueError, rf"^prepare\(\): argument 1 \(a DataLoader\) {ALREADY_PREPARED}$"),
-    Case("prepared-dataloader-prepared-again", lambda: _prepare_twice(lambda: DataLoader(list(range(8)), batch_size=2)),
-         ValueError, rf"^prepare\(\): argument 0 \(a PreparedDataLoader\) {ALREADY_PREPARED}$"),
-    Case("prepared-scheduler-prepared-again", _prepared_scheduler_prepared_again,
-         ValueError, rf"^prepare\(\): argument 0 \(a AcceleratedScheduler\) {ALREADY_PREPARED}$"),
     # -- prepare(): data loaders it cannot shard --
     Case("DataLoader-with-DistributedSampler", _loader(batch_size=2, sampler=lambda d: DistributedSampler(d, 1, 0)),
          ValueError, r"already uses a DistributedSampler; pass a plain DataLoader -- prepare\(\) shards it"),
-    Case("DataLoader-batch_size=None", _loader(batch_size=None),
-         ValueError, r"a DataLoader with batch_size=None cannot be sharded; give it a batch_size"),
     Case("IterableDataset-DataLoader-batch_size=None",
          lambda: Accelerator().prepare(DataLoader(_Numbers(), batch_size=None)),
          ValueError, r"an iterable dataset's DataLoader needs a batch_size"),
@@ -319,7 +297,8 @@ CASES: list[Case] = [
          ValueError, r"prepare\(tp_plan=...\): pattern 'layers.\*.mlp.up' matches no module of LlamaForCausalLM; "
                      r"nearest module names: \[.*'model.layers.\*.mlp.up_proj'", group="2 ranks"),
     Case("tp-plan-colwise-on-a-norm", lambda: _tp(plan={"model.norm": "colwise"}).prepare(build_model("llama")),
-         ValueError, r"style 'colwise' applies to nn.Linear or nn.Embedding, but 'model.norm' is a LlamaRMSNorm",
+         ValueError, r"style 'colwise' applies to nn.Linear, transformers' Conv1D or nn.Embedding, but 'model.norm' "
+                     r"is a LlamaRMSNorm",
          group="2 ranks"),
     Case("tp-plan-features-not-divisible", lambda: _tp(plan={"0": "colwise"}).prepare(nn.Sequential(nn.Linear(4, 3))),
          ValueError, r"splits 0.out_features=3 over tp_size=2, which does not divide it; tp sizes that work: \[1, 3\]",

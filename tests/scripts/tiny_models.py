@@ -33,8 +33,10 @@ def build_model(name: str = "llama", float64: bool = False, **overrides):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }
+    if name in FAMILIES:
+        return build_family(name, **overrides)
     if name not in configs:
-        raise ValueError(f"unknown tiny model {name!r}; choose from {sorted(configs) + ['plain']}")
+        raise ValueError(f"unknown tiny model {name!r}; choose from {sorted(configs) + sorted(FAMILIES) + ['plain']}")
     config_cls, model_cls = configs[name]
     return model_cls(config_cls(**common))
 
@@ -153,3 +155,50 @@ PLAIN_PLAN = {
     "blocks.*.mlp.down": "rowwise",
     "head": "colwise_gather_output",
 }
+
+
+# ---- one tiny model per popular causal-LM family (tests/test_families.py) ------------------------------------------
+# Each is fp32 with SDPA attention, no dropout, a vocabulary tp 2 divides, and 2 layers; what makes the family itself
+# (tied embeddings, fused projections, q/k norms, sliding windows, soft-capping, Conv1D, experts) is kept.
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=4, max_position_embeddings=128, attn_implementation="sdpa")
+_GEMMA3 = dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+               layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=2.0,
+               tie_word_embeddings=True, pad_token_id=0)
+FAMILIES: dict[str, tuple[str, str, dict]] = {  # name -> (config class, model class, config fields)
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(_SMALL, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_SMALL, head_dim=4, tie_word_embeddings=True)),
+    # Alternating sliding-window (8 tokens, shorter than the tests' 16) and full layers, final-logit soft-capping.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_GEMMA3, sliding_window=8)),
+    # Gemma 3 variants: a window covering the 16-token sequences (plain causal attention), attention soft-capping.
+    "gemma3_window16": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_GEMMA3, sliding_window=16)),
+    "gemma3_attn_softcap": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                            dict(_GEMMA3, sliding_window=16, attn_logit_softcapping=50.0)),
+    # Fused qkv_proj and gate_up_proj.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(_SMALL, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Conv1D layers, a fused c_attn, learned positions, tied embeddings.
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=VOCAB, n_embd=32, n_inner=64, n_layer=2, n_head=8, n_positions=128, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
+                  attn_implementation="sdpa")),
+    # q/k RMSNorms over the whole projection (not per head).
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
+              dict(_SMALL, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)),
+    # 4 experts, 2 per token, every layer sparse; the load-balancing loss is part of the training loss.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_SMALL, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       output_router_logits=True, router_aux_loss_coef=0.1, tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                     router_aux_loss_coef=0.1, tie_word_embeddings=False)),
+}
+
+
+def build_family(name: str, **overrides):
+    """The tiny model of family `name` (a key of `FAMILIES`), with config fields `overrides` changed."""
+    import transformers
+
+    config_cls, model_cls, fields = FAMILIES[name]
+    config = getattr(transformers, config_cls)(**{**fields, **overrides})
+    return getattr(transformers, model_cls)(config)

@@ -5,17 +5,22 @@ A plan is a dict from module-name pattern to style name. ``*`` in a pattern matc
 it after a whole segment (``"layers.*.mlp.up_proj"`` matches ``model.layers.0.mlp.up_proj``). Where a module
 matches several patterns, the first one wins.
 
-Styles (see `STYLES`): each maps to one of torch's ``ParallelStyle`` objects, with different layouts when
-Megatron-style sequence parallelism is on. With it, the activations between tensor-parallel regions (the
-residual stream, norms, dropout) are split along the sequence (dim 1) over ``tp``; column-wise layers
-all-gather them, row-wise layers reduce-scatter back into them:
+Styles (`tensor_styles.STYLES`, with transformers' names in `tensor_styles.ALIASES`): each maps to a torch
+``ParallelStyle``, with different layouts when Megatron-style sequence parallelism is on. With it, the activations
+between tensor-parallel regions (the residual stream, norms, dropout) are split along the sequence (dim 1) over
+``tp``; column-wise layers all-gather them, row-wise layers reduce-scatter back into them:
 
     embedding ─Shard(1)─> norm ─> [gather] q,k,v (colwise) ─> attention ─> o (rowwise) ─reduce-scatter─> + ...
 
 Where a plan comes from, first match wins: the one the user passed (``prepare(model, tp_plan=...)``, then
-``TorchTensorParallelConfig(plan=...)``), the Hugging Face model's own (``config.base_model_tp_plan`` under
-the base model's prefix plus the class ``_tp_plan``), a built-in plan for a known architecture
-(`BUILTIN_PLANS`, by ``config.model_type``).
+``TorchTensorParallelConfig(plan=...)``), ndparallel's plan for the model's family where it replaces the model's own
+(`families.FAMILIES`), the Hugging Face model's own (``config.base_model_tp_plan`` under the base model's prefix
+plus the class ``_tp_plan``), a built-in plan for the family (`families.BUILTIN_PLANS`, by ``config.model_type``).
+
+Tied weights (an LM head sharing the input embedding's matrix) are split once: every module using a tied parameter
+must place it alike, so a head split along the vocabulary makes the embedding vocabulary-parallel too
+(`tie_styles`), and after splitting, the modules share one DTensor parameter again (`_retie`), whose gradient sums
+both uses -- as in the unsplit model.
 """
 
 from __future__ import annotations
@@ -26,53 +31,21 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from ..config import TorchTensorParallelConfig
 from ..mesh import ParallelMesh
+from .families import BUILTIN_PLANS, FAMILIES
 from .options import PrepareOptions
+from .tensor_styles import ALIASES, STYLES, ShardSequenceOutput, build_style, is_norm, param_placements, split_dims
 
-STYLES: dict[str, str] = {
-    "colwise": "Linear/Embedding split along its output features; output stays split (feeds a rowwise layer)",
-    "rowwise": "Linear split along its input features; partial outputs summed (all-reduce, or reduce-scatter "
-               "along the sequence with sequence parallelism)",
-    "colwise_gather_output": "colwise, then the output is all-gathered (replicated), e.g. an LM head",
-    "embedding_rowwise": "Embedding split along the vocabulary; each rank looks up its rows, results summed",
-    "replicate": "parameters replicated over tp (as DTensors); inputs and outputs replicated",
-    "sequence_parallel": "norm/dropout run on sequence-split activations (only with sequence_parallel=True)",
-    "gather_sequence": "the module's first input (or `hidden_states`) arrives sequence-split and is all-gathered "
-                       "before it runs (only with sequence_parallel=True; e.g. an attention or MLP block)",
-}
+__all__ = ["ALIASES", "BUILTIN_PLANS", "STYLES", "apply_tensor_parallel", "check_plan", "check_tensor_parallel",
+           "choose_plan", "hf_plan", "plan_styles", "resolve_plan", "tensor_parallel_styles", "tie_styles",
+           "with_sequence_parallel"]
 
-# Hugging Face style names that mean one of ours.
-ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "embedding_rowwise"}
-
-_DECODER_PLAN = {
-    "embed_tokens": "embedding_rowwise",
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather_output",
-}
-# Built-in plans for decoder architectures whose HF config may not carry one; patterns are matched by suffix.
-BUILTIN_PLANS: dict[str, dict[str, str]] = {name: dict(_DECODER_PLAN) for name in ("llama", "qwen2", "mistral")}
-
-_SEQ = 1  # the sequence dimension of (batch, seq, hidden) activations
+USER_SOURCES = ("prepare(tp_plan=...)", "TorchTensorParallelConfig(plan=...)")
 
 
 # ---- where the plan comes from -------------------------------------------------------------------------
@@ -89,18 +62,26 @@ def hf_plan(model: nn.Module) -> dict[str, str] | None:
     return plan
 
 
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
 def choose_plan(model: nn.Module, *user_plans: Mapping[str, str] | None) -> tuple[dict[str, str], str]:
-    """The plan for `model` and where it came from: the first user plan given, the model's, or a built-in one."""
-    for plan, source in zip(user_plans, ("prepare(tp_plan=...)", "TorchTensorParallelConfig(plan=...)")):
+    """The plan for `model` and where it came from: the first user plan given, ndparallel's plan for the family where
+    it replaces the model's own, the model's own, or a built-in one."""
+    for plan, source in zip(user_plans, USER_SOURCES):
         if plan is not None:
             if not isinstance(plan, Mapping):
                 raise TypeError(f"{source}: a tensor-parallel plan is a dict of pattern -> style, got "
                                 f"{type(plan).__name__}")
             return dict(plan), source
+    model_type = _model_type(model)
+    family = FAMILIES.get(model_type)
+    if family is not None and family.plan and family.replaces_own_plan:
+        return dict(family.plan), f"ndparallel's plan for {model_type!r} (used because {family.replaces_own_plan})"
     plan = hf_plan(model)
     if plan:
         return plan, f"{type(model).__name__}'s own plan (config.base_model_tp_plan)"
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in BUILTIN_PLANS:
         return dict(BUILTIN_PLANS[model_type]), f"ndparallel's built-in plan for {model_type!r}"
     raise ValueError(
@@ -117,25 +98,103 @@ def _pattern_regex(pattern: str) -> re.Pattern:
     return re.compile(rf"(?:.+\.)?{body}")
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str], source: str = "plan") -> dict[str, str]:
-    """Map each module name to its style. Raises for unknown styles and for patterns that match nothing."""
+def resolve_plan(model: nn.Module, plan: Mapping[str, str], source: str = "plan",
+                 strict: bool = True) -> dict[str, str]:
+    """Map each module name to its style (transformers' style names translated to ours).
+
+    Raises for unknown styles, and -- with `strict`, for plans a user wrote -- for patterns that match nothing (a
+    model's own plan may name modules a given configuration does not have, e.g. dense MLPs of an MoE). transformers'
+    entries for the weights of an MoE's experts (``experts.gate_up_proj``: ``packed_colwise``...) are absorbed by the
+    experts' own entry (``moe_tp_experts``: kept whole over tp); other entries naming a parameter are refused.
+    """
     names = [name for name, _ in model.named_modules() if name]
+    owners = {name: name.rpartition(".")[0] for name, _ in model.named_parameters(remove_duplicate=False)}
     resolved: dict[str, str] = {}
+    param_entries: list[tuple[str, list[str]]] = []
     for pattern, style in plan.items():
+        regex = _pattern_regex(pattern)
+        matched = [name for name in names if regex.fullmatch(name)]
+        if not matched and (params := [p for p in owners if regex.fullmatch(p)]):
+            param_entries.append((pattern, params))
+            continue
         style = ALIASES.get(style, style)
         if style not in STYLES:
             raise ValueError(f"{source}: unknown tensor-parallel style {plan[pattern]!r} for {pattern!r}; "
-                             f"known styles: {sorted(STYLES)}")
-        regex = _pattern_regex(pattern)
-        matched = [name for name in names if regex.fullmatch(name)]
+                             f"known styles: {sorted(STYLES)} (and transformers' names {sorted(ALIASES)})")
         if not matched:
+            if not strict:
+                continue
             generic = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names})
             near = difflib.get_close_matches(pattern, generic, n=5, cutoff=0.4) or generic[:8]
             raise ValueError(f"{source}: pattern {pattern!r} matches no module of {type(model).__name__}; "
                              f"nearest module names: {near}")
         for name in matched:
             resolved.setdefault(name, style)
+    for pattern, params in param_entries:
+        stray = sorted({owners[p] for p in params if resolved.get(owners[p]) != "unsplit"})
+        if stray:
+            raise ValueError(f"{source}: {pattern!r} names parameters ({params[0]}...), not modules; ndparallel "
+                             f"splits whole modules -- give {stray[0]!r} a style instead")
     return resolved
+
+
+# ---- tied weights ---------------------------------------------------------------------------------------
+def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module name, parameter name) of every use of each parameter that several modules share, in model order."""
+    uses: dict[int, list[tuple[str, str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner, _, attr = name.rpartition(".")
+        uses.setdefault(id(param), []).append((owner, attr))
+    return [group for group in uses.values() if len(group) > 1]
+
+
+def _style_placing(module: nn.Module, attr: str, placement) -> str | None:
+    """A style that puts `module`'s `attr` at `placement`: what completes a tie (an embedding tied to a vocabulary-split
+    head becomes vocabulary-parallel; a head tied to such an embedding gathers its output)."""
+    for style in ("embedding_rowwise", "colwise_gather_output"):
+        if split_dims(module, style) is not None and param_placements(module, style, False).get(attr) == placement:
+            return style
+    return None
+
+
+def tie_styles(model: nn.Module, resolved: Mapping[str, str], sequence_parallel: bool = False) -> dict[str, str]:
+    """`resolved`, with every module that uses a tied parameter placing it like the others.
+
+    Where the plan splits a tied parameter through one module and leaves another user of it out (transformers' plans
+    split the LM head over the vocabulary but leave the input embedding out), the other gets the style that splits
+    the parameter the same way; where two styles would split it differently, this raises.
+    """
+    out = dict(resolved)
+    modules = dict(model.named_modules())
+    for group in tied_groups(model):
+        placed = {(m, a): param_placements(modules[m], out.get(m), sequence_parallel).get(a) for m, a in group}
+        splits = {p for p in placed.values() if p is not None}
+        if not splits:
+            continue
+        described = ", ".join(f"{m or type(model).__name__}.{a} ({out.get(m, 'not in the plan')}: {p or 'whole'})"
+                              for (m, a), p in placed.items())
+        if len(splits) > 1:
+            raise ValueError(f"tied parameter used as {described}: the plan splits it differently in each place, "
+                             "but it is one matrix; give both modules styles that split it alike (for an LM head "
+                             "tied to the input embedding: 'colwise_gather_output' and 'embedding_rowwise')")
+        (target,) = splits
+        for (m, a), p in placed.items():
+            if p is None:
+                style = _style_placing(modules[m], a, target)
+                if style is None or m in out:
+                    raise ValueError(f"tied parameter used as {described}: {m!r} cannot take the same split; "
+                                     "give it a style that splits the parameter alike, or leave both out of the plan")
+                out[m] = style
+    return out
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """After splitting, point every use of a tied parameter at the first use's (one DTensor, one gradient)."""
+    modules = dict(model.named_modules())
+    for (first_module, first_attr), *others in groups:
+        shared = getattr(modules[first_module], first_attr)
+        for module, attr in others:
+            setattr(modules[module], attr, shared)
 
 
 # ---- checks that need no collective --------------------------------------------------------------------
@@ -144,7 +203,8 @@ def _divisors_of(*numbers: int) -> list[int]:
 
 
 def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int) -> None:
-    """Raise, naming the module and a tp size that would work, where a style cannot split a module evenly."""
+    """Raise, naming the module and a tp size that would work, where a style cannot split a module evenly, and where
+    a fused layer's output would stay split."""
     config = getattr(model, "config", None)
     heads = {field: getattr(config, field) for field in ("num_attention_heads", "num_key_value_heads")
              if isinstance(getattr(config, field, None), int)}
@@ -157,39 +217,49 @@ def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int) -> None:
     modules = dict(model.named_modules())
     for name, style in resolved.items():
         module = modules[name]
-        dims = _split_dims(module, style)
+        dims = split_dims(module, style)
         if dims is None:
-            kinds = "nn.Embedding" if style == "embedding_rowwise" else "nn.Linear or nn.Embedding"
-            raise ValueError(f"tensor-parallel style {style!r} applies to {kinds}, but {name!r} is a "
+            raise ValueError(f"tensor-parallel style {style!r} applies to {_applies_to(style)}, but {name!r} is a "
                              f"{type(module).__name__}")
         for what, size in dims:
             if size % tp:
                 raise ValueError(f"tensor-parallel style {style!r} splits {name}.{what}={size} over tp_size={tp}, "
                                  f"which does not divide it; tp sizes that work: {_divisors_of(size)}")
+    family = FAMILIES.get(_model_type(model))
+    for pattern, pieces in (family.fused if family else {}).items():
+        regex = _pattern_regex(pattern)
+        for name, style in resolved.items():
+            if style == "colwise" and regex.fullmatch(name):
+                raise ValueError(
+                    f"{name!r} packs {pieces} in one weight; 'colwise' would leave each tp rank whole projections "
+                    "and the model would slice them by their global sizes, pairing the wrong parts -- give it "
+                    "'colwise_gather_output' and the layer after it 'rowwise_split_input'")
 
 
-def _split_dims(module: nn.Module, style: str) -> list[tuple[str, int]] | None:
-    """The (attribute, size) pairs `style` splits over tp; None where the style does not apply to `module`."""
-    if style in ("replicate", "sequence_parallel", "gather_sequence"):
-        return []
-    if isinstance(module, nn.Linear):
-        if style in ("colwise", "colwise_gather_output"):
-            return [("out_features", module.out_features)]
-        if style == "rowwise":
-            return [("in_features", module.in_features)]
-    if isinstance(module, nn.Embedding):
-        if style in ("colwise", "colwise_gather_output"):
-            return [("embedding_dim", module.embedding_dim)]
-        if style in ("rowwise", "embedding_rowwise"):
-            return [("num_embeddings", module.num_embeddings)]
-    return None
+def _applies_to(style: str) -> str:
+    if style == "embedding_rowwise":
+        return "nn.Embedding"
+    if style == "sharded_norm":
+        return "norms with a 1-D weight"
+    return "nn.Linear, transformers' Conv1D or nn.Embedding"
+
+
+def _check_sequence_parallel_coverage(model: nn.Module, resolved: Mapping[str, str]) -> None:
+    """With Megatron-style SP, a module with parameters that no style covers runs on sequence shards, so each tp rank's
+    gradient would cover its own tokens only; refuse instead of training it silently wrong."""
+    replicated = [name for name, style in resolved.items() if style == "replicate"]
+    uncovered = [name for name, module in model.named_modules()
+                 if name and any(True for _ in module.parameters(recurse=False))
+                 and resolved.get(name) in (None, "unsplit") and not isinstance(module, nn.Embedding)
+                 and not any(name.startswith(r + ".") for r in replicated)]
+    if uncovered:
+        raise ValueError(
+            f"TorchTensorParallelConfig(sequence_parallel=True): {uncovered[:4]} hold parameters the plan does not "
+            "cover; they would run on sequence shards with gradients over this rank's tokens only (e.g. the router "
+            "and experts of a mixture-of-experts model); use sequence_parallel=False")
 
 
 # ---- sequence parallelism: the plan's Megatron-SP form -------------------------------------------------
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-
-
 def _with_block_inputs(model: nn.Module, resolved: dict[str, str], style_name: str) -> dict[str, str]:
     """Give the parent block of each Hugging Face attention/MLP column-wise layer `style_name`, so the block
     prepares its input once for all of its column-wise layers."""
@@ -208,100 +278,16 @@ def with_sequence_parallel(model: nn.Module, resolved: dict[str, str]) -> dict[s
     gathers the sequence once for all of them (others gather per layer)."""
     out = dict(resolved)
     for name, module in model.named_modules():
-        if name and name not in out and _is_norm(module):
+        if name and name not in out and is_norm(module):
             out[name] = "sequence_parallel"
     return {**out, **_with_block_inputs(model, resolved, "gather_sequence")}
 
 
 def with_shared_inputs(model: nn.Module, resolved: dict[str, str]) -> dict[str, str]:
     """Without SP: the parent block of a Hugging Face attention/MLP's column-wise layers hands them its input as
-    one replicated DTensor, so their input gradients are all-reduced once per block (see `_GatherSequence`)."""
+    one replicated DTensor, so their input gradients are all-reduced once per block
+    (`tensor_styles._GatherSequence`)."""
     return _with_block_inputs(model, resolved, "share_input")
-
-
-class _GatherSequence(ParallelStyle):
-    """Hand a module's first input (positional, or the ``hidden_states`` keyword) to its children as one replicated
-    DTensor: all-gathered along the sequence first when it arrives sequence-split (`sequence_parallel`).
-
-    The column-wise layers inside (q, k, v; gate, up) then share that one DTensor, so backward adds their partial
-    input gradients first and reduces them once -- one all-reduce (reduce-scatter with SP) per block instead of
-    one per layer, which is what torch's `ColwiseParallel` does when each layer wraps a plain tensor itself.
-    """
-
-    def __init__(self, sequence_parallel: bool = True) -> None:
-        super().__init__()
-        self.sequence_parallel = sequence_parallel
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        split = [Shard(_SEQ)] if self.sequence_parallel else [Replicate()]
-
-        def gather(_module, args, kwargs):
-            if args:
-                return (_to_replicated(args[0], device_mesh, split), *args[1:]), kwargs
-            if "hidden_states" in kwargs:
-                kwargs = dict(kwargs, hidden_states=_to_replicated(kwargs["hidden_states"], device_mesh, split))
-            return args, kwargs
-
-        module.register_forward_pre_hook(gather, with_kwargs=True)
-        return module
-
-
-class _ShardSequenceOutput(ParallelStyle):
-    """A replicated module (say, an embedding left out of the plan) hands over its output split along the
-    sequence, as a DTensor, so the sequence-parallel region after it starts on shards."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        style = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(_SEQ),
-                                    use_local_output=False)
-        return style._apply(module, device_mesh)
-
-
-class _Replicate(ParallelStyle):
-    """Parameters become replicated DTensors; tensor inputs are wrapped as replicated, outputs made local."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def inputs(_mod, args, mesh):
-            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
-
-        def outputs(_mod, out, _mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
-
-        return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
-
-
-def _to_replicated(x: Any, mesh, placements) -> Any:
-    """`x` as a replicated DTensor; a plain tensor is first taken as laid out by `placements` on `mesh`."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, placements, run_check=False)
-    return x.redistribute(mesh, [Replicate()])
-
-
-def build_style(style: str, module: nn.Module, sequence_parallel: bool, gathered: bool,
-                loss_parallel: bool = False) -> ParallelStyle | None:
-    """The torch ParallelStyle for one module. `gathered`: an ancestor already all-gathers the sequence."""
-    seq_in = Shard(_SEQ) if sequence_parallel and not gathered else Replicate()
-    if style == "colwise":
-        return ColwiseParallel(input_layouts=seq_in)
-    if style == "colwise_gather_output" and loss_parallel:  # logits stay split over the vocabulary
-        return ColwiseParallel(input_layouts=seq_in, output_layouts=Shard(-1), use_local_output=False)
-    if style == "colwise_gather_output":
-        return ColwiseParallel(input_layouts=seq_in, output_layouts=Replicate())
-    if style in ("rowwise", "embedding_rowwise"):
-        out = Shard(_SEQ) if sequence_parallel else Replicate()
-        inp = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
-        return RowwiseParallel(input_layouts=inp, output_layouts=out, use_local_output=not sequence_parallel)
-    if style == "replicate":
-        return _Replicate()
-    if style == "sequence_parallel":
-        return SequenceParallel(sequence_dim=_SEQ) if sequence_parallel else None
-    if style == "gather_sequence":
-        return _GatherSequence() if sequence_parallel else None
-    if style == "share_input":
-        return _GatherSequence(sequence_parallel=False)
-    raise AssertionError(style)
 
 
 # ---- applying it ---------------------------------------------------------------------------------------
@@ -315,15 +301,25 @@ def check_not_sharded(model: nn.Module, tp_mesh) -> None:
             )
 
 
+def plan_styles(model: nn.Module, tp: int, config: TorchTensorParallelConfig,
+                plan: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """Module name -> style name for `model` split `tp` ways (the chosen plan resolved, ties completed, checked),
+    and where the plan came from."""
+    chosen, source = choose_plan(model, plan, config.plan)
+    resolved = resolve_plan(model, chosen, source, strict=source in USER_SOURCES)
+    resolved = tie_styles(model, resolved, config.sequence_parallel)
+    check_plan(model, resolved, tp)
+    return resolved, source
+
+
 def tensor_parallel_styles(model: nn.Module, tp: int, config: TorchTensorParallelConfig,
                            plan: Mapping[str, str] | None = None) -> dict[str, ParallelStyle]:
     """Module name -> torch ParallelStyle for `model` split `tp` ways. Checks everything, communicates nothing,
     so bad plans and sizes fail on every rank before any collective."""
-    chosen, source = choose_plan(model, plan, config.plan)
-    resolved = resolve_plan(model, chosen, source)
-    check_plan(model, resolved, tp)
+    resolved, source = plan_styles(model, tp, config, plan)
     if config.sequence_parallel:
         resolved = with_sequence_parallel(model, resolved)
+        _check_sequence_parallel_coverage(model, resolved)
     else:
         resolved = with_shared_inputs(model, resolved)
     if config.loss_parallel and "colwise_gather_output" not in resolved.values():
@@ -341,7 +337,7 @@ def tensor_parallel_styles(model: nn.Module, tp: int, config: TorchTensorParalle
     if config.sequence_parallel:  # embeddings outside the plan hand the SP region sequence shards
         for name, module in modules.items():
             if isinstance(module, nn.Embedding) and name not in resolved:
-                styles[name] = _ShardSequenceOutput()
+                styles[name] = ShardSequenceOutput()
     return styles
 
 
@@ -359,7 +355,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
         return model
     handler = mesh.config.tp_handler
     styles = tensor_parallel_styles(model, mesh.size("tp"), handler, options.tp_plan)
+    groups = tied_groups(model)
     model = parallelize_module(model, mesh["tp"], styles)
+    _retie(model, groups)
     if handler.loss_parallel:
         _run_forward_in_loss_parallel(model)
     return model

@@ -96,7 +96,8 @@ def _check_window(window: int | None, seq_len: int, where: str) -> None:
     if window is not None and window < seq_len:
         raise ValueError(
             f"{where}: sliding-window attention (window {window}) over {seq_len}-token sequences cannot be "
-            f"context-parallel; use sequences of at most {window} tokens, or a model without a sliding window"
+            f"context-parallel; use sequences of at most {window} tokens, a model without a sliding window, or a "
+            "layout without cp_size/sp_size (FSDP, TP: they run the model's own attention)"
         )
 
 
@@ -123,6 +124,13 @@ def check_model(model: nn.Module, sizes: str) -> None:
         raise ValueError(
             f"{sizes}: {type(model).__name__} uses attn_implementation={impl!r}; context parallelism "
             f"supports {list(SUPPORTED_HF_IMPLEMENTATIONS)}: load the model with attn_implementation='sdpa'"
+        )
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"{sizes}: {type(model).__name__} soft-caps its attention logits (attn_logit_softcapping={softcap}), "
+            "which ndparallel's context-parallel attention does not compute; use a layout without cp_size/sp_size "
+            "(FSDP, TP: they run the model's own attention), or a config with attn_logit_softcapping=None"
         )
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         raise ValueError(
