@@ -46,7 +46,7 @@ def _run(sizes: dict, state_dict_type: str | None, hidden: int, layers: int, sav
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 
     plugin = None if state_dict_type is None else FullyShardedDataParallelPlugin(state_dict_type=state_dict_type)
-    accelerator = Accelerator(ParallelismConfig(**sizes), fsdp_plugin=plugin)
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(**sizes), fsdp_plugin=plugin)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                          num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)

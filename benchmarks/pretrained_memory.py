@@ -46,7 +46,7 @@ def worker(mode: str, path: str, out: str) -> None:
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, init_empty_weights
 
     plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=mode != "every")
-    accelerator = Accelerator(ParallelismConfig(), fsdp_plugin=plugin)
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(), fsdp_plugin=plugin)
     before = rss_mib()
     if mode == "every" or (mode == "broadcast" and accelerator.is_main_process):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     resumed_from = None
     if latest_checkpoint(args.project_dir) is not None:
         resumed_from = accelerator.load_state()  # the newest complete checkpoint of the project
-        accelerator.print(f"resumed from {resumed_from} at step {accelerator.gradient_state.num_steps}")
-    step = accelerator.gradient_state.num_steps
+        accelerator.print(f"resumed from {resumed_from} at step {accelerator.gradient_state.optimizer_steps}")
+    step = accelerator.gradient_state.optimizer_steps
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     losses: dict[int, float] = {}

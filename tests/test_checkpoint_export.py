@@ -92,7 +92,7 @@ def _load_pretrained(mode: str, path: str, flags: dict) -> dict:
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, init_empty_weights
 
     plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True)
-    accelerator = Accelerator(ParallelismConfig(**flags), fsdp_plugin=plugin)
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(**flags), fsdp_plugin=plugin)
     if mode == "broadcast" and accelerator.is_main_process:
         model = AutoModelForCausalLM.from_pretrained(path)  # real weights on rank 0 only
     else:

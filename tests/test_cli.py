@@ -14,7 +14,7 @@ import yaml
 
 from ndparallel.cli import build_parser, main
 from ndparallel.config import ParallelismConfig
-from ndparallel.launch import plan_launch
+from ndparallel.launch import WORKER, plan_launch
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "print_env_launch.py")
 
@@ -153,8 +153,11 @@ def test_module_multinode_and_unquoted_no(tmp_path):
     p = plan("--config-file", path, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29400",
              "-m", "pkg.train", "--lr", "1")
     assert p.env["NDPARALLEL_MIXED_PRECISION"] == "no" and p.env["NDPARALLEL_CPU"] == "1"
-    assert p.torchrun_args[-4:] == ["--module", "pkg.train", "--lr", "1"]
-    assert {"--master-addr=head", "--master-port=29400", "--node-rank=1"} <= set(p.torchrun_args)
+    # torchrun runs ndparallel's worker, which runs the module (as `python -m` would) once it is tied to the launcher.
+    assert p.torchrun_args[-5:] == [WORKER, "-m", "pkg.train", "--lr", "1"]
+    assert {"--master-addr=head", "--master-port=29400", "--node-rank=1", "--rdzv-conf=timeout=300"} <= \
+        set(p.torchrun_args)
+    assert p.rendezvous is not None and (p.rendezvous.nnodes, p.rendezvous.node_rank) == (2, 1)
 
 
 def test_config_file_handlers_are_warned_about(tmp_path):

@@ -12,12 +12,9 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ndparallel.config import (
-    FullyShardedDataParallelPlugin,
-    ParallelismConfig,
-    TorchContextParallelConfig,
-    TorchTensorParallelConfig,
-)
+from ndparallel.config import CP_STRATEGIES, ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from ndparallel.parallel.sequence import CP_ATTENTION
+from ndparallel.plugins import FullyShardedDataParallelPlugin
 
 SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size")
 
@@ -180,10 +177,10 @@ def test_to_env_round_trip():
         (dict(), 1, 1, 1, set(), []),
         (dict(dp_shard_size=8), 8, 8, 1, {"dp_shard", "dp"}, ["dp_shard"]),
         (dict(dp_replicate_size=2, dp_shard_size=2, cp_size=2, tp_size=2), 16, 4, 4,
-         {"dp_replicate", "dp_shard", "dp", "cp", "tp"}, ["dp_replicate", "dp_shard", "cp", "tp"]),
+         {"dp_replicate", "dp_shard", "dp", "cp", "tp"}, ["dp_replicate", "dp_shard", "tp", "cp"]),
         (dict(dp_replicate_size=3, sp_size=2, tp_size=2), 12, 3, 4,
-         {"dp_replicate", "dp", "sp", "tp"}, ["dp_replicate", "sp", "tp"]),
-        (dict(tp_size=4, cp_size=2, sp_size=2), 16, 1, 16, {"tp", "cp", "sp"}, ["cp", "sp", "tp"]),
+         {"dp_replicate", "dp", "sp", "tp"}, ["dp_replicate", "tp", "sp"]),
+        (dict(tp_size=4, cp_size=2, sp_size=2), 16, 1, 16, {"tp", "cp", "sp"}, ["tp", "cp", "sp"]),
     ],
 )
 def test_accelerate_properties(kwargs, total, dp, non_dp, enabled, active):
@@ -194,7 +191,7 @@ def test_accelerate_properties(kwargs, total, dp, non_dp, enabled, active):
     flags = {name: getattr(pc, f"{name}_enabled") for name in ("dp_replicate", "dp_shard", "dp", "tp", "cp", "sp")}
     assert {name for name, on in flags.items() if on} == enabled
     assert all(isinstance(on, bool) for on in flags.values())
-    assert pc.active_mesh_dims == active  # mesh order, outermost first
+    assert pc.active_mesh_dims == active  # Accelerate's order: data-parallel dimensions, then tp, cp, sp
 
 
 def test_total_size_unknown_before_resolve():
@@ -257,7 +254,7 @@ def test_from_yaml_without_parallelism_section(tmp_path):
          r"unknown parallelism config key\(s\) \['pp_size'\]; valid keys: \[.*'tp_size'.*\]"),
         ({"tp": 2, "dp_shard": 2}, ValueError, r"unknown parallelism config key\(s\) \['dp_shard', 'tp'\]"),
         ([("tp_size", 2)], TypeError, r"a parallelism config must be a mapping, got list"),
-        ({"cp_handler": {"cp_comm_strategy": "alltoall"}}, ValueError, r"cp_comm_strategy must be one of"),
+        ({"cp_handler": {"cp_comm_strategy": "all_to_all"}}, ValueError, r"Invalid cp_comm_strategy: all_to_all"),
         ({"tp_size": "2"}, TypeError, r"tp_size must be an int"),
     ],
 )
@@ -307,15 +304,24 @@ def test_tp_handler():
         TorchTensorParallelConfig(plan=["colwise"])
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+@pytest.mark.parametrize("strategy", CP_STRATEGIES)
 def test_cp_handler_valid(strategy):
     assert TorchContextParallelConfig(cp_comm_strategy=strategy).cp_comm_strategy == strategy
+    # every accepted name has an attention to run (a name only the config knew would fail at the first forward)
+    assert strategy in CP_ATTENTION
 
 
-@pytest.mark.parametrize("strategy", ["alltoall", "Ring", "", None])
+@pytest.mark.parametrize("strategy", ["all_to_all", "Ring", ""])
 def test_cp_handler_unknown_strategy(strategy):
-    with pytest.raises(ValueError, match=rf"cp_comm_strategy must be one of \['allgather', 'ring'\], got {re.escape(repr(strategy))}"):
+    with pytest.raises(ValueError, match=rf"Invalid cp_comm_strategy: {re.escape(strategy)}\. Must be one of "
+                                         r"\['allgather', 'ring', 'alltoall'\]"):
         TorchContextParallelConfig(cp_comm_strategy=strategy)
+
+
+def test_cp_handler_default_and_accelerate_names():
+    assert TorchContextParallelConfig().cp_comm_strategy == "allgather"
+    assert TorchContextParallelConfig(cp_comm_strategy=None).cp_comm_strategy == "allgather"
+    assert TorchContextParallelConfig(cp_comm_strategy="alltoall").cp_comm_strategy == "alltoall"  # ring
 
 
 # ---- FullyShardedDataParallelPlugin -------------------------------------------------------------------
@@ -354,16 +360,18 @@ def test_fsdp_valid(kwargs, field, expected):
     "kwargs, error, match",
     [
         (dict(fsdp_version=1), ValueError, r"fsdp_version=1 is not supported: ndparallel uses FSDP2 .*set fsdp_version=2"),
-        (dict(fsdp_version="2"), ValueError, r"fsdp_version='2' is not supported"),
-        (dict(auto_wrap_policy="size_based_wrap"), ValueError,
-         r"auto_wrap_policy='size_based_wrap' is not supported; use one of \['transformer_based_wrap', 'no_wrap'\]"),
+        (dict(fsdp_version="1"), ValueError, r"fsdp_version=1 is not supported"),
+        (dict(auto_wrap_policy="size"), ValueError,
+         r"auto_wrap_policy='size' is not supported; use one of \['transformer_based_wrap', 'size_based_wrap', "
+         r"'no_wrap'\] or a callable"),
         (dict(auto_wrap_policy="transformer"), ValueError, r"auto_wrap_policy='transformer' is not supported"),
         (dict(state_dict_type="LOCAL_STATE_DICT"), ValueError,
          r"state_dict_type='LOCAL_STATE_DICT' is not one of \['SHARDED_STATE_DICT', 'FULL_STATE_DICT'\]"),
         (dict(state_dict_type="sharded"), ValueError, r"state_dict_type='SHARDED' is not one of"),
         (dict(ignored_modules="lm_head("), ValueError, r"ignored_modules='lm_head\(' is not a valid regex: "),
         (dict(ignored_modules="[a-"), ValueError, r"ignored_modules='\[a-' is not a valid regex"),
-        (dict(reshard_after_forward="yes"), TypeError, r"reshard_after_forward must be a bool, got 'yes'"),
+        (dict(reshard_after_forward="maybe"), TypeError, r"reshard_after_forward must be a bool \(or 'true' / "
+                                                        r"'false'\), got 'maybe'"),
     ],
 )
 def test_fsdp_errors(kwargs, error, match):
@@ -384,6 +392,7 @@ def test_fsdp_errors(kwargs, error, match):
          MixedPrecisionPolicy(param_dtype=torch.float16, output_dtype=torch.float32, cast_forward_inputs=False)),
         ({}, MixedPrecisionPolicy()),
         (MixedPrecisionPolicy(param_dtype=torch.bfloat16), MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+        (torch.bfloat16, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
     ],
 )
 def test_mixed_precision_policy_valid(policy, expected):
@@ -402,7 +411,6 @@ def test_mixed_precision_policy_valid(policy, expected):
         (16, TypeError,
          r"mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields, a dtype name or None; got int"),
         (["bf16"], TypeError, r"mixed_precision_policy must be .*; got list"),
-        (torch.bfloat16, TypeError, r"mixed_precision_policy must be .*; got dtype"),
     ],
 )
 def test_mixed_precision_policy_errors(policy, error, match):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness import run_ranks
 from ndparallel.loss import IGNORE_INDEX, BatchInfo, GradientState, count_loss_tokens, loss_factor, loss_labels
 from ndparallel.parallel.sequence import SequenceSharding
 from test_parity import max_param_diff, reference, run_layout
@@ -129,3 +130,122 @@ def test_reduce_loss_is_the_single_process_loss(name, world, flags):
         assert len(res["eval_losses"]) == 6 * 2 * 2 and res["eval_losses"] == results[0]["eval_losses"]
         assert all(math.isfinite(x) for x in res["eval_losses"])
     assert max_param_diff(results[0]["params"], ref["params"]) <= 1e-12
+
+
+# ---- losses that are not a mean over LM tokens keep Accelerate's meaning ----------------------------------------------
+TASKS = ("sequence_classification", "token_classification", "regression", "plain_module")
+
+
+def _task_model(task: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=0, attn_implementation="sdpa")
+    if task == "sequence_classification":
+        return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(num_labels=3, **config))
+    if task == "token_classification":
+        return transformers.LlamaForTokenClassification(transformers.LlamaConfig(num_labels=5, classifier_dropout=0.0,
+                                                                                 **config))
+    if task == "regression":
+        return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(num_labels=1, **config))
+    return _PlainRegressor()
+
+
+class _PlainRegressor(torch.nn.Module):
+    """A module that computes its own (mean squared error) loss from a `labels` of shape [batch]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:
+        return {"loss": F.mse_loss(self.net(inputs).squeeze(-1), labels)}
+
+
+def _task_data(task: str, n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    if task == "plain_module":
+        return [{"inputs": torch.randn(6, generator=g), "labels": torch.randn((), generator=g)} for _ in range(n)]
+    ids = torch.randint(1, 96, (n, 8), generator=g)
+    if task == "sequence_classification":
+        labels = torch.randint(0, 3, (n,), generator=g)
+    elif task == "token_classification":
+        labels = torch.randint(0, 5, (n, 8), generator=g)
+    else:
+        labels = torch.randn(n, generator=g)
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+
+
+def _train_task(task: str, world_flags: dict, accum: int, micro: int, steps: int, weighting: str = "auto") -> dict:
+    from ndparallel import Accelerator, ParallelismConfig
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(**world_flags), gradient_accumulation_steps=accum,
+                      loss_weighting=weighting)
+    model = _task_model(task)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = _task_data(task, steps * micro * accum * acc.data_parallel_size)
+    loader = torch.utils.data.DataLoader(data, batch_size=micro)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    logged = []
+    for batch in loader:
+        with acc.accumulate(model):
+            loss = model(**batch)["loss"]
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step_loss = acc.reduce_loss(loss)
+        if acc.sync_gradients:
+            logged.append(float(step_loss))
+    params = {n: p.detach().clone() for n, p in acc.get_state_dict(model).items()}
+    acc.end_training()
+    return {"params": params, "losses": logged, "token_weighted": acc.gradient_state.token_weighted}
+
+
+def _task_reference(task: str, global_batch: int, steps: int) -> dict:
+    model = _task_model(task)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for batch in torch.utils.data.DataLoader(_task_data(task, steps * global_batch), batch_size=global_batch):
+        loss = model(**batch)["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"params": {n: p.detach().clone() for n, p in model.state_dict().items()}, "losses": losses}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_non_lm_losses_match_the_single_process_gradient(task):
+    """2 ranks (DDP) x 2 accumulation steps x micro-batch 1 against one process on batches of 4: each loss is a mean
+    over samples (or over all of a sequence's tokens), so the mean of the ranks' and micro-steps' losses is exact."""
+    ref = _task_reference(task, global_batch=4, steps=3)
+    results = run_ranks(_train_task, 2, task, {"dp_replicate_size": 2}, 2, 1, 3)
+    assert results[0]["token_weighted"] is False
+    diff = max((results[0]["params"][n] - ref["params"][n]).abs().max().item() for n in ref["params"])
+    assert diff <= 1e-6, f"{task}: parameters differ from one process by {diff:.2e}"
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], ref["losses"])) <= 1e-6
+
+
+def test_token_weighting_of_a_classification_loss_would_train_wrong():
+    """Guards the test above: forcing LM token weighting on sequence classification at micro-batch 1 counts no
+    tokens (labels[..., 1:] of a [1] tensor is empty), so the gradient is zero and nothing trains."""
+    ref = _task_reference("sequence_classification", global_batch=4, steps=3)
+    forced = run_ranks(_train_task, 2, "sequence_classification", {"dp_replicate_size": 2}, 2, 1, 3, "tokens")
+    start = _task_model("sequence_classification").state_dict()
+    assert max((forced[0]["params"][n] - start[n]).abs().max().item() for n in start) == 0.0
+    assert max((ref["params"][n] - start[n]).abs().max().item() for n in start) > 1e-3
+
+
+def test_causal_lms_are_recognised_under_the_class_fsdp2_gives_them():
+    """GPT-2 has no ``loss_type``: it is recognised by its class name, which FSDP2 replaces by a subclass's
+    (FSDPGPT2LMHeadModel); the check goes through the class's bases, so token weighting stays on under FSDP2."""
+    from tiny_models import build_model
+
+    from ndparallel.loss import is_causal_lm
+
+    model = build_model("gpt2")
+    assert getattr(model, "loss_type", None) is None and is_causal_lm(model)
+    model.__class__ = type(f"FSDP{type(model).__name__}", (type(model),), {})  # what fully_shard does
+    assert is_causal_lm(model)
+    assert not is_causal_lm(torch.nn.Linear(2, 2))

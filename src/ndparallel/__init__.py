@@ -1,28 +1,43 @@
 """ndparallel: N-dimensional parallel training of PyTorch models with Hugging Face Accelerate's API.
 
     from ndparallel import Accelerator, ParallelismConfig, FullyShardedDataParallelPlugin
+
+Accelerate's module paths work too: `ndparallel.accelerator`, `ndparallel.parallelism_config`, `ndparallel.state`,
+`ndparallel.utils`.
 """
 
 from ._version import __version__
-from .accelerator import Accelerator, DistributedType
+from .accelerator import Accelerator
 from .checkpoint import CheckpointError, ProjectConfiguration, init_empty_weights
-from .config import (
-    FullyShardedDataParallelPlugin,
-    ParallelismConfig,
-    TorchContextParallelConfig,
-    TorchTensorParallelConfig,
-)
+from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from .helpers import set_seed
 from .mesh import ParallelMesh
 from .parallel.sequence import context_parallel_attention
-from .utils import set_seed
+from .plugins import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
+from .state import DistributedType, PartialState
 
 __all__ = [
     "Accelerator",
+    "AutocastKwargs",
     "CheckpointError",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
     "DistributedType",
     "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
     "ParallelMesh",
     "ParallelismConfig",
+    "PartialState",
     "ProjectConfiguration",
     "TorchContextParallelConfig",
     "TorchTensorParallelConfig",

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from ndparallel import accelerate_launch
 from ndparallel.config import ENV_PREFIX, MIXED_PRECISION, SIZE_FIELDS, ParallelismConfig
 
 DEFAULT_CONFIG_FILE = "ndparallel_config.yaml"
@@ -35,17 +36,26 @@ def _error(command: str, message: Any) -> int:
 
 
 # ---- arguments ------------------------------------------------------------------------------------------
-def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """Sizes and launch settings shared by ``launch`` and ``config``; None means 'not given'."""
+def _spellings(*names: str) -> list[str]:
+    """``--a-b`` and ``--a_b`` for each name: every flag is accepted both ways, as ``accelerate launch`` does."""
+    return [f"--{spelling}" for name in names for spelling in dict.fromkeys((name.replace("_", "-"),
+                                                                               name.replace("-", "_")))]
+
+
+def _add_settings_arguments(parser: argparse.ArgumentParser, accelerate_names: bool = False) -> None:
+    """Sizes and launch settings shared by ``launch`` and ``config``; None means 'not given'. With
+    `accelerate_names`, also ``accelerate launch``'s names for the same settings."""
     sizes = parser.add_argument_group("parallelism sizes (-1: the ranks that are left; unset: 1)")
     for name in SIZE_FIELDS:
-        sizes.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None, metavar="N")
-    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+        extra = (f"parallelism_config_{name}",) if accelerate_names else ()
+        sizes.add_argument(*_spellings(name, *extra), dest=name, type=int, default=None, metavar="N")
+    parser.add_argument(*_spellings("nproc-per-node"), type=int, default=None, metavar="N",
                         help="processes per node (default: the product of the sizes, or 1)")
-    parser.add_argument("--nnodes", type=int, default=None, metavar="N", help="number of nodes (default 1)")
-    parser.add_argument("--mixed-precision", choices=MIXED_PRECISION, default=None,
+    parser.add_argument(*_spellings("nnodes", *(("num_machines",) if accelerate_names else ())), dest="nnodes",
+                        type=int, default=None, metavar="N", help="number of nodes (default 1)")
+    parser.add_argument(*_spellings("mixed-precision"), choices=MIXED_PRECISION, default=None,
                         help="sets NDPARALLEL_MIXED_PRECISION for the script")
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=None, metavar="N",
+    parser.add_argument(*_spellings("gradient-accumulation-steps"), type=int, default=None, metavar="N",
                         help="sets NDPARALLEL_GRADIENT_ACCUMULATION_STEPS for the script")
     parser.add_argument("--cpu", action="store_true", default=None,
                         help="run on the CPU with gloo (the default when CUDA is not available)")
@@ -58,19 +68,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="start a training script on N processes (wraps torchrun)",
                             description="Check the parallelism sizes, then start SCRIPT on every rank with "
-                                        "torchrun. Precedence: flag > --config-file > default.")
-    launch.add_argument("--config-file", default=None, metavar="PATH", help="YAML written by `ndparallel config`")
-    _add_settings_arguments(launch)
-    launch.add_argument("--node-rank", type=int, default=0, metavar="K", help="this node's rank (default 0)")
-    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                                        "torchrun. Precedence: flag > --config-file > default. accelerate launch's "
+                                        "flags and config files are accepted too (ndparallel.accelerate_launch).")
+    launch.add_argument(*_spellings("config-file"), dest="config_file", default=None, metavar="PATH",
+                        help="YAML written by `ndparallel config` or by `accelerate config`")
+    _add_settings_arguments(launch, accelerate_names=True)
+    launch.add_argument(*_spellings("node-rank", "machine_rank"), dest="node_rank", type=int, default=None,
+                        metavar="K", help="this node's rank (default 0)")
+    launch.add_argument(*_spellings("rdzv-endpoint"), default=None, metavar="HOST:PORT",
                         help="rendezvous address; default: a free local port (one node only)")
-    launch.add_argument("--rdzv-backend", choices=("static", "c10d"), default="static",
+    launch.add_argument(*_spellings("rdzv-backend"), choices=("static", "c10d"), default=None,
                         help="with --rdzv-endpoint: static (uses --node-rank) or c10d (default static)")
-    launch.add_argument("--rdzv-id", default="ndparallel", help="job id for the c10d rendezvous")
-    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    launch.add_argument(*_spellings("rdzv-id"), default="ndparallel", help="job id for the c10d rendezvous")
+    launch.add_argument(*_spellings("rdzv-timeout"), type=float, default=300.0, metavar="SECONDS",
+                        help="with --nnodes > 1: how long the nodes may take to meet at --rdzv-endpoint before the "
+                             "launch ends with a message naming the missing or duplicate node ranks (default 300)")
+    launch.add_argument(*_spellings("stall-timeout"), type=float, default=None, metavar="SECONDS",
+                        help="report and stop a rank that makes no library call for this long (rank, host, last "
+                             "call); the job then exits non-zero, or restarts under --max-restarts (default: off)")
+    launch.add_argument(*_spellings("max-restarts"), type=int, default=0, metavar="N",
                         help="restart all ranks up to N times when one fails (default 0); a script that calls "
                              "load_state() on start resumes from its newest checkpoint (examples/resume.py)")
     launch.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    accelerate_launch.add_flags(launch)
     launch.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments of the script")
 
@@ -79,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "each value; otherwise write the flags given and defaults.")
     config.add_argument("--config-file", default=DEFAULT_CONFIG_FILE, metavar="PATH",
                         help=f"file to write (default ./{DEFAULT_CONFIG_FILE})")
+    config.add_argument("--format", choices=("ndparallel", "accelerate"), default="ndparallel",
+                        help="ndparallel's sections (default), or an `accelerate config` file (both are read by "
+                             "`ndparallel launch --config-file`)")
     _add_settings_arguments(config)
 
     env = sub.add_parser("env", help="print versions, devices and backends (for bug reports)")
@@ -199,12 +222,16 @@ def cmd_config(args: argparse.Namespace) -> int:
             "gradient_accumulation_steps": _given(args.gradient_accumulation_steps, 1),
             "cpu": bool(args.cpu),
         }, "ndparallel config")
+        if args.format == "accelerate":
+            data = accelerate_launch.to_file(pc if sizes else None, launch)
+        else:
+            parallelism = {name: value for name, value in pc.to_dict().items() if name in SIZE_FIELDS} if sizes else {}
+            data = {"parallelism": parallelism, "launch": launch}
     except (ValueError, TypeError) as exc:
         return _error("config", exc)
-    parallelism = {name: value for name, value in pc.to_dict().items() if name in SIZE_FIELDS} if sizes else {}
     path = Path(args.config_file)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({"parallelism": parallelism, "launch": launch}, sort_keys=False))
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     print(f"wrote {path}")
     return 0
 

@@ -14,18 +14,20 @@ world size, with errors that show every factor.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
-import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
-# Mesh axes, outermost first. TP is innermost: it needs the fastest links.
-AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+from .mesh import AXES, ParallelMesh
+
 SIZE_FIELDS: tuple[str, ...] = tuple(f"{axis}_size" for axis in AXES)
 ENV_PREFIX = "NDPARALLEL_"
 # Settings `ndparallel launch` passes to the Accelerator of every rank (used when the script leaves them unset).
@@ -75,41 +77,56 @@ class TorchTensorParallelConfig:
     loss_parallel: keep the LM head's logits split over the vocabulary and compute the cross-entropy on the
         shards (torch's ``loss_parallel``): no rank ever holds the full (batch, seq, vocab) logits. The model's
         ``logits`` output is then a DTensor sharded on its last dimension.
+    enable_async_tp: Accelerate's field; accepted and ignored with a warning (no asynchronous TP here).
     """
 
     plan: dict[str, str] | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    enable_async_tp: bool = False
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, dict):
             raise TypeError(f"TorchTensorParallelConfig.plan must be a dict of pattern -> style, got {type(self.plan).__name__}")
+        if self.enable_async_tp:
+            warnings.warn("TorchTensorParallelConfig(enable_async_tp=True): asynchronous tensor parallelism is not "
+                          "supported; ignoring it", stacklevel=3)
 
 
-CP_STRATEGIES = ("allgather", "ring")
+# Context-parallel strategies; Accelerate's "alltoall" (torch's rotation of K/V blocks between the cp ranks) is
+# ndparallel's ring.
+CP_STRATEGIES = ("allgather", "ring", "alltoall")
 
 
 @dataclass
 class TorchContextParallelConfig:
     """How context parallelism (cp_size > 1) shards sequences and computes attention over them.
 
-    cp_comm_strategy: "allgather" (all-gather K/V over cp; their gradients are reduce-scattered back) or "ring"
-        (pass K/V blocks around the ring with point-to-point sends, merge partial results by log-sum-exp; memory
-        stays 1/cp of the sequence). Both are exact; see `ndparallel.parallel.sequence`.
+    cp_comm_strategy: "allgather" (default: all-gather K/V over cp; their gradients are reduce-scattered back) or
+        "ring" (pass K/V blocks around the ring with point-to-point sends, merge partial results by log-sum-exp;
+        memory stays 1/cp of the sequence; Accelerate's name for it is "alltoall"). Both are exact; see
+        `ndparallel.parallel.sequence`.
     load_balance: rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks, so causal attention costs every rank
         the same (sequence length must be a multiple of 2*cp); False: rank r holds chunk r of cp (a multiple of cp).
     """
 
-    cp_comm_strategy: str = "allgather"
+    cp_comm_strategy: str | None = None
     load_balance: bool = True
 
     def __post_init__(self) -> None:
+        if self.cp_comm_strategy is None:
+            self.cp_comm_strategy = "allgather"
         if self.cp_comm_strategy not in CP_STRATEGIES:
-            raise ValueError(
-                f"cp_comm_strategy must be one of {list(CP_STRATEGIES)}, got {self.cp_comm_strategy!r}"
-            )
+            raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy}. Must be one of {list(CP_STRATEGIES)}")
         if not isinstance(self.load_balance, bool):
             raise TypeError(f"load_balance must be a bool, got {self.load_balance!r}")
+
+
+CP_BACKENDS = ("torch",)  # Accelerate's name for torch-native context parallelism: here, ndparallel's own
+SP_BACKENDS = ("ndparallel", "deepspeed")  # "deepspeed": Accelerate's default, refused when sp_size > 1
+# Accelerate's environment variables (`accelerate launch` exports them), read by `ParallelismConfig.from_env`
+# after ndparallel's own NDPARALLEL_<FIELD>.
+ACCELERATE_ENV_PREFIX = "PARALLELISM_CONFIG_"
 
 
 @dataclass
@@ -122,20 +139,30 @@ class ParallelismConfig:
     - dp_shard_size: ranks across which FSDP2 shards parameters and which see different samples.
     - cp_size / sp_size: context parallel (ring / all-gather attention) and Ulysses sequence parallel.
     - tp_size: tensor parallel.
+    - cp_backend: "torch" (Accelerate's only value; context parallelism is ndparallel's own either way).
+    - sp_backend: "ndparallel" (default: Ulysses built in) or Accelerate's "deepspeed", refused when sp_size > 1;
+      sp_handler (Accelerate's DeepSpeed settings) likewise.
+    - tp_handler / cp_handler: `TorchTensorParallelConfig` / `TorchContextParallelConfig`.
     """
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
     tp_size: int | None = None
     cp_size: int | None = None
+    cp_backend: str | None = None
     sp_size: int | None = None
+    sp_backend: str | None = None
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
-    # Size fields left unset (None): 1, or what `from_env` reads for them.
+    sp_handler: Any = None
+    # Fields left unset (None): sizes 1 and default handlers, or what `from_env` reads for them.
     unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
+    device_mesh = None  # Accelerate's: the world DeviceMesh, once built (`get_device_mesh`, or by the Accelerator)
+
     def __post_init__(self) -> None:
-        self.unset = frozenset(name for name in SIZE_FIELDS if getattr(self, name) is None)
+        self.unset = frozenset(name for name in (*SIZE_FIELDS, "cp_backend", "sp_backend", "cp_handler")
+                               if getattr(self, name) is None)
         for name in SIZE_FIELDS:
             value = getattr(self, name)
             setattr(self, name, _check_size(name, 1 if value is None else value))
@@ -152,24 +179,48 @@ class ParallelismConfig:
             self.tp_handler = TorchTensorParallelConfig()
         if self.cp_handler is None:
             self.cp_handler = TorchContextParallelConfig()
+        self.cp_backend = self.cp_backend or "torch"
+        if self.cp_backend not in CP_BACKENDS:
+            raise ValueError(f"cp_backend must be one of {list(CP_BACKENDS)}, got {self.cp_backend!r}")
+        self.sp_backend = self.sp_backend or "ndparallel"
+        if self.sp_backend not in SP_BACKENDS:
+            raise ValueError(f"sp_backend must be one of {list(SP_BACKENDS)}, got {self.sp_backend!r}")
+        if self.sp_size != 1 and (self.sp_backend == "deepspeed" or self.sp_handler is not None):
+            raise ValueError(
+                f"sp_size={self.sp_size} with sp_backend={self.sp_backend!r}"
+                f"{' and an sp_handler' if self.sp_handler is not None else ''}: ndparallel runs Ulysses sequence "
+                "parallelism itself, without DeepSpeed; drop sp_backend and sp_handler (it composes with FSDP2, TP "
+                "and CP)"
+            )
 
     @classmethod
     def from_env(cls, config: ParallelismConfig | None = None,
                  environ: Mapping[str, str] | None = None) -> ParallelismConfig:
-        """`config` (default: all sizes unset) with each size it left unset read from ``NDPARALLEL_<FIELD>``
-        (`size_env_var`), which ``ndparallel launch`` sets; 1 where that is unset or empty too."""
+        """`config` (default: all unset) with each size it left unset read from ``NDPARALLEL_<FIELD>``
+        (`size_env_var`, which ``ndparallel launch`` sets), else from Accelerate's ``PARALLELISM_CONFIG_<FIELD>``
+        (which ``accelerate launch`` sets); 1 where neither is set. ``PARALLELISM_CONFIG_CP_BACKEND`` /
+        ``_SP_BACKEND`` / ``_CP_COMM_STRATEGY`` fill the backends and the context-parallel strategy likewise."""
         config = cls() if config is None else config
         environ = os.environ if environ is None else environ
-        sizes = {}
-        for name in config.unset:
-            raw = environ.get(size_env_var(name), "")
-            if raw == "":
-                continue
-            try:
-                sizes[name] = int(raw)
-            except ValueError:
-                raise ValueError(f"environment variable {size_env_var(name)}={raw!r} is not an integer") from None
-        return dataclasses.replace(config, **{**{n: getattr(config, n) for n in SIZE_FIELDS}, **sizes})
+        values: dict[str, Any] = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+        for name in sorted(config.unset & set(SIZE_FIELDS)):
+            for var in (size_env_var(name), ACCELERATE_ENV_PREFIX + name.upper()):
+                raw = environ.get(var, "")
+                if raw != "":
+                    try:
+                        values[name] = int(raw)
+                    except ValueError:
+                        raise ValueError(f"environment variable {var}={raw!r} is not an integer") from None
+                    break
+        for name in ("cp_backend", "sp_backend"):
+            if name in config.unset and environ.get(ACCELERATE_ENV_PREFIX + name.upper()):
+                values[name] = environ[ACCELERATE_ENV_PREFIX + name.upper()]
+        strategy = environ.get(ACCELERATE_ENV_PREFIX + "CP_COMM_STRATEGY")
+        if "cp_handler" in config.unset and strategy:
+            values["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=strategy)
+        if values["sp_size"] == 1 and "sp_backend" in config.unset:
+            values["sp_backend"] = None  # Accelerate exports its default "deepspeed" even without sp
+        return cls(**values)
 
     # ---- sizes --------------------------------------------------------------------------------------
     def sizes(self) -> dict[str, int]:
@@ -217,19 +268,71 @@ class ParallelismConfig:
     def non_data_parallel_size(self) -> int:
         return self.cp_size * self.sp_size * self.tp_size
 
-    dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
-    dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
-    tp_enabled = property(lambda self: self.tp_size > 1)
-    cp_enabled = property(lambda self: self.cp_size > 1)
-    sp_enabled = property(lambda self: self.sp_size > 1)
+    dp_replicate_enabled = property(lambda self: self.dp_replicate_size != 1)
+    dp_shard_enabled = property(lambda self: self.dp_shard_size != 1)
+    tp_enabled = property(lambda self: self.tp_size != 1)
+    cp_enabled = property(lambda self: self.cp_size != 1)
+    sp_enabled = property(lambda self: self.sp_size != 1)
 
     @property
     def dp_enabled(self) -> bool:
         return self.dp_replicate_enabled or self.dp_shard_enabled
 
+    # ---- Accelerate's dimension names (enabled dimensions only) ----------------------------------------------
+    def _enabled(self, *axes: str) -> list[str]:
+        return [axis for axis in axes if getattr(self, f"{axis}_size") != 1]
+
+    @property
+    def dp_dim_names(self) -> list[str]:
+        """Enabled dimensions across which data parallelism is applied (different samples)."""
+        return self._enabled("dp_replicate", "dp_shard")
+
+    @property
+    def non_dp_dim_names(self) -> list[str]:
+        """Enabled dimensions whose ranks receive the same samples."""
+        return self._enabled("tp", "cp", "sp")
+
+    @property
+    def dp_shard_cp_dim_names(self) -> list[str]:
+        """Enabled dimensions of Accelerate's ``dp_shard_cp`` view."""
+        return self._enabled("dp_shard", "cp")
+
+    @property
+    def dp_cp_dim_names(self) -> list[str]:
+        """Enabled dimensions of Accelerate's ``dp_cp`` view."""
+        return self._enabled("dp_replicate", "dp_shard", "cp")
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        """Accelerate's dimensions of the FSDP mesh: ``dp_replicate`` (when enabled), then ``dp_shard_cp``. (ndparallel
+        shards over dp_shard x cp x sp: the mesh's ``fsdp`` view.)"""
+        return self._enabled("dp_replicate") + ["dp_shard_cp"]
+
     @property
     def active_mesh_dims(self) -> list[str]:
-        return [axis for axis, size in self.sizes().items() if size != 1]
+        """Names of all enabled dimensions (Accelerate's order: data-parallel ones, then tp, cp, sp)."""
+        return self.dp_dim_names + self.non_dp_dim_names
+
+    def _get_mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(names, sizes) of the enabled dimensions in mesh order, as ``init_device_mesh`` takes them."""
+        enabled = [axis for axis in AXES if getattr(self, f"{axis}_size") != 1]
+        return tuple(enabled), tuple(getattr(self, f"{axis}_size") for axis in enabled)
+
+    def build_device_mesh(self, device_type: str) -> DeviceMesh:
+        """The world `DeviceMesh` of these sizes (the initialised process group's), with every view of more than one
+        rank reachable by name (Accelerate's ``dp``, ``dp_shard_cp``, ``dp_cp`` and ndparallel's ``batch``,
+        ``fsdp``, ``loss``); see `ndparallel.mesh.ParallelMesh`."""
+        return ParallelMesh(self, device_type).world
+
+    def get_device_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """The mesh built for this config (by the Accelerator, or by `build_device_mesh` on first call)."""
+        if self.device_mesh is None:
+            if device_type is None:
+                raise ValueError("get_device_mesh() needs a device_type (e.g. 'cuda' or 'cpu') to build the mesh")
+            self.device_mesh = self.build_device_mesh(device_type)
+        elif device_type is not None and self.device_mesh.device_type != device_type:
+            raise ValueError(f"the device mesh was built for {self.device_mesh.device_type!r}, not {device_type!r}")
+        return self.device_mesh
 
     # ---- serialisation ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -238,11 +341,14 @@ class ParallelismConfig:
         out["cp_handler"] = dataclasses.asdict(self.cp_handler)
         return out
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelismConfig:
         if not isinstance(data, dict):
             raise TypeError(f"a parallelism config must be a mapping, got {type(data).__name__}")
-        allowed = set(SIZE_FIELDS) | {"tp_handler", "cp_handler"}
+        allowed = set(SIZE_FIELDS) | {"tp_handler", "cp_handler", "cp_backend", "sp_backend"}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ValueError(f"unknown parallelism config key(s) {unknown}; valid keys: {sorted(allowed)}")
@@ -268,7 +374,7 @@ class ParallelismConfig:
         return cls.from_dict({} if section is None else section)  # an empty `parallelism:` means defaults
 
     def to_env(self) -> dict[str, str]:
-        """Environment variables that make ``ParallelismConfig()`` in a launched script equal this one."""
+        """Environment variables that make ``ParallelismConfig.from_env()`` in a launched script equal this one."""
         return {size_env_var(name): str(getattr(self, name)) for name in SIZE_FIELDS}
 
 
@@ -290,115 +396,8 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-# ---- FSDP plugin ----------------------------------------------------------------------------------------
-AUTO_WRAP_POLICIES = ("transformer_based_wrap", "no_wrap")
-STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
-
-
-@dataclass
-class FullyShardedDataParallelPlugin:
-    """Settings of FSDP2 (`torch.distributed.fsdp.fully_shard`), with Accelerate's field names.
-
-    - auto_wrap_policy: "transformer_based_wrap" shards each transformer block separately (then the root);
-      "no_wrap" shards only the root module.
-    - transformer_cls_names_to_wrap: block class names; default: the model's ``_no_split_modules``.
-    - reshard_after_forward: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2).
-    - mixed_precision_policy: a ``MixedPrecisionPolicy``, a dict of its fields (dtypes may be "bf16"...),
-      or None to derive it from the Accelerator's ``mixed_precision``.
-    - cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
-    - activation_checkpointing: recompute each wrapped block's activations in backward.
-    - ignored_modules: modules (or a regex over module names) whose parameters FSDP leaves alone.
-    - state_dict_type: how `save_state` writes models and optimizers: "SHARDED_STATE_DICT" (each rank its shards,
-      with torch.distributed.checkpoint) or "FULL_STATE_DICT" (rank 0 gathers and writes one file each).
-    - cpu_ram_efficient_loading: accept models whose parameters are on the meta device in ``prepare`` and load
-      their weights after sharding -- broadcast from rank 0, or each rank reading its own slices of the
-      safetensors files (see `ndparallel.checkpoint.pretrained`).
-    """
-
-    fsdp_version: int = 2
-    auto_wrap_policy: str = "transformer_based_wrap"
-    transformer_cls_names_to_wrap: list[str] | str | None = None
-    reshard_after_forward: bool = True
-    mixed_precision_policy: Any = None
-    cpu_offload: bool = False
-    activation_checkpointing: bool = False
-    ignored_modules: Any = None
-    state_dict_type: str = "SHARDED_STATE_DICT"
-    cpu_ram_efficient_loading: bool = False
-
-    def __post_init__(self) -> None:
-        if self.fsdp_version != 2:
-            raise ValueError(
-                f"fsdp_version={self.fsdp_version!r} is not supported: ndparallel uses FSDP2 (fully_shard) only; "
-                "set fsdp_version=2"
-            )
-        if isinstance(self.auto_wrap_policy, str):  # Accelerate spells them "TRANSFORMER_BASED_WRAP"
-            self.auto_wrap_policy = self.auto_wrap_policy.lower()
-        if self.auto_wrap_policy not in AUTO_WRAP_POLICIES:
-            raise ValueError(
-                f"auto_wrap_policy={self.auto_wrap_policy!r} is not supported; use one of {list(AUTO_WRAP_POLICIES)}"
-            )
-        if isinstance(self.transformer_cls_names_to_wrap, str):
-            self.transformer_cls_names_to_wrap = [
-                name.strip() for name in self.transformer_cls_names_to_wrap.split(",") if name.strip()
-            ]
-        if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
-        if not isinstance(self.cpu_ram_efficient_loading, bool):
-            raise TypeError(f"cpu_ram_efficient_loading must be a bool, got {self.cpu_ram_efficient_loading!r}")
-        if isinstance(self.state_dict_type, str):
-            self.state_dict_type = self.state_dict_type.upper()
-        if self.state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={self.state_dict_type!r} is not one of {list(STATE_DICT_TYPES)}")
-        if isinstance(self.ignored_modules, str):
-            try:
-                re.compile(self.ignored_modules)
-            except re.error as exc:
-                raise ValueError(f"ignored_modules={self.ignored_modules!r} is not a valid regex: {exc}") from None
-        elif self.ignored_modules is not None:
-            self.ignored_modules = self._module_list(self.ignored_modules)
-        self.mixed_precision_policy = self._parse_mp_policy(self.mixed_precision_policy)
-
-    @staticmethod
-    def _module_list(value: Any) -> list[torch.nn.Module]:
-        usage = "ignored_modules must be a regex over module names (a str) or an iterable of nn.Module objects"
-        if isinstance(value, torch.nn.Module):
-            return [value]
-        try:
-            modules = list(value)
-        except TypeError:
-            raise TypeError(f"{usage}, got {type(value).__name__} {value!r}") from None
-        bad = [m for m in modules if not isinstance(m, torch.nn.Module)]
-        if bad:
-            raise TypeError(f"{usage}; these are not modules: {bad!r} (to select by name, pass one regex string)")
-        return modules
-
-    @staticmethod
-    def _parse_mp_policy(policy: Any) -> Any:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        if policy is None or isinstance(policy, MixedPrecisionPolicy):
-            return policy
-        if isinstance(policy, str):
-            dtype = parse_dtype(policy, "mixed_precision_policy")
-            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if isinstance(policy, dict):
-            valid = {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
-            unknown = sorted(set(policy) - valid)
-            if unknown:
-                raise ValueError(f"mixed_precision_policy: unknown field(s) {unknown}; valid: {sorted(valid)}")
-            kwargs = {k: (parse_dtype(v, f"mixed_precision_policy.{k}") if k.endswith("dtype") else v)
-                      for k, v in policy.items()}
-            return MixedPrecisionPolicy(**kwargs)
-        raise TypeError(
-            "mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields, a dtype name or None; "
-            f"got {type(policy).__name__}"
-        )
-
-
 __all__ = [
     "AXES",
-    "FullyShardedDataParallelPlugin",
     "ParallelismConfig",
     "TorchContextParallelConfig",
     "TorchTensorParallelConfig",

@@ -9,7 +9,7 @@ micro-step consumes D consecutive original batches, and batch-rank d gets the d-
 ``BatchSampler`` that is the slice ``[d*B, (d+1)*B)`` of ``D*B`` consecutive samples, so step k sees exactly the
 samples a single process would see with ``batch_size=D*B``.
 
-The last uneven batch. When the samples left at the end fill fewer than D batches:
+The last uneven batch. When the samples left at the end fill fewer than D batches (or D batches, the last short):
 - ``drop_last=True``: they are dropped (on every rank, so every rank takes the same number of steps);
 - ``drop_last=False``: they are split evenly over the D ranks, each rank getting ceil(m / D) samples, the
   shortfall filled with samples from the start of the epoch. `Accelerator.gather_for_metrics` drops those
@@ -20,6 +20,13 @@ Shuffling. Every random sampler of torch (``RandomSampler`` from ``shuffle=True`
 0's: its sampler's or DataLoader's generator seed if either has one, its torch seed otherwise. All ranks draw the same
 order, and each pass (epoch 0, 1, 2... unless ``set_epoch`` says otherwise) reshuffles deterministically. A
 custom sampler must yield the same order on every rank itself.
+
+Options (Accelerate's `DataLoaderConfiguration`). ``split_batches=True``: the loader's batch is the global batch,
+and each rank takes its 1/D of it (the batch size must divide by D) -- the same samples as above with batches of B/D.
+``even_batches=False``: the samples left at the end are not topped up; a rank may get a short batch or none. Ranks
+then run different numbers of steps (DDP needs ``Accelerator.join_uneven_inputs``), so no window totals are agreed
+on: the loss keeps Accelerate's meaning (1 / micro-steps) for that loader. A DataLoader with ``batch_size=None``
+(its dataset yields whole batches) gives each rank every D-th item.
 
 Iterable datasets. Every rank iterates the whole dataset (it must yield the same order on every rank) and
 keeps its share of each run of D*B samples, with the same end-of-data rule as above. At most one worker
@@ -35,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .loss import BatchInfo, GradientState, count_loss_tokens
@@ -44,12 +51,14 @@ from .loss import BatchInfo, GradientState, count_loss_tokens
 class ShardedBatchSampler(Sampler[list[int]]):
     """This shard's batch of each group of `num_shards` consecutive batches of `batch_sampler`."""
 
-    def __init__(self, batch_sampler: Any, num_shards: int, shard_index: int, drop_last: bool, seed: int) -> None:
+    def __init__(self, batch_sampler: Any, num_shards: int, shard_index: int, drop_last: bool, seed: int,
+                 even_batches: bool = True) -> None:
         self.batch_sampler = batch_sampler
         self.num_shards = num_shards
         self.shard_index = shard_index
         self.drop_last = drop_last
         self.seed = seed
+        self.even_batches = even_batches
         self.last_padding = 0  # samples repeated in the final batch of the last pass
         # Where the next pass starts (set when resuming from a checkpoint, read once by `__iter__`): skip this many
         # batches of `batch_sampler`, or -- when resuming with another batch size -- this many of its sampler's
@@ -100,10 +109,15 @@ class ShardedBatchSampler(Sampler[list[int]]):
             if skipped:  # consumed before the checkpoint; still the start of the epoch for padding
                 continue
             group.append(batch)
-            if len(group) == self.num_shards:
+            # A group is whole when it has a batch for every shard, all as long as the first (only the very last
+            # batch of a pass can be short: that group is evened out below, as the leftovers are).
+            if len(group) == self.num_shards and (len(batch) == len(group[0]) or not self.even_batches):
                 yield group[self.shard_index]
                 group = []
-        if group and not self.drop_last:
+        if group and not self.drop_last and not self.even_batches:  # as they come: a short batch, or none
+            if self.shard_index < len(group):
+                yield group[self.shard_index]
+        elif group and not self.drop_last:
             rest = [i for b in group for i in b]
             per_shard = math.ceil(len(rest) / self.num_shards)
             needed = per_shard * self.num_shards - len(rest)
@@ -113,19 +127,37 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         n = len(self.batch_sampler)
-        return n // self.num_shards if self.drop_last else math.ceil(n / self.num_shards)
+        if self.drop_last:
+            return n // self.num_shards
+        if not self.even_batches:
+            return n // self.num_shards + (self.shard_index < n % self.num_shards)
+        return math.ceil(n / self.num_shards)
+
+
+class _Unbatched(Sampler[int]):
+    """The single index of each one-index batch of a sharded sampler (for DataLoaders with ``batch_size=None``)."""
+
+    def __init__(self, shard: ShardedBatchSampler) -> None:
+        self.shard = shard
+
+    def __iter__(self) -> Iterator[int]:
+        return (batch[0] for batch in self.shard)
+
+    def __len__(self) -> int:
+        return len(self.shard)
 
 
 class IterableDatasetShard(IterableDataset):
     """This shard's part of each run of ``num_shards * batch_size`` samples of an iterable dataset."""
 
     def __init__(self, dataset: IterableDataset, batch_size: int, num_shards: int, shard_index: int,
-                 drop_last: bool) -> None:
+                 drop_last: bool, even_batches: bool = True) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_shards = num_shards
         self.shard_index = shard_index
         self.drop_last = drop_last
+        self.even_batches = even_batches
         self.last_padding = 0
         self.resume_samples = 0  # samples of the pass consumed before a checkpoint (read once by `__iter__`)
 
@@ -159,7 +191,9 @@ class IterableDatasetShard(IterableDataset):
             if len(buffer) == run:
                 yield from buffer[lo:hi]
                 buffer = []
-        if buffer and not self.drop_last:
+        if buffer and not self.drop_last and not self.even_batches:  # as they come: a short batch, or none
+            yield from buffer[lo:hi]
+        elif buffer and not self.drop_last:
             per_shard = math.ceil(len(buffer) / self.num_shards)
             needed = per_shard * self.num_shards - len(buffer)
             buffer += [first[i % len(first)] for i in range(needed)]
@@ -192,12 +226,17 @@ class PreparedDataLoader:
     def __init__(self, loader: DataLoader, *, num_shards: int, shard_index: int, seed: int,
                  device: torch.device, put_on_device: bool, window: int, window_group: dist.ProcessGroup | None,
                  gradient_state: GradientState | None = None,
-                 local_count: Callable[[Any], int | None] | None = None) -> None:
+                 local_count: Callable[[Any], int | None] | None = None, split_batches: bool = False,
+                 even_batches: bool = True, non_blocking: bool = False) -> None:
         self.base_loader = loader
         self.device = device  # this rank's device: batches go there (if put_on_device), token counts always
         self.put_on_device = put_on_device
+        self.non_blocking = non_blocking
         self.window = window
-        self.window_group = window_group  # ranks with distinct samples (None: this rank alone)
+        self.even_batches = even_batches
+        # Ranks with distinct samples (None: this rank alone). With uneven batches ranks may run different numbers
+        # of steps, so nothing is agreed on per window (and token counts stay unknown: see the module docstring).
+        self.window_group = window_group if even_batches else None
         self.gradient_state = gradient_state  # told which batch is current, while this loader is iterated
         # Loss tokens this rank's model sees in a batch, when it sees only part of each sequence (context/sequence
         # parallelism: `SequenceSharding.count_loss_tokens`); None: the whole batch. Window totals always count whole
@@ -209,14 +248,21 @@ class PreparedDataLoader:
         # Progress through the current pass, for checkpoints: in samples when batches have a fixed size (then a
         # position means the same under any data-parallel size and batch size), else in original batches.
         self.position_unit = "samples" if loader.batch_size is not None else "batches"
-        self._step = num_shards * (loader.batch_size or 1)  # units one micro-step consumes, over all batch ranks
+        batch_size = loader.batch_size  # of this rank's batches
+        if split_batches and batch_size is not None:
+            if batch_size % num_shards:
+                raise ValueError(f"prepare(): split_batches=True needs a batch_size divisible by the {num_shards} "
+                                 f"ranks with distinct samples (the batch view); got batch_size={batch_size}")
+            batch_size //= num_shards
+        self._batch_size = batch_size  # of the sharded batch sampler: the loader's, or its 1/D with split_batches
+        self._step = num_shards * (batch_size or 1)  # units one micro-step consumes, over all batch ranks
         self._position = 0
         self._resume = 0  # where the next pass starts (load_state_dict)
         kwargs = {k: getattr(loader, k) for k in _LOADER_KWARGS}
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
         if isinstance(loader.dataset, IterableDataset):
-            if loader.batch_size is None:
+            if batch_size is None:
                 raise ValueError("prepare(): an iterable dataset's DataLoader needs a batch_size to shard batches")
             if loader.num_workers > 1:
                 raise ValueError(
@@ -228,25 +274,36 @@ class PreparedDataLoader:
                     "iterable dataset read by a worker process: gather_for_metrics cannot tell which samples of "
                     "the last batch were repeated to even it out; use drop_last=True or num_workers=0 for exact "
                     "metrics", stacklevel=3)
-            self._shard = IterableDatasetShard(loader.dataset, loader.batch_size, num_shards, shard_index,
-                                               loader.drop_last)
-            self.loader = DataLoader(self._shard, batch_size=loader.batch_size, drop_last=False, **kwargs)
+            self._shard = IterableDatasetShard(loader.dataset, batch_size, num_shards, shard_index,
+                                               loader.drop_last, even_batches)
+            self.loader = DataLoader(self._shard, batch_size=batch_size, drop_last=False, **kwargs)
+        elif loader.batch_size is None:  # the dataset yields whole batches: shard the items
+            self._check_sampler(loader.sampler)
+            single = BatchSampler(loader.sampler, 1, drop_last=False)
+            self._shard = ShardedBatchSampler(single, num_shards, shard_index, False, seed, even_batches)
+            self.loader = DataLoader(loader.dataset, sampler=_Unbatched(self._shard), batch_size=None, **kwargs)
         else:
-            batch_sampler = self._check_batch_sampler(loader.batch_sampler)
+            batch_sampler = loader.batch_sampler
+            self._check_sampler(getattr(batch_sampler, "sampler", None))
             drop_last = getattr(batch_sampler, "drop_last", False)
-            self._shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last, seed)
+            if batch_size != loader.batch_size:  # split_batches: batches of B/D, taken D at a time
+                batch_sampler = BatchSampler(batch_sampler.sampler, batch_size, drop_last)
+            self._shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last, seed, even_batches)
             self.loader = DataLoader(loader.dataset, batch_sampler=self._shard, **kwargs)
 
     @staticmethod
-    def _check_batch_sampler(batch_sampler: Any) -> Any:
-        if batch_sampler is None:
-            raise ValueError("prepare(): a DataLoader with batch_size=None cannot be sharded; give it a batch_size")
-        if isinstance(getattr(batch_sampler, "sampler", None), DistributedSampler):
+    def _check_sampler(sampler: Any) -> None:
+        if isinstance(sampler, DistributedSampler):
             raise ValueError(
                 "prepare(): this DataLoader already uses a DistributedSampler; pass a plain DataLoader -- "
                 "prepare() shards it along the mesh's `batch` view itself"
             )
-        return batch_sampler
+
+    def skip_batches(self, num_batches: int) -> None:
+        """Start the next pass `num_batches` of this rank's batches later (Accelerate's `skip_first_batches`)."""
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+            raise ValueError(f"skip_first_batches: num_batches must be an int >= 0, got {num_batches!r}")
+        self._resume += num_batches * self._step
 
     # ---- DataLoader-like surface -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -310,9 +367,9 @@ class PreparedDataLoader:
             while len(window) < self.window and (pending := next(iterator, _END)) is not _END:
                 window.append(pending)
             pending = next(iterator, _END) if len(window) == self.window else _END
-            counts = [count_loss_tokens(b) for b in window]
+            counts = [count_loss_tokens(b) if self.even_batches else None for b in window]
             total = self._window_total(counts)
-            if self.local_count is not None:
+            if self.local_count is not None and self.even_batches:
                 counts = [self.local_count(b) for b in window]
             for i, batch in enumerate(window):
                 last = i == len(window) - 1
@@ -322,7 +379,8 @@ class PreparedDataLoader:
                         local_tokens=counts[i], window_tokens=total, window_batches=len(window), ends_window=last,
                         end_of_dataloader=end, padding=self._shard.last_padding if end else 0))
                 self._position += self._step  # counted before the yield: the batch is the caller's now
-                yield move_to_device(batch, self.device, self.loader.pin_memory) if self.put_on_device else batch
+                yield (move_to_device(batch, self.device, self.non_blocking or self.loader.pin_memory)
+                       if self.put_on_device else batch)
         self.epoch += 1
         self._position = 0
 
@@ -346,7 +404,7 @@ class PreparedDataLoader:
         if None not in (length, state.get("dataset_length")) and length != state["dataset_length"]:
             warnings.warn(f"resuming a data loader over {length} samples from a checkpoint of one over "
                           f"{state['dataset_length']}: the position may not mean the same samples", stacklevel=2)
-        position, batch_size = int(state["position"]), self.base_loader.batch_size
+        position, batch_size = int(state["position"]), self._batch_size
         if (position and self.position_unit == "samples" and isinstance(self._shard, ShardedBatchSampler)
                 and position % batch_size and not hasattr(self._shard.batch_sampler, "sampler")):
             raise ValueError(
@@ -371,8 +429,8 @@ class PreparedDataLoader:
             self._shard.resume_samples = position
         elif self.position_unit == "batches":
             self._shard.resume_batches, self._shard.resume_samples = position, 0
-        elif position % self.base_loader.batch_size == 0:
-            self._shard.resume_batches, self._shard.resume_samples = position // self.base_loader.batch_size, 0
+        elif position % self._batch_size == 0:
+            self._shard.resume_batches, self._shard.resume_samples = position // self._batch_size, 0
         else:
             self._shard.resume_batches, self._shard.resume_samples = 0, position
 

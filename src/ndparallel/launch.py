@@ -1,4 +1,5 @@
-"""`ndparallel launch`: check the sizes against the world size, then start the ranks with torchrun.
+"""`ndparallel launch`: check the sizes against the world size, then start the ranks with torchrun -- ranks that die
+with their launcher, nodes that meet within a bounded time, ranks that stall reported.
 
 Settings come from, in order of precedence: command-line flags > the YAML file of ``--config-file`` >
 defaults. The YAML file has two sections (``ndparallel config`` writes it):
@@ -8,15 +9,34 @@ defaults. The YAML file has two sections (``ndparallel config`` writes it):
 
 The launched ranks receive their settings as environment variables (``ParallelismConfig()`` and the
 Accelerator read them): ``NDPARALLEL_<SIZE_FIELD>``, ``NDPARALLEL_MIXED_PRECISION``,
-``NDPARALLEL_GRADIENT_ACCUMULATION_STEPS``, ``NDPARALLEL_CPU``.
+``NDPARALLEL_GRADIENT_ACCUMULATION_STEPS``, ``NDPARALLEL_CPU``; and, for the machinery below,
+``NDPARALLEL_LAUNCHER_PID`` and (with ``--stall-timeout``) ``NDPARALLEL_HEARTBEAT_DIR``.
+
+Beyond torchrun:
+- every rank runs the script through `ndparallel.worker`, which kills it when this launcher dies, even by SIGKILL;
+- with ``--nnodes N > 1`` and the static backend, the nodes first meet in a roll call at ``--rdzv-endpoint`` (node 0
+  hosts it; torchrun's store then reuses the same server): a node rank claimed twice, a node 0 started on another host,
+  a port already taken, and nodes that do not arrive within ``--rdzv-timeout`` seconds end the launch with a message
+  naming the endpoint, the node count and the node ranks (`roll_call`);
+- with ``--stall-timeout S``, a rank whose library heartbeat (`ndparallel.runtime.heartbeat`) is older than S seconds
+  is reported -- rank, host, pid, last library call -- and killed, so the job ends non-zero, or restarts under
+  ``--max-restarts`` as after a crash (`StallWatch`).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import math
 import os
+import shutil
+import signal
+import socket
 import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +52,14 @@ from ndparallel.config import (
     load_yaml,
     size_env_var,
 )
-from ndparallel.runtime import CPU_ENV
+from ndparallel import accelerate_launch
+from ndparallel.accelerate_launch import Translated
+from ndparallel.runtime import CPU_ENV, HEARTBEAT_ENV
+from ndparallel.worker import LAUNCHER_PID_ENV, alive
 
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+WORKER = str(Path(__file__).resolve().parent / "worker.py")  # what torchrun runs; it runs the script
+DEFAULT_RDZV_TIMEOUT = 300.0
 LAUNCH_KEYS: tuple[str, ...] = ("nproc_per_node", "nnodes", "mixed_precision", "gradient_accumulation_steps", "cpu")
 FILE_SECTIONS: tuple[str, ...] = ("parallelism", "launch")
 
@@ -67,10 +92,14 @@ def check_launch_settings(data: Any, source: str) -> dict[str, Any]:
     return out
 
 
-def read_config_file(path: str | os.PathLike) -> tuple[dict[str, int], dict[str, Any], list[str]]:
-    """Read a config file: (sizes it gives, launch settings it gives, warnings)."""
+def read_config_file(path: str | os.PathLike, flags: dict[str, Any] | None = None) -> Translated:
+    """Read a config file of ``ndparallel config`` or of ``accelerate config`` (`ndparallel.accelerate_launch`;
+    `flags`, accelerate launch's in the file's shape, are merged over it): the sizes, launch settings, environment
+    and warnings it gives."""
     source = f"config file {str(path)!r}"
     data = load_yaml(path)
+    if accelerate_launch.is_accelerate_file(data):
+        return accelerate_launch.translate(accelerate_launch.merge(data, flags or {}), source)
     unknown = sorted(set(data) - set(FILE_SECTIONS))
     if unknown:
         raise ValueError(f"{source}: unknown section(s) {unknown}; valid sections: {list(FILE_SECTIONS)}")
@@ -89,7 +118,14 @@ def read_config_file(path: str | os.PathLike) -> tuple[dict[str, int], dict[str,
             warnings.append(f"{source}: parallelism.{handler} is not passed to the script (only sizes are); "
                             "build it in the script's ParallelismConfig")
     sizes = {name: getattr(parsed, name) for name in SIZE_FIELDS if name in section}
-    return sizes, check_launch_settings(data.get("launch") or {}, source), warnings
+    out = Translated(sizes, check_launch_settings(data.get("launch") or {}, source), warnings=warnings)
+    if flags:
+        flagged = accelerate_launch.translate(flags, "accelerate launch flags")
+        out.sizes.update(flagged.sizes)
+        out.launch.update(flagged.launch)
+        out.env.update(flagged.env)
+        out.warnings.extend(flagged.warnings)
+    return out
 
 
 def default_nproc(sizes: dict[str, int], nnodes: int) -> int:
@@ -111,6 +147,9 @@ class LaunchPlan:
     env: dict[str, str | None] = field(default_factory=dict)
     torchrun_args: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    rendezvous: RollCall | None = None  # multi-node static rendezvous: the roll call before torchrun
+    endpoint: str | None = None  # --rdzv-endpoint
+    stall_timeout: float | None = None  # seconds without a heartbeat before a rank is reported and stopped
 
     def describe(self) -> str:
         world = self.nproc_per_node * self.nnodes
@@ -121,34 +160,285 @@ class LaunchPlan:
                 f"{sizes}, {device}: {self.target}")
 
 
-def _rendezvous_args(args: argparse.Namespace, nnodes: int) -> list[str]:
+class LaunchError(RuntimeError):
+    """The launch cannot go on (nodes that do not meet); the message says why and what to do."""
+
+
+def _note(message: str) -> None:
+    print(f"ndparallel launch: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RollCall:
+    """The nodes of a static multi-node launch meet before torchrun starts: each registers its ``--node-rank`` at
+    ``--rdzv-endpoint`` (a TCPStore that node 0 serves -- ``multi_tenant``, so torchrun's own store on that port is
+    the same server, kept up for the whole job) and waits until all `nnodes` have, at most `timeout` seconds.
+
+    Refused, each with a message naming the endpoint, the node count and the node ranks: a node rank claimed twice
+    (also by a node arriving late), node 0 started on a host that is not the endpoint's, the endpoint's port taken
+    on node 0's host, node 0 unreachable, and nodes that do not arrive in time."""
+
+    host: str
+    port: int
+    nnodes: int
+    node_rank: int
+    timeout: float
+    run_id: str
+    store: Any = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _key(self, *parts: Any) -> str:
+        return "/".join(["ndparallel/rollcall", self.run_id, *map(str, parts)])
+
+    def _fix(self) -> str:
+        return (f"give each of the {self.nnodes} nodes its own --node-rank in 0..{self.nnodes - 1}, node 0 on "
+                f"{self.host}, all with --rdzv-endpoint {self.endpoint} --nnodes {self.nnodes}")
+
+    def _serve(self) -> Any:
+        from torch.distributed import DistNetworkError, TCPStore
+
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(self.host, None, proto=socket.IPPROTO_TCP)}
+        except OSError as exc:
+            raise LaunchError(f"--rdzv-endpoint {self.endpoint}: cannot resolve {self.host!r} ({exc})") from None
+        local = False
+        for address in addresses:
+            with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+                try:
+                    probe.bind((address, 0))
+                    local = True
+                except OSError:
+                    pass
+        if not local:
+            raise LaunchError(f"this node has --node-rank 0, which hosts the rendezvous at {self.endpoint}, but "
+                              f"{self.host} is not an address of this machine ({socket.gethostname()}): start node 0 "
+                              f"on {self.host}, or {self._fix()}")
+        try:
+            return TCPStore(self.host, self.port, None, True, datetime.timedelta(seconds=self.timeout),
+                            wait_for_workers=False, multi_tenant=True)
+        except DistNetworkError as exc:
+            if "EADDRINUSE" not in str(exc) and "in use" not in str(exc):
+                raise LaunchError(f"cannot serve the rendezvous at {self.endpoint}: {exc}") from None
+            raise LaunchError(f"port {self.port} of --rdzv-endpoint {self.endpoint} is already in use on this machine: "
+                              "another launch with --node-rank 0 holds it (two nodes claim node rank 0?), or another "
+                              f"program does; {self._fix()}, or pick a free port") from None
+
+    def _connect(self, deadline: float) -> Any:
+        from torch.distributed import TCPStore
+
+        next_note = time.monotonic() + 30
+        while True:  # a plain socket first: TCPStore's own retries print a C++ traceback on every attempt
+            try:
+                socket.create_connection((self.host, self.port), timeout=1.0).close()
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise LaunchError(
+                        f"could not reach the rendezvous at {self.endpoint} within {self.timeout:g} s (--rdzv-timeout) "
+                        f"from node rank {self.node_rank} of {self.nnodes}: node 0 (--node-rank 0, on {self.host}) has "
+                        "not started, or the address is wrong or blocked by a firewall") from None
+                if time.monotonic() >= next_note:
+                    _note(f"node rank {self.node_rank}: waiting for node 0 at {self.endpoint}")
+                    next_note += 30
+                time.sleep(0.5)
+        remaining = max(1.0, deadline - time.monotonic())
+        return TCPStore(self.host, self.port, None, False, datetime.timedelta(seconds=remaining),
+                        wait_for_workers=False)
+
+    def _claims(self) -> dict[int, list[str]]:
+        """Node rank -> the nodes ("host (pid N)") that claimed it."""
+        out = {}
+        for rank in range(self.nnodes):
+            count = self.store.add(self._key("node", rank), 0)
+            out[rank] = [self.store.get(self._key("node", rank, i)).decode() for i in range(1, count + 1)]
+        return out
+
+    def _problems(self, claims: dict[int, list[str]]) -> str:
+        missing = [r for r, nodes in claims.items() if not nodes]
+        parts = [f"node rank {r} is claimed by {len(nodes)} nodes: {', '.join(nodes)}"
+                 for r, nodes in claims.items() if len(nodes) > 1]
+        if missing:
+            arrived = [r for r, nodes in claims.items() if nodes]
+            parts.append(f"{len(arrived)} of {self.nnodes} nodes arrived (node ranks {arrived}); node rank(s) "
+                         f"{missing} never did")
+        return "; ".join(parts)
+
+    def hold(self) -> None:
+        """Register this node and wait for the others; raise `LaunchError` saying what went wrong.
+
+        Node 0 decides a timeout and posts its verdict for the others (whose own deadline is a few seconds later),
+        so every node that arrived reports the same missing and duplicate node ranks."""
+        from torch.distributed import DistError
+
+        try:
+            self._hold()
+        except DistError as exc:
+            raise LaunchError(f"lost the rendezvous at {self.endpoint} (--nnodes {self.nnodes}): node 0 ended or "
+                              f"is unreachable ({str(exc).splitlines()[0]}); see node 0's output") from None
+
+    def _hold(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        me = f"{socket.gethostname()} (pid {os.getpid()})"
+        self.store = self._serve() if self.node_rank == 0 else self._connect(deadline)
+        if self.node_rank != 0:
+            deadline += 5.0  # node 0 gives the verdict on the roll call; the others wait a little longer for it
+        claim = self.store.add(self._key("node", self.node_rank), 1)
+        self.store.set(self._key("node", self.node_rank, claim), me)
+        if claim > 1:
+            first = self.store.get(self._key("node", self.node_rank, 1)).decode()
+            raise LaunchError(f"rendezvous at {self.endpoint} (--nnodes {self.nnodes}): node rank {self.node_rank} is "
+                              f"already taken by {first}; this node ({me}) claims it too: {self._fix()}")
+        arrived = self.store.add(self._key("count"), 1)
+        verdict, next_note = self._key("verdict"), time.monotonic() + 10
+        while arrived < self.nnodes:
+            if self.node_rank != 0 and self.store.check([verdict]):
+                self.store.add(self._key("verdict", "read"), 1)
+                raise LaunchError(self.store.get(verdict).decode())
+            if time.monotonic() >= deadline:
+                message = (f"rendezvous at {self.endpoint} timed out after {self.timeout:g} s (--rdzv-timeout) with "
+                           f"--nnodes {self.nnodes}: {self._problems(self._claims())}. Start the missing node(s) with "
+                           f"--rdzv-endpoint {self.endpoint} --nnodes {self.nnodes}, or check that they can reach "
+                           f"{self.endpoint}")
+                if self.node_rank == 0:  # let the nodes that did arrive read the same verdict before the store goes
+                    self.store.set(verdict, message)
+                    until = time.monotonic() + 5
+                    while self.store.add(self._key("verdict", "read"), 0) < arrived - 1 and time.monotonic() < until:
+                        time.sleep(0.05)
+                raise LaunchError(message)
+            if time.monotonic() >= next_note:
+                claims = self._claims()
+                _note(f"waiting at {self.endpoint}: {sum(1 for n in claims.values() if n)} of {self.nnodes} nodes "
+                      f"arrived (node ranks {[r for r, n in claims.items() if n]})")
+                next_note += 30
+            time.sleep(0.1)
+            arrived = self.store.add(self._key("count"), 0)
+        if self.node_rank != 0:
+            self.store = None  # node 0 keeps serving (torchrun's store is the same server); the others let go
+
+
+@dataclass
+class StallWatch:
+    """In the launcher: reads the heartbeats of this node's ranks (``<directory>/rank_<r>.json``, written by
+    `ndparallel.runtime.heartbeat`) every few seconds; when one is older than `timeout` seconds and its process is
+    alive, reports it -- rank, host, pid, last library call, and what the other ranks of the node last did -- and
+    kills it with SIGKILL: torchrun then stops the other ranks and ends the job non-zero, or restarts it under
+    ``--max-restarts``. Ranks that never made a library call are not watched."""
+
+    directory: Path
+    timeout: float
+    stopped_ranks: list[int] = field(default_factory=list)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for path in self.directory.glob("rank_*.json"):
+            try:
+                record = json.loads(path.read_bytes().strip())
+            except (OSError, ValueError):
+                continue  # being written
+            if alive(int(record["pid"])):
+                out.append(record)
+        return out
+
+    def check(self) -> str | None:
+        """Report and stop the longest-stalled rank, if one is past the timeout; return the report."""
+        now = time.time()
+        records = sorted(self.records(), key=lambda r: r["rank"])
+        stale = sorted((r for r in records if now - r["time"] > self.timeout), key=lambda r: r["time"])
+        if not stale:
+            return None
+        culprit = stale[0]
+        others = "; ".join(f"rank {r['rank']} in {r['call']!r} {now - r['time']:.0f} s ago" for r in records
+                           if r is not culprit) or "none"
+        report = (f"rank {culprit['rank']} (host {culprit['host']}, pid {culprit['pid']}) made no progress for "
+                  f"{now - culprit['time']:.0f} s (--stall-timeout {self.timeout:g}): its last library call was "
+                  f"{culprit['call']!r}, entered {now - culprit['since']:.0f} s ago. The other ranks of this node were "
+                  f"last heard: {others}. Stopping rank {culprit['rank']}: the job ends with a non-zero exit, or "
+                  "restarts under --max-restarts")
+        _note(report)
+        self.stopped_ranks.append(int(culprit["rank"]))
+        try:
+            os.kill(int(culprit["pid"]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for path in self.directory.glob("rank_*.json"):  # the next attempt starts afresh
+            path.unlink(missing_ok=True)
+        return report
+
+    def _run(self) -> None:
+        poll = min(max(self.timeout / 4, 0.2), 5.0)
+        while not self._done.wait(poll):
+            self.check()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="ndparallel-stall-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._done.set()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _rendezvous_args(args: argparse.Namespace, nnodes: int) -> tuple[list[str], RollCall | None]:
+    """torchrun's rendezvous flags, and the roll call to hold first (multi-node static rendezvous only)."""
+    timeout = args.rdzv_timeout
     if not args.rdzv_endpoint:
         if nnodes > 1:
             raise ValueError(f"--rdzv-endpoint HOST:PORT is required with --nnodes {nnodes}")
-        return ["--standalone"]  # c10d store on a free local port: no port clashes between launches
+        return ["--standalone"], None  # c10d store on a free local port: no port clashes between launches
     host, _, port = args.rdzv_endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got {args.rdzv_endpoint!r}")
     if args.rdzv_backend == "static":
-        return ["--rdzv-backend=static", f"--master-addr={host}", f"--master-port={port}",
-                f"--node-rank={args.node_rank}"]
-    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+        flags = ["--rdzv-backend=static", f"--master-addr={host}", f"--master-port={port}",
+                 f"--node-rank={args.node_rank}", f"--rdzv-conf=timeout={math.ceil(timeout)}"]
+        call = RollCall(host, int(port), nnodes, args.node_rank, timeout, args.rdzv_id) if nnodes > 1 else None
+        return flags, call
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-conf=join_timeout={math.ceil(timeout)}"], None
 
 
 def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     """Merge flags, config file and defaults; validate everything before any process starts."""
-    file_sizes, file_launch, warnings = read_config_file(args.config_file) if args.config_file else ({}, {}, [])
-    sizes = dict(file_sizes)
+    # Precedence: flags > config file (Accelerate's flags are merged into an Accelerate file first) > defaults.
+    flags = accelerate_launch.from_flags(args)
+    if args.config_file:
+        given = read_config_file(args.config_file, flags)
+    else:
+        given = accelerate_launch.translate(flags, "accelerate launch flags") if flags else Translated()
+    warnings = list(given.warnings)
+    sizes = dict(given.sizes)
     sizes.update({name: getattr(args, name) for name in SIZE_FIELDS if getattr(args, name) is not None})
-    settings = {key: getattr(args, key) if getattr(args, key) is not None else file_launch.get(key)
-                for key in LAUNCH_KEYS}
+    settings = {key: getattr(args, key) if getattr(args, key) is not None else given.launch.get(key)
+                for key in (*LAUNCH_KEYS, "node_rank", "rdzv_endpoint", "rdzv_backend")}
     nnodes = positive_int("--nnodes", 1 if settings["nnodes"] is None else settings["nnodes"])
     nproc = settings["nproc_per_node"]
+    total = given.launch.get("num_processes")  # accelerate launch's count: over all nodes
+    if total is not None:
+        total = positive_int("--num-processes", total)
+        if nproc is None and total % nnodes:
+            raise ValueError(f"--num-processes {total} (over all nodes) is not divisible by --nnodes {nnodes}")
+        if nproc is not None and nproc * nnodes != total:
+            raise ValueError(f"--num-processes {total} (over all nodes) disagrees with --nproc-per-node {nproc} x "
+                             f"--nnodes {nnodes}; give one of them")
+        nproc = total // nnodes
     nproc = positive_int("--nproc-per-node", default_nproc(sizes, nnodes) if nproc is None else nproc)
-    if not 0 <= args.node_rank < nnodes:
-        raise ValueError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {args.node_rank}")
+    node_rank = 0 if settings["node_rank"] is None else settings["node_rank"]
+    if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}")
+    if args.rdzv_endpoint is not None and ("main_process_ip" in flags or "main_process_port" in flags):
+        raise ValueError("give --rdzv-endpoint HOST:PORT or --main-process-ip / --main-process-port, not both")
+    endpoint = settings["rdzv_endpoint"]
+    rendezvous = argparse.Namespace(rdzv_endpoint=endpoint, rdzv_backend=settings["rdzv_backend"] or "static",
+                                    node_rank=node_rank, rdzv_timeout=args.rdzv_timeout, rdzv_id=args.rdzv_id)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.rdzv_timeout > 0:
+        raise ValueError(f"--rdzv-timeout must be > 0 seconds, got {args.rdzv_timeout:g}")
+    if args.stall_timeout is not None and not args.stall_timeout > 0:
+        raise ValueError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     # Every size explicit: a stale NDPARALLEL_* variable of this shell must not change what is checked.
     # With no sizes at all, the script brings its own config (or runs plain data parallel): nothing to check.
     explicit = ParallelismConfig(**{name: sizes.get(name, 1) for name in SIZE_FIELDS})
@@ -156,7 +446,7 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     if not args.module and not Path(args.script).is_file():
         raise FileNotFoundError(f"script {args.script!r} does not exist (use -m to run a module)")
 
-    env: dict[str, str | None] = {}
+    env: dict[str, str | None] = dict(given.env)
     if resolved is not None:
         env.update(resolved.to_env())
     else:
@@ -171,49 +461,77 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     if settings["mixed_precision"] is not None:
         env[MIXED_PRECISION_ENV] = settings["mixed_precision"]
     if settings["gradient_accumulation_steps"] is not None:
-        env[ACCUMULATION_ENV] = str(positive_int("--gradient-accumulation-steps", settings["gradient_accumulation_steps"]))
+        steps = positive_int("--gradient-accumulation-steps", settings["gradient_accumulation_steps"])
+        env[ACCUMULATION_ENV] = str(steps)
     if args.max_restarts > 0 and RESTART_STORE_ENV not in os.environ:
         # Restarted workers must not share torchrun's rendezvous store with the workers they replace: they would
         # read their dead peers' addresses from it and fail to connect (pytorch/pytorch#135712). With this set,
         # every attempt gets a fresh store on a fresh port.
         env[RESTART_STORE_ENV] = "1"
-    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env and nproc > 1:
         # As torchrun does (without its warning): one thread per rank, so ranks don't oversubscribe the cores.
         # Set OMP_NUM_THREADS yourself to give each rank more.
         env["OMP_NUM_THREADS"] = "1"
 
+    rendezvous_flags, roll = _rendezvous_args(rendezvous, nnodes)
     torchrun_args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={args.max_restarts}",
-                     *_rendezvous_args(args, nnodes)]
-    if args.module:
-        torchrun_args.append("--module")
-    torchrun_args += [args.script, *args.script_args]
+                     *rendezvous_flags]
+    # torchrun runs ndparallel's worker (by path, as a script), which ties the rank to this launcher and then runs
+    # the script as `python [-m] SCRIPT ARGS` would.
+    torchrun_args += [WORKER, *(["-m"] if args.module else []), args.script, *args.script_args]
     target = ("-m " if args.module else "") + " ".join([args.script, *args.script_args])
-    return LaunchPlan(nproc, nnodes, resolved, cpu, target, env, torchrun_args, warnings)
+    return LaunchPlan(nproc, nnodes, resolved, cpu, target, env, torchrun_args, warnings, roll, endpoint,
+                      args.stall_timeout)
 
 
 def run_plan(plan: LaunchPlan) -> int:
     """Start the ranks through torchrun in this process; return 0 or the first failed rank's exit code."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
+    env = {**plan.env, LAUNCHER_PID_ENV: str(os.getpid())}  # the ranks' parent: this process (torchrun runs in it)
+    watch = None
+    if plan.stall_timeout is not None:
+        watch = StallWatch(Path(tempfile.mkdtemp(prefix="ndparallel-heartbeat-")), plan.stall_timeout)
+        env[HEARTBEAT_ENV] = str(watch.directory)
     saved = dict(os.environ)
-    for key, value in plan.env.items():  # the workers inherit this process's environment
+    for key, value in env.items():  # the workers inherit this process's environment
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
     try:
+        if plan.rendezvous is not None:
+            plan.rendezvous.hold()
+        if watch is not None:
+            watch.start()
         run(parse_args(plan.torchrun_args))
         return 0
+    except LaunchError as exc:
+        _note(f"error: {exc}")
+        return 1
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
-        print(f"ndparallel launch: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        _note(f"rank {rank} failed with exit code {failure.exitcode}")
+        if watch is not None and watch.stopped_ranks:
+            _note(f"rank(s) {sorted(set(watch.stopped_ranks))} were stopped for making no progress (--stall-timeout)")
         return code or 1
     except SignalException as exc:
-        print(f"ndparallel launch: stopped by signal {exc.sigval.name}", file=sys.stderr)
+        _note(f"stopped by signal {exc.sigval.name}")
         return 128 + int(exc.sigval)
+    except (RendezvousError, DistError) as exc:  # torchrun's own rendezvous (c10d backend, or after the roll call)
+        where = plan.endpoint or "the rendezvous endpoint"
+        _note(f"error: the nodes did not meet at {where} with --nnodes {plan.nnodes} within --rdzv-timeout: "
+              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return 1
     finally:
+        if watch is not None:
+            watch.stop()
+        if plan.rendezvous is not None:
+            plan.rendezvous.store = None
         os.environ.clear()
         os.environ.update(saved)

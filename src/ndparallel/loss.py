@@ -1,5 +1,11 @@
 """Making the loss right across ranks and gradient-accumulation steps: the one place that knows which tokens count.
 
+When tokens are weighted (`is_causal_lm`). Token weighting applies where the loss really is a mean over shifted LM
+tokens: every prepared model is a causal language model (or the user says so: ``Accelerator(loss_weighting=
+"tokens")``). Any other loss -- sequence or token classification, regression, a plain module's own loss -- keeps
+Accelerate's meaning: each rank's loss weighs the same, divided over the accumulation steps (exact when every rank's
+micro-batch holds the same number of samples and the loss is a mean over them).
+
 Which tokens count (`loss_labels`, `count_loss_tokens`). A causal LM predicts token t+1 at position t, so the label
 of position t is ``labels[t+1]``: the batch's ``shift_labels`` when it has them (already shifted, as context
 parallelism needs), else its ``labels`` shifted the way Hugging Face models shift them (``labels[..., 1:]``, -100 at
@@ -52,8 +58,26 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 IGNORE_INDEX = -100
+LOSS_WEIGHTINGS = ("auto", "tokens", "mean")
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether `model` (unwrapped) computes a mean over shifted LM tokens: a Hugging Face causal language model."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is not None:
+        return loss_type == "ForCausalLM"
+    if getattr(model, "config", None) is None:
+        return False
+    try:  # models whose class name transformers' loss registry does not recognise (GPT2LMHeadModel...)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    # The class or one it derives from: FSDP2 replaces a model's class by a subclass (FSDPGPT2LMHeadModel).
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(cls.__name__ in names for cls in type(model).__mro__)
 
 
 def loss_labels(batch: Any) -> torch.Tensor | None:
@@ -97,11 +121,12 @@ class BatchInfo:
     padding: int = 0  # samples repeated at the end of this (final) batch to even it out across ranks
 
 
-def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps: int) -> float:
+def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps: int,
+                token_weighted: bool = True) -> float:
     """f = n * W / N for the micro-batch `info` describes (see the module docstring), else 1 / micro-batches."""
     if info is None:
         return 1.0 / accumulation_steps
-    if info.local_tokens is None or info.window_tokens is None:
+    if not token_weighted or info.local_tokens is None or info.window_tokens is None:
         return 1.0 / info.window_batches
     if info.window_tokens == 0:
         return 0.0
@@ -115,9 +140,10 @@ class GradientState:
     def __init__(self, accumulation_steps: int, loss_world_size: int) -> None:
         self.accumulation_steps = accumulation_steps
         self.loss_world_size = loss_world_size
+        self.token_weighted = True  # the loss is a mean over LM tokens (the Accelerator decides; `is_causal_lm`)
         self.sync_gradients = True
         self.step = 0
-        self.num_steps = 0  # optimizer steps (synchronising micro-steps) begun, for checkpoints
+        self.optimizer_steps = 0  # optimizer steps (synchronising micro-steps) begun, kept by checkpoints
         self._active: list[Hashable] = []  # loaders being iterated, innermost last
         self._last: Hashable | None = None  # the loader that yielded last
         self._batches: dict[Hashable, BatchInfo] = {}
@@ -153,6 +179,21 @@ class GradientState:
         return info.padding if info is not None and info.end_of_dataloader else 0
 
     @property
+    def num_steps(self) -> int:
+        """Accelerate's name: micro-steps per optimizer step (the optimizer steps done are `optimizer_steps`)."""
+        return self.accumulation_steps
+
+    @property
+    def active_dataloader(self) -> Hashable | None:
+        """The innermost prepared data loader being iterated (Accelerate's name), or None."""
+        return self._active[-1] if self._active else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        """Whether a prepared data loader is being iterated."""
+        return bool(self._active)
+
+    @property
     def end_of_dataloader(self) -> bool:
         info = self.batch
         return info is not None and info.end_of_dataloader
@@ -171,12 +212,12 @@ class GradientState:
             self.sync_gradients = self.step % self.accumulation_steps == 0
             if self.sync_gradients:
                 self.step = 0
-        self.num_steps += self.sync_gradients
+        self.optimizer_steps += self.sync_gradients
         return self.sync_gradients
 
     def loss_factor(self) -> float:
         """The factor `backward` scales the current micro-batch's loss by (`loss_factor`)."""
-        return loss_factor(self.batch, self.loss_world_size, self.accumulation_steps)
+        return loss_factor(self.batch, self.loss_world_size, self.accumulation_steps, self.token_weighted)
 
     def log_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Add this micro-step's mean loss to its window's running sums; return this rank's ``[sum of token losses,
@@ -191,7 +232,7 @@ class GradientState:
                              "micro-step's loss")
         if window_ended or sums is None:
             sums = torch.zeros(2, dtype=torch.float64, device=loss.device)
-        tokens = info.local_tokens if info is not None and info.local_tokens is not None else None
+        tokens = info.local_tokens if info is not None and self.token_weighted else None
         value = loss.detach().reshape(()).to(torch.float64)
         if tokens is None:  # unknown counts: every loss weighs one
             sums = sums + torch.stack([value, value.new_ones(())])
@@ -204,10 +245,10 @@ class GradientState:
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | bool]:
         """The counters a checkpoint keeps (accumulated gradients themselves are not saved)."""
-        return {"step": self.step, "num_steps": self.num_steps, "sync_gradients": self.sync_gradients}
+        return {"step": self.step, "num_steps": self.optimizer_steps, "sync_gradients": self.sync_gradients}
 
     def load_state_dict(self, state: dict[str, int | bool]) -> None:
-        self.step, self.num_steps = int(state["step"]), int(state["num_steps"])
+        self.step, self.optimizer_steps = int(state["step"]), int(state["num_steps"])
         self.sync_gradients = bool(state["sync_gradients"])
         self._batches.clear()
         self._fresh.clear()

@@ -13,8 +13,10 @@ by rank arithmetic:
 
 Process groups exist only where they are needed. The world mesh has a dimension for each axis of more than one
 rank (as Accelerate's has); a view spanning one such axis *is* that axis's group; a view spanning several is
-flattened once, under the first name that spans them (``loss`` and ``dp_cp`` share a group when cp is 1). A view of
-one rank has no group: `size` and `rank` answer 1 and 0 without one, and asking for its group raises. (One process
+flattened once, under the first name that spans them (``loss`` and ``dp_cp`` share a group when cp is 1). Every
+other name of a view of more than one rank is registered in the world mesh as an alias of that group (no new group),
+so ``world["dp_cp"]`` works wherever Accelerate's mesh has it. A view of one rank has no group: `size` and `rank`
+answer 1 and 0 without one, and asking for its group raises. (One process
 keeps all five axes: there every group is the default one and costs nothing.) The one exception: when FSDP2 will wrap
 models but shards over one rank (replication only, as under DDP x TP), ``dp_shard`` keeps its dimension so that
 `data_parallel` can give FSDP2 a mesh on the same root as the tensor-parallel one.
@@ -24,12 +26,16 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import AXES, ParallelismConfig
+if TYPE_CHECKING:
+    from .config import ParallelismConfig
 
+# Mesh axes, outermost first. TP is innermost: it needs the fastest links.
+AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 # Flattened views: name -> the axes they span (contiguous, outermost first).
 VIEWS: dict[str, tuple[str, ...]] = {
     "batch": ("dp_replicate", "dp_shard"),
@@ -72,6 +78,8 @@ class ParallelMesh:
                 continue
             if live not in by_axes:
                 by_axes[live] = self.world[live[0]] if len(live) == 1 else self.world[live]._flatten(name)
+            elif name not in dims:
+                _alias(self.world, name, by_axes[live])
             self._views[name] = by_axes[live]
         if replicate_only:
             self._views["fsdp"] = self.world["dp_shard"]
@@ -143,3 +151,16 @@ class ParallelMesh:
     def __repr__(self) -> str:
         sizes = ", ".join(f"{axis}={self._sizes[axis]}" for axis in AXES)
         return f"ParallelMesh({sizes}, device_type={self.device_type!r})"
+
+
+def _alias(root: DeviceMesh, name: str, view: DeviceMesh) -> None:
+    """Make ``root[name]`` the 1-D `view` under another name, sharing its process group (no new group is made)."""
+    if name == view.mesh_dim_names[0] or name in (root.mesh_dim_names or ()):
+        return
+    try:  # torch >= 2.9: a DeviceMesh is a layout over the root's ranks, as `DeviceMesh._concatenate` builds them
+        alias = DeviceMesh(root.device_type, _layout=view._layout, _rank_map=root._rank_map, mesh_dim_names=(name,),
+                           _root_mesh=root, _init_backend=False)
+        alias._dim_group_names = view._dim_group_names
+        root._flatten_mapping[name] = alias
+    except (AttributeError, TypeError):  # older torch: a flattened dimension of its own (one more group)
+        view._flatten(name)

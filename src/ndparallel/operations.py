@@ -1,6 +1,7 @@
 """The Accelerator's collectives for metrics and logging, on nested structures of tensors: gather along the
 ``batch`` view and reduce over the ``loss`` view (Accelerate's `accelerate.utils.operations`). Each takes the mesh
-and the name of the view, and does nothing on a view of one rank."""
+and the name of the view, and does nothing on a view of one rank. `pad_across_processes` works over every process,
+as Accelerate's does."""
 
 from __future__ import annotations
 
@@ -62,6 +63,11 @@ def reduce(obj: Any, mesh: ParallelMesh, view: str, reduction: str = "sum", scal
 
     "sum" adds, "mean" averages (integers become floats); "none" sums too, as Accelerate's `reduce` does.
     """
+    return _all_reduce(obj, mesh.group(view) if mesh.size(view) > 1 else None, mesh.size(view), reduction, scale)
+
+
+def _all_reduce(obj: Any, group: dist.ProcessGroup | None, size: int, reduction: str, scale: float) -> Any:
+    """`reduce` over `group` of `size` ranks (None with size > 1: every process)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
 
@@ -69,10 +75,79 @@ def reduce(obj: Any, mesh: ParallelMesh, view: str, reduction: str = "sum", scal
         out = t.detach().clone()
         if not out.is_floating_point() and reduction == "mean":
             out = out.float()
-        if mesh.size(view) > 1:
-            dist.all_reduce(out, group=mesh.group(view))
+        if size > 1:
+            dist.all_reduce(out, group=group)
         if reduction == "mean":
-            out /= mesh.size(view)
+            out /= size
         return out * scale if scale != 1.0 else out
 
     return map_tensors(obj, one)
+
+
+def pad_across_processes(obj: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+    """Pad every tensor of `obj` along `dim` to the largest size any process has there (over every process), with
+    `pad_index`, at the end (or the start with `pad_first`), so that tensors of uneven length can be gathered."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or not dist.is_initialized() or dist.get_world_size() == 1:
+            return t
+        d = dim % t.dim()
+        size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.long)
+        sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+        dist.all_gather(sizes, size)
+        longest = max(int(s.item()) for s in sizes)
+        if longest == t.shape[d]:
+            return t
+        shape = list(t.shape)
+        shape[d] = longest - t.shape[d]
+        pad = t.new_full(shape, pad_index)
+        return torch.cat([pad, t] if pad_first else [t, pad], dim=d)
+
+    return map_tensors(obj, one)
+
+
+# ---- over every process (Accelerate's `accelerate.utils` functions) -------------------------------------------------
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def gather_all(obj: Any) -> Any:
+    """Concatenate every process's tensors (or dicts/lists of them) along dim 0, in rank order."""
+    if _world_size() == 1:
+        return map_tensors(obj, lambda t: t if t.dim() else t.unsqueeze(0))
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous() if t.dim() else t.reshape(1)
+        parts = [torch.empty_like(t) for _ in range(_world_size())]
+        dist.all_gather(parts, t)
+        return torch.cat(parts)
+
+    return map_tensors(obj, one)
+
+
+def gather_object_all(obj: Any) -> list[Any]:
+    """Every process's picklable `obj`, in rank order (lists are concatenated, as Accelerate's `gather_object`)."""
+    parts: list[Any] = [obj]
+    if _world_size() > 1:
+        parts = [None] * _world_size()
+        dist.all_gather_object(parts, obj)
+    return [x for part in parts for x in (part if isinstance(part, list) else [part])]
+
+
+def reduce_all(obj: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """All-reduce every tensor of `obj` over every process ("mean", "sum" or "none", which sums)."""
+    return _all_reduce(obj, None, _world_size(), reduction, scale)
+
+
+def broadcast(obj: Any, from_process: int = 0) -> Any:
+    """Every tensor of `obj` replaced, in place, by process `from_process`'s."""
+    if _world_size() > 1:
+        map_tensors(obj, lambda t: dist.broadcast(t, src=from_process) or t)
+    return obj
+
+
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+    """`object_list` replaced, in place, by process `from_process`'s (picklable objects)."""
+    if _world_size() > 1:
+        dist.broadcast_object_list(object_list, src=from_process)
+    return object_list

@@ -78,15 +78,21 @@ class AcceleratedScheduler:
     """Wraps an LR scheduler: it steps once per optimizer step that really happened.
 
     Unlike Accelerate (which steps the scheduler once per process when batches are not split), the schedule
-    advances once per global optimizer step, exactly as the single-process run on the global batch does.
+    advances once per global optimizer step, exactly as the single-process run on the global batch does. With
+    ``step_with_optimizer=False`` (Accelerate's ``step_scheduler_with_optimizer=False``) every call steps it.
     """
 
-    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: GradientState) -> None:
+    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: GradientState,
+                 step_with_optimizer: bool = True) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state
+        self.step_with_optimizer = step_with_optimizer
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
         if not self.gradient_state.sync_gradients:
             return
         if any(opt.step_was_skipped for opt in self.optimizers):

@@ -1,34 +1,50 @@
-"""Small helpers with Accelerate's names: `set_seed` and a main-process progress bar."""
+"""`ndparallel.utils`: Accelerate's `accelerate.utils` names, so that changing ``accelerate`` to ``ndparallel`` on the
+import lines ports a script. Each name's real home is in the module it is imported from; nothing is defined here."""
 
-from __future__ import annotations
+from .checkpoint import ProjectConfiguration
+from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from .data import move_to_device as send_to_device
+from .helpers import progress_bar, set_seed
+from .operations import broadcast, broadcast_object_list, pad_across_processes
+from .operations import gather_all as gather
+from .operations import gather_object_all as gather_object
+from .operations import reduce_all as reduce
+from .plugins import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+)
+from .state import DistributedType
+from .tracking import GeneralTracker, LoggerType
 
-import os
-import random
-from collections.abc import Iterable
-from typing import Any
-
-import torch
-
-
-def set_seed(seed: int, device_specific: bool = False) -> None:
-    """Seed Python, NumPy (if installed) and torch; with `device_specific`, add this process's rank."""
-    if device_specific:
-        seed += int(os.environ.get("RANK", "0"))
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-
-
-def progress_bar(iterable: Iterable[Any] | None = None, *, main_process: bool = True, **kwargs: Any):
-    """A tqdm progress bar, shown only when `main_process` is True."""
-    from tqdm.auto import tqdm
-
-    disable = kwargs.pop("disable", False)
-    return tqdm(iterable, disable=disable or not main_process, **kwargs)
+__all__ = [
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GeneralTracker",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "LoggerType",
+    "ParallelismConfig",
+    "ProjectConfiguration",
+    "TorchContextParallelConfig",
+    "TorchTensorParallelConfig",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "progress_bar",
+    "reduce",
+    "send_to_device",
+    "set_seed",
+]

@@ -45,6 +45,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="iterate a prepared evaluation loader (other loss-token counts) inside every training step")
     p.add_argument("--mixed-precision", default="no")
     p.add_argument("--float64", action="store_true", help="the model and its loss in float64 (exactness checks)")
+    p.add_argument("--bf16-model", action="store_true", help="load the model in bf16 (as torch_dtype=torch.bfloat16)")
     p.add_argument("--no-fsdp-plugin", action="store_true")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(0)
     model = build_model(args.model, args.float64, **({"attn_implementation": args.attn_implementation}
                                                      if args.attn_implementation else {}))
+    if args.bf16_model:
+        model = model.to(torch.bfloat16)
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     global_batch = args.micro_batch * accelerator.data_parallel_size * args.accum

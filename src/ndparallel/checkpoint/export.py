@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..utils import progress_bar
+from ..helpers import progress_bar
 from . import storage
 from .manifest import read_metadata, tied_names
 from .storage import CheckpointError, on_main, rank
@@ -122,7 +122,7 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
     sizes = [(n, state[n].numel() * state[n].element_size()) for n in names]
     shards = plan_shards(sizes, max_bytes)
     files = shard_file_names(len(shards), safe_serialization)
-    staging = on_main(lambda: storage.prepare_staging(final))
+    staging = on_main(lambda: storage.prepare_staging(final, storage.EXPORT))
     weight_map: dict[str, str] = {}
     bar = _progress(sum(s for _, s in sizes), f"save_model {final.name}")
     for shard, file in zip(shards, files):
@@ -147,7 +147,7 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
         generation = getattr(unwrapped, "generation_config", None)
         if generation is not None and getattr(unwrapped, "can_generate", lambda: False)():
             generation.save_pretrained(staging)
-        storage.commit(staging, final, None)
+        storage.commit(staging, final, None, storage.EXPORT)
 
     on_main(finish)
     return final
@@ -192,7 +192,7 @@ def merge_weights(checkpoint_dir: str | Path, output_dir: str | Path, model_inde
     sizes = [(n, nbytes(*entries[n])) for n in entries]
     shards = plan_shards(sizes, max_bytes)
     files = shard_file_names(len(shards), safe_serialization)
-    staging = storage.prepare_staging(final)
+    staging = storage.prepare_staging(final, storage.EXPORT)
     weight_map: dict[str, str] = {}
     bar = _progress(sum(s for _, s in sizes), f"merge-weights {final.name}")
     for shard, file in zip(shards, files):
@@ -213,7 +213,7 @@ def merge_weights(checkpoint_dir: str | Path, output_dir: str | Path, model_inde
     for name in HF_CONFIG_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, staging / name)
-    storage.commit(staging, final, None)
+    storage.commit(staging, final, None, storage.EXPORT)
     return final
 
 

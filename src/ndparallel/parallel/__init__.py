@@ -18,14 +18,19 @@ from .data_parallel import (
     unwrap,
     uses_fsdp,
 )
+from .moe import apply_global_load_balancing
 from .options import PrepareOptions
-from .precision import apply_autocast
+from .precision import apply_autocast, apply_master_weights
+from .presharded import gather_presharded
 from .sequence import apply_sequence_parallel, check_sequence_parallel
 from .tensor import apply_tensor_parallel, check_tensor_parallel
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """Apply every configured parallelism to `model` and return the module to train."""
+    # A model transformers already tensor-parallelised (from_pretrained(tp_plan="auto")), on a mesh of its own, is
+    # gathered back to full weights: the layout below applies to it as to any model (`presharded`).
+    model = gather_presharded(model)
     # Checks only, on every rank, before the first collective: a plan or model the layout cannot split raises here.
     check_tensor_parallel(model, mesh, options)
     check_sequence_parallel(model, mesh, options)
@@ -35,11 +40,15 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # Every rank starts from rank 0's weights, so ranks that were initialised differently still train one model
     # (each tensor-parallel rank then slices its own shard of the same full weights, without communicating).
     broadcast_module_states(model)
+    # 0. Mixed precision keeps fp32 master weights: low-precision trainable parameters are upcast before sharding.
+    model = apply_master_weights(model, mesh, options)
     # 1. Pipeline stages: not yet.
     # 2. Tensor parallel over ``tp``, from the plan (parameters it covers become DTensors sharded over tp).
     model = apply_tensor_parallel(model, mesh, options)
     # 3. Context / Ulysses sequence parallel: attention over sequences sharded on ``cp x sp``.
     model = apply_sequence_parallel(model, mesh, options)
+    # 3b. Mixture-of-experts models: the load-balancing loss over the tokens of every rank of ``loss``, not each rank's.
+    model = apply_global_load_balancing(model, mesh, options)
     # 4. Activation checkpointing of the transformer blocks.
     model = apply_activation_checkpointing(model, mesh, options)
     # 5. Compile: not offered yet.

@@ -28,9 +28,10 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import FullyShardedDataParallelPlugin, ParallelismConfig
+from ..config import ParallelismConfig
 from ..mesh import ParallelMesh
-from .blocks import block_classes, blocks_of
+from ..plugins import FullyShardedDataParallelPlugin
+from .blocks import block_classes, modules_to_wrap
 from .options import PrepareOptions
 
 
@@ -104,15 +105,14 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
             stacklevel=3,
         )
     blocks = block_classes(model, plugin.transformer_cls_names_to_wrap)
-    if plugin.auto_wrap_policy == "transformer_based_wrap":
-        if not blocks:
-            warnings.warn(
-                f"{type(model).__name__} names no transformer block classes (no _no_split_modules and no "
-                "transformer_cls_names_to_wrap): FSDP2 shards the root module only",
-                stacklevel=3,
-            )
-        for module in blocks_of(model, blocks):
-            fully_shard(module, **kwargs)
+    if plugin.auto_wrap_policy == "transformer_based_wrap" and not blocks:
+        warnings.warn(
+            f"{type(model).__name__} names no transformer block classes (no _no_split_modules and no "
+            "transformer_cls_names_to_wrap): FSDP2 shards the root module only",
+            stacklevel=3,
+        )
+    for module in modules_to_wrap(model, plugin.auto_wrap_policy, blocks, plugin.min_num_params):
+        fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
@@ -123,6 +123,7 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
         model,
         process_group=mesh.group("loss"),
         device_ids=[device.index] if device.type == "cuda" else None,
+        **options.ddp_kwargs,  # DistributedDataParallelKwargs
     )
 
 

@@ -7,11 +7,13 @@ these are the Accelerator's and `prepare`'s own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ..config import FullyShardedDataParallelPlugin, compute_dtype
+from ..config import compute_dtype
+from ..plugins import FullyShardedDataParallelPlugin
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,8 @@ class PrepareOptions:
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
     mixed_precision: str = "no"  # one of config.MIXED_PRECISION
     tp_plan: Mapping[str, str] | None = None  # prepare(model, tp_plan=...): overrides the plan's other sources
+    ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)  # DistributedDataParallelKwargs, where DDP wraps
+    autocast_kwargs: Mapping[str, Any] = field(default_factory=dict)  # AutocastKwargs, where autocast casts
 
     @property
     def dtype(self) -> torch.dtype | None:

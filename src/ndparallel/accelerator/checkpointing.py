@@ -1,0 +1,96 @@
+"""Checkpoints and saved files: Accelerate's `save_state` / `load_state` family over the Accelerator's record of
+prepared objects (`ndparallel.checkpoint`; docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import agreement, checkpoint, parallel
+from ..checkpoint import ProjectConfiguration
+from ..record import PreparedObjects
+from ..state import AcceleratorState
+
+
+class CheckpointingMixin:
+    """Part of `ndparallel.Accelerator`: checkpoints of what it prepared, Hugging Face exports, single files."""
+
+    state: AcceleratorState
+    prepared: PreparedObjects
+    project_configuration: ProjectConfiguration
+    gradient_accumulation_steps: int
+
+    @property
+    def project_dir(self) -> str | os.PathLike | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | os.PathLike | None:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatically named checkpoint gets."""
+        return self.project_configuration.iteration
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore `objects` (anything with ``state_dict`` / ``load_state_dict``) with the state."""
+        bad = [i for i, o in enumerate(objects) if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise ValueError(f"register_for_checkpointing: object(s) at position(s) {bad} have no state_dict and "
+                             "load_state_dict methods")
+        self.prepared.custom_objects.extend(objects)
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+        """Write a crash-safe, sharded checkpoint of everything prepared (and registered); return its directory.
+
+        Without `output_dir`, ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
+        ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps the newest ``total_limit``. Collective.
+        """
+        self._ignored_kwargs("save_state", kwargs)
+        agreement.monitored_barrier("save_state", self.state.runtime.timeout)  # every rank, or a clear error
+        return str(checkpoint.save_state(self.prepared, self._run_settings(), self.project_configuration, output_dir))
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+        """Restore a checkpoint written by `save_state` under this or any other layout (the newest complete one
+        of the project without `input_dir`); return its directory. Collective."""
+        self._ignored_kwargs("load_state", kwargs)
+        agreement.monitored_barrier("load_state", self.state.runtime.timeout)  # every rank, or a clear error
+        return str(checkpoint.load_state(self.prepared, self.project_configuration, input_dir))
+
+    def _run_settings(self) -> checkpoint.RunSettings:
+        plugin = self.state.fsdp_plugin
+        return checkpoint.RunSettings(self.state.parallelism_config, self.state.device.type,
+                                      self.state.mixed_precision, self.gradient_accumulation_steps,
+                                      plugin.state_dict_type if plugin is not None else checkpoint.SHARDED)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> str:
+        """Write `model`'s full weights from any layout as a Hugging Face directory. Collective."""
+        return str(checkpoint.save_model(model, parallel.unwrap(model), save_directory, max_shard_size,
+                                         safe_serialization))
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict on the main process (an empty dict elsewhere when parameters are sharded)."""
+        return checkpoint.get_state_dict(model, unwrap)
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save `obj` to the file `f` from the main process only (``torch.save``, or a safetensors file of a dict of
+        tensors with `safe_serialization`)."""
+        if not self.state.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file  # installed with transformers
+
+            save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    @staticmethod
+    def _ignored_kwargs(method: str, kwargs: dict[str, Any]) -> None:
+        if kwargs:  # Accelerate's safe_serialization, load_kwargs...: ndparallel's format has no such choices
+            warnings.warn(f"{method}: ignoring {sorted(kwargs)}", stacklevel=3)

@@ -1,0 +1,116 @@
+"""Where this process stands, and process control: Accelerate's process properties and helpers, read from the
+process state (`ndparallel.state`) and the mesh (`ndparallel.mesh`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from ..mesh import ParallelMesh
+from ..state import AcceleratorState, DistributedType
+
+
+def _axis_property(axis: str, what: str) -> property:
+    def get(self: ProcessesMixin) -> int:
+        return self.mesh.rank(axis) if what == "rank" else self.mesh.size(axis)
+
+    get.__doc__ = f"This process's coordinate along ``{axis}``." if what == "rank" else f"Size of ``{axis}``."
+    return property(get)
+
+
+class ProcessesMixin:
+    """Part of `ndparallel.Accelerator`: its process and mesh surface."""
+
+    state: AcceleratorState
+    mesh: ParallelMesh
+
+    # ---- processes ------------------------------------------------------------------------------------------------
+    device = property(lambda self: self.state.device, doc="This process's device.")
+    num_processes = property(lambda self: self.state.num_processes)
+    process_index = property(lambda self: self.state.process_index)
+    local_process_index = property(lambda self: self.state.local_process_index)
+    is_main_process = property(lambda self: self.state.is_main_process)
+    is_local_main_process = property(lambda self: self.state.is_local_main_process)
+    is_last_process = property(lambda self: self.state.is_last_process)
+    use_distributed = property(lambda self: self.state.use_distributed)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def multi_device(self) -> bool:
+        """Accelerate's: several processes doing plain data parallelism on accelerators (not FSDP)."""
+        return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.state.is_fsdp2
+
+    is_composable_parallelism_enabled = is_fsdp2
+
+    # ---- the mesh -------------------------------------------------------------------------------------------------
+    @property
+    def torch_device_mesh(self):
+        """The world `DeviceMesh`: a dimension for each axis of more than one rank, and every view spanning more than
+        one rank by name (Accelerate's ``dp``, ``dp_shard_cp``, ``dp_cp``; ndparallel's ``batch``, ``fsdp``, ``loss``);
+        ``accelerator.mesh[name]`` answers every view name."""
+        return self.mesh.world
+
+    dp_replicate_rank, dp_replicate_size = _axis_property("dp_replicate", "rank"), _axis_property("dp_replicate", "size")
+    dp_shard_rank, dp_shard_size = _axis_property("dp_shard", "rank"), _axis_property("dp_shard", "size")
+    cp_rank, cp_size = _axis_property("cp", "rank"), _axis_property("cp", "size")
+    sp_rank, sp_size = _axis_property("sp", "rank"), _axis_property("sp", "size")
+    tp_rank, tp_size = _axis_property("tp", "rank"), _axis_property("tp", "size")
+    # Accelerate's names: data_parallel_rank is the coordinate along dp_replicate, data_parallel_shard_rank along
+    # dp_shard (the coordinate among all ranks with distinct samples is mesh.rank("batch")).
+    data_parallel_rank = _axis_property("dp_replicate", "rank")
+    data_parallel_shard_rank = _axis_property("dp_shard", "rank")
+    tensor_parallel_rank = _axis_property("tp", "rank")
+    context_parallel_rank = _axis_property("cp", "rank")
+    sequence_parallel_rank = _axis_property("sp", "rank")
+    data_parallel_size = _axis_property("batch", "size")  # dp_replicate * dp_shard, ParallelismConfig's meaning
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise NotImplementedError("pipeline parallelism is not available in this version of ndparallel")
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process takes part in saving the model: every process does (`save_model` and `save_state` are
+        collective; only the main process writes what is not sharded)."""
+        return True
+
+    # ---- process control --------------------------------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager:
+        return self.state.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager:
+        return self.state.local_main_process_first()
+
+    def on_main_process(self, function: Callable | None = None) -> Callable:
+        return self.state.on_main_process(function)
+
+    def on_local_main_process(self, function: Callable | None = None) -> Callable:
+        return self.state.on_local_main_process(function)
+
+    def on_last_process(self, function: Callable | None = None) -> Callable:
+        return self.state.on_last_process(function)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
+        return self.state.on_process(function, process_index)
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
+        return self.state.on_local_process(function, local_process_index)
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
+        """This process's share of `inputs` over every process (`ndparallel.state.PartialState`)."""
+        return self.state.split_between_processes(inputs, apply_padding)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on the local main process only."""
+        self.state.print(*args, **kwargs)

@@ -1,0 +1,193 @@
+"""The Accelerator's settings, resolved once from its arguments and the environment, before any collective.
+
+Arguments win; a setting left unset is read from what a launcher exported: ``ndparallel launch``'s ``NDPARALLEL_*``
+first, then ``accelerate launch``'s (``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``,
+``ACCELERATE_USE_CPU``, ``ACCELERATE_USE_FSDP`` with the ``FSDP_*`` plugin fields, ``PARALLELISM_CONFIG_*``). Every
+check on user input happens here and raises on every rank alike, so nothing reaches a collective with bad input.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from ..checkpoint import ProjectConfiguration
+from ..config import (
+    ACCUMULATION_ENV,
+    MIXED_PRECISION,
+    MIXED_PRECISION_ENV,
+    SIZE_FIELDS,
+    ParallelismConfig,
+    size_env_var,
+)
+from ..loss import LOSS_WEIGHTINGS
+from ..plugins import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    parse_bool,
+)
+from ..runtime import CPU_ENV, env_flag
+
+HANDLERS = (InitProcessGroupKwargs, DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs,
+            GradientAccumulationPlugin)
+# Accelerate's arguments for engines ndparallel does not use: refused when given, with what to use instead.
+FOREIGN_PLUGINS = {
+    "deepspeed_plugin": "DeepSpeed is not used: ZeRO-3 is FSDP2 (dp_shard_size), Ulysses is sp_size",
+    "deepspeed_plugins": "DeepSpeed is not used: ZeRO-3 is FSDP2 (dp_shard_size), Ulysses is sp_size",
+    "megatron_lm_plugin": "Megatron-LM is not used: tensor parallelism is tp_size (ParallelismConfig)",
+    "torch_tp_plugin": "tensor parallelism is ParallelismConfig(tp_size=..., tp_handler=TorchTensorParallelConfig())",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    parallelism: ParallelismConfig  # sizes may still hold one -1: resolved against the world size later
+    fsdp_plugin: FullyShardedDataParallelPlugin | None
+    mixed_precision: str
+    accumulation_steps: int
+    sync_each_batch: bool
+    cpu: bool
+    device_placement: bool
+    project: ProjectConfiguration
+    dataloader: DataLoaderConfiguration
+    step_scheduler_with_optimizer: bool
+    loss_weighting: str
+    log_with: Any
+    process_group: dict[str, Any] = field(default_factory=dict)  # timeout / backend for torch.distributed
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+    scaler_kwargs: dict[str, Any] = field(default_factory=dict)
+    autocast_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _typed(name: str, value: Any, kind: type) -> Any:
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _env_choice(environ: Mapping[str, str], *names: str) -> tuple[str | None, str]:
+    for name in names:
+        if environ.get(name, "") != "":
+            return environ[name], f"${name}"
+    return None, ""
+
+
+def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, gradient_accumulation_steps: Any,
+            cpu: bool, device_placement: bool, project_dir: Any, project_config: Any, dataloader_config: Any,
+            split_batches: Any, gradient_accumulation_plugin: Any, kwargs_handlers: Any, log_with: Any,
+            step_scheduler_with_optimizer: bool, loss_weighting: str, rng_types: Any, dynamo_backend: Any,
+            dynamo_plugin: Any, foreign: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:
+    """Every argument of `Accelerator.__init__` checked and combined with the environment (see the module doc)."""
+    environ = os.environ if environ is None else environ
+    for name, value in foreign.items():
+        if value is not None:
+            raise ValueError(f"Accelerator({name}=...) is not supported: {FOREIGN_PLUGINS[name]}")
+    if dynamo_plugin is not None or (dynamo_backend is not None and str(dynamo_backend).lower() != "no"):
+        raise ValueError("Accelerator(dynamo_backend=/dynamo_plugin=): compilation is not offered by this version of "
+                         "ndparallel; leave them unset")
+    if rng_types is not None:
+        warnings.warn("Accelerator(rng_types=...) is ignored: prepared data loaders seed every random sampler alike "
+                      "on all ranks at each pass, and other generators stay per rank", stacklevel=4)
+    if loss_weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss_weighting must be one of {list(LOSS_WEIGHTINGS)}, got {loss_weighting!r}")
+    _typed("parallelism_config", parallelism_config, ParallelismConfig)
+    _typed("fsdp_plugin", fsdp_plugin, FullyShardedDataParallelPlugin)
+    _typed("project_config", project_config, ProjectConfiguration)
+    _typed("dataloader_config", dataloader_config, DataLoaderConfiguration)
+    _typed("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
+
+    # ---- kwargs handlers: at most one of each kind ----
+    handlers: dict[type, KwargsHandler] = {}
+    for handler in kwargs_handlers or ():
+        kind = next((k for k in HANDLERS if isinstance(handler, k)), None)
+        if kind is None:
+            raise TypeError(f"kwargs_handlers: unsupported handler {type(handler).__name__}; ndparallel takes "
+                            f"{[k.__name__ for k in HANDLERS]}")
+        if kind in handlers:
+            raise ValueError(f"kwargs_handlers: more than one {kind.__name__}")
+        handlers[kind] = handler
+    if gradient_accumulation_plugin is not None:
+        if GradientAccumulationPlugin in handlers:
+            raise ValueError("pass the GradientAccumulationPlugin once: as gradient_accumulation_plugin= or in "
+                             "kwargs_handlers, not both")
+        handlers[GradientAccumulationPlugin] = gradient_accumulation_plugin
+
+    # ---- mixed precision, accumulation, cpu ----
+    where = "mixed_precision"
+    if mixed_precision is None:
+        mixed_precision, where = _env_choice(environ, MIXED_PRECISION_ENV, "ACCELERATE_MIXED_PRECISION")
+        mixed_precision = mixed_precision or "no"
+    mixed_precision = str(getattr(mixed_precision, "value", mixed_precision)).lower()  # Accelerate's PrecisionType
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"{where} must be one of {list(MIXED_PRECISION)}, got {mixed_precision!r}")
+    plugin = handlers.get(GradientAccumulationPlugin)
+    steps, where = gradient_accumulation_steps, "gradient_accumulation_steps"
+    if plugin is not None and plugin.num_steps is not None:
+        if steps not in (None, 1, plugin.num_steps):
+            raise ValueError(f"gradient_accumulation_steps={steps} and GradientAccumulationPlugin(num_steps="
+                             f"{plugin.num_steps}) disagree; set one of them")
+        steps, where = plugin.num_steps, "GradientAccumulationPlugin.num_steps"
+    if steps is None:
+        raw, where = _env_choice(environ, ACCUMULATION_ENV, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+        try:
+            steps = int(raw) if raw is not None else 1
+        except ValueError:
+            raise ValueError(f"{where} must be an int >= 1, got {raw!r}") from None
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"{where} must be an int >= 1, got {steps!r}")
+    if steps < 1:
+        raise ValueError(f"{where} must be an int >= 1, got {steps!r}")
+    cpu = bool(cpu) or env_flag(CPU_ENV) or env_flag("ACCELERATE_USE_CPU")
+
+    # ---- layout and FSDP plugin ----
+    if fsdp_plugin is not None or parse_bool(environ.get("ACCELERATE_USE_FSDP", "false"), "$ACCELERATE_USE_FSDP"):
+        fsdp_plugin = FullyShardedDataParallelPlugin.from_env(fsdp_plugin, environ)
+    if parallelism_config is None:
+        launched = any(environ.get(var) for f in SIZE_FIELDS
+                       for var in (size_env_var(f), "PARALLELISM_CONFIG_" + f.upper()))
+        # As Accelerate: no layout at all is FSDP sharding over every process when an FSDP plugin is on, else DDP.
+        parallelism_config = (ParallelismConfig() if launched else ParallelismConfig(dp_shard_size=-1)
+                              if fsdp_plugin is not None else ParallelismConfig(dp_replicate_size=-1))
+    parallelism = ParallelismConfig.from_env(parallelism_config, environ)
+    if all(size == 1 for size in parallelism.sizes().values()):  # Accelerate: all ones is DDP over every process
+        parallelism = ParallelismConfig.from_env(ParallelismConfig(
+            dp_replicate_size=-1, tp_handler=parallelism.tp_handler, cp_handler=parallelism.cp_handler), {})
+
+    # ---- data loaders and projects ----
+    dataloader = dataloader_config or DataLoaderConfiguration()
+    if split_batches is not None:
+        if dataloader_config is not None and dataloader_config.split_batches != split_batches:
+            raise ValueError("split_batches= and dataloader_config.split_batches disagree; set one of them")
+        dataloader = DataLoaderConfiguration(**{**dataloader.__dict__, "split_batches": bool(split_batches)})
+    project = project_config or ProjectConfiguration()
+    if project_dir is not None:
+        project.set_directories(project_dir)
+
+    process_group: dict[str, Any] = {}
+    if InitProcessGroupKwargs in handlers:
+        init = handlers[InitProcessGroupKwargs]
+        if init.timeout is not None:
+            process_group["timeout"] = init.timeout if isinstance(init.timeout, timedelta) else timedelta(
+                seconds=init.timeout)
+        if init.backend is not None:
+            process_group["backend"] = init.backend
+    return Settings(
+        parallelism=parallelism, fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision, accumulation_steps=steps,
+        sync_each_batch=bool(plugin and plugin.sync_each_batch), cpu=cpu, device_placement=bool(device_placement),
+        project=project, dataloader=dataloader, step_scheduler_with_optimizer=bool(step_scheduler_with_optimizer),
+        loss_weighting=loss_weighting, log_with=log_with, process_group=process_group,
+        ddp_kwargs=handlers[DistributedDataParallelKwargs].to_kwargs() if DistributedDataParallelKwargs in handlers
+        else {},
+        scaler_kwargs=handlers[GradScalerKwargs].to_kwargs() if GradScalerKwargs in handlers else {},
+        autocast_kwargs=handlers[AutocastKwargs].to_kwargs() if AutocastKwargs in handlers else {},
+    )

@@ -1,0 +1,37 @@
+"""``model.save_pretrained(dir)`` on a prepared Hugging Face model: full weights, whatever the layout.
+
+transformers' own ``save_pretrained`` reads the parameters of this process, which are shards (DTensors) under FSDP2
+or TP: it fails, or would write a shard. `prepare` replaces it on such a model with one that first gathers the full
+weights (`export.get_state_dict`: collective, the full state on the main process) and hands them to transformers'
+writer (``state_dict=``, ``is_main_process=``), so config.json, the safetensors shards and their index are what
+transformers writes and ``from_pretrained`` loads. Like `Accelerator.save_model` it is collective: call it on every
+process, as Accelerate's example does. A ``state_dict`` given by the caller (Accelerate's idiom:
+``state_dict=accelerator.get_state_dict(model)``) is written as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .export import get_state_dict
+
+
+def install_save_pretrained(model: nn.Module, unwrapped: nn.Module) -> None:
+    """Give `unwrapped` (a Hugging Face model whose parameters `model` shards) a collective ``save_pretrained``."""
+    original = getattr(unwrapped, "save_pretrained", None)
+    if original is None or not any(isinstance(p, DTensor) for p in unwrapped.parameters()):
+        return
+
+    @functools.wraps(original)
+    def save_pretrained(save_directory: Any, *args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+        if state_dict is None:
+            state_dict = get_state_dict(model)  # collective: the full state on the main process, {} elsewhere
+            kwargs["is_main_process"] = not dist.is_initialized() or dist.get_rank() == 0
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    unwrapped.save_pretrained = save_pretrained

@@ -1,0 +1,361 @@
+"""Accelerate's plugin and settings objects: `FullyShardedDataParallelPlugin`, `GradientAccumulationPlugin`,
+`DataLoaderConfiguration` and the kwargs handlers (`InitProcessGroupKwargs`, `DistributedDataParallelKwargs`,
+`GradScalerKwargs`, `AutocastKwargs`), with Accelerate's field names.
+
+As `ParallelismConfig`, constructors read no environment: `FullyShardedDataParallelPlugin.from_env` fills the fields
+a plugin leaves unset from the ``FSDP_*`` variables ``accelerate launch`` exports (the Accelerator calls it). Fields
+that mean nothing for FSDP2 (``sharding_strategy``, ``backward_prefetch``, ``use_orig_params``, ...) are accepted and
+ignored with one warning, as Accelerate does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from .config import parse_dtype
+
+AUTO_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+# Accelerate's FSDP1 fields: accepted, warned about once, then ignored (FSDP2 has no such setting).
+FSDP1_ONLY = ("sharding_strategy", "backward_prefetch", "state_dict_config", "optim_state_dict_config",
+              "limit_all_gathers", "use_orig_params", "param_init_fn", "sync_module_states", "forward_prefetch")
+FSDP_ENV_PREFIX = "FSDP_"
+TRUE_STRINGS, FALSE_STRINGS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(value: Any, what: str) -> bool:
+    """A bool from a bool or a string such as "true" / "False" / "1" (how launchers and YAML files spell them)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in TRUE_STRINGS + FALSE_STRINGS:
+        return value.strip().lower() in TRUE_STRINGS
+    raise TypeError(f"{what} must be a bool (or 'true' / 'false'), got {value!r}")
+
+
+def _enum_name(value: Any) -> Any:
+    """``StateDictType.FULL_STATE_DICT`` -> "FULL_STATE_DICT"; anything else unchanged."""
+    return value.name if isinstance(value, enum.Enum) else value
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    """Settings of FSDP2 (`torch.distributed.fsdp.fully_shard`), with every field of Accelerate's plugin.
+
+    - fsdp_version: 2 (FSDP1 is refused).
+    - auto_wrap_policy: "transformer_based_wrap" (default: each transformer block, then the root),
+      "size_based_wrap" (every module holding at least `min_num_params` parameters not already wrapped, bottom-up),
+      "no_wrap" (the root only), or a callable ``policy(module=, recurse=False, nonwrapped_numel=)`` as torch's FSDP1
+      wrap policies take. Accelerate's upper-case spellings work.
+    - transformer_cls_names_to_wrap: block class names (a list or a comma-separated string); default: the model's
+      ``_no_split_modules``. min_num_params: for "size_based_wrap" (0 means no wrapping, as in Accelerate).
+    - reshard_after_forward: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2); a bool or
+      "true"/"false".
+    - mixed_precision_policy: a ``MixedPrecisionPolicy``, a dict of its fields (dtypes may be "bf16"...), a dtype
+      name, or None to derive it from the Accelerator's ``mixed_precision`` (compute in it, reduce in fp32).
+    - cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU; a bool, "true"/"false",
+      ``CPUOffloadPolicy`` (on) or ``OffloadPolicy()`` (off).
+    - activation_checkpointing: recompute each wrapped block's activations in backward.
+    - ignored_modules: modules (or a regex over module names) whose parameters FSDP leaves alone.
+    - state_dict_type: how `save_state` writes models and optimizers: "SHARDED_STATE_DICT" (each rank its shards,
+      with torch.distributed.checkpoint) or "FULL_STATE_DICT" (rank 0 gathers and writes one file each); torch's
+      ``StateDictType`` enum works too.
+    - cpu_ram_efficient_loading: accept models whose parameters are on the meta device in ``prepare`` and load
+      their weights after sharding (see `ndparallel.checkpoint.pretrained`).
+    - FSDP1's settings (`FSDP1_ONLY`): accepted, ignored with one warning.
+    """
+
+    fsdp_version: int | None = None
+    sharding_strategy: Any = None
+    reshard_after_forward: bool | str | None = None
+    backward_prefetch: Any = None
+    mixed_precision_policy: Any = None
+    auto_wrap_policy: str | Callable[..., bool] | None = None
+    cpu_offload: Any = None
+    ignored_modules: Any = None
+    state_dict_type: Any = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
+    limit_all_gathers: bool | None = None
+    use_orig_params: bool | None = None
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None
+    sync_module_states: bool | None = None
+    forward_prefetch: bool | None = None
+    activation_checkpointing: bool | None = None
+    cpu_ram_efficient_loading: bool | None = None
+    transformer_cls_names_to_wrap: list[str] | str | None = None
+    min_num_params: int | None = None
+    # Fields left unset (None) when the plugin was built: their defaults, or what `from_env` reads for them.
+    unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.unset = frozenset(f.name for f in dataclasses.fields(self) if f.init and getattr(self, f.name) is None)
+        if self.fsdp_version is None:
+            self.fsdp_version = 2
+        if isinstance(self.fsdp_version, str) and self.fsdp_version.isdigit():
+            self.fsdp_version = int(self.fsdp_version)
+        if self.fsdp_version != 2:
+            raise ValueError(
+                f"fsdp_version={self.fsdp_version!r} is not supported: ndparallel uses FSDP2 (fully_shard) only; "
+                "set fsdp_version=2"
+            )
+        ignored = [name for name in FSDP1_ONLY if getattr(self, name) is not None
+                   and not (name == "backward_prefetch" and str(_enum_name(self.backward_prefetch)).upper()
+                            == "NO_PREFETCH")]
+        if ignored:
+            warnings.warn(f"FullyShardedDataParallelPlugin: {', '.join(ignored)} mean(s) nothing for FSDP2 and "
+                          "are ignored", stacklevel=3)
+        self.reshard_after_forward = parse_bool(
+            True if self.reshard_after_forward is None else self.reshard_after_forward, "reshard_after_forward")
+        self.auto_wrap_policy = self._parse_wrap_policy(self.auto_wrap_policy)
+        if isinstance(self.transformer_cls_names_to_wrap, str):
+            self.transformer_cls_names_to_wrap = [
+                name.strip() for name in self.transformer_cls_names_to_wrap.split(",") if name.strip()
+            ]
+        if self.min_num_params is not None:
+            if isinstance(self.min_num_params, str) and self.min_num_params.isdigit():
+                self.min_num_params = int(self.min_num_params)
+            if isinstance(self.min_num_params, bool) or not isinstance(self.min_num_params, int) \
+                    or self.min_num_params < 0:
+                raise ValueError(f"min_num_params must be an int >= 0, got {self.min_num_params!r}")
+        if self.auto_wrap_policy == "size_based_wrap" and not self.min_num_params:
+            self.auto_wrap_policy = "no_wrap"  # Accelerate: a size-based policy with min_num_params 0 wraps nothing
+        self.cpu_offload = self._parse_offload(self.cpu_offload)
+        for name in ("activation_checkpointing", "cpu_ram_efficient_loading"):
+            value = getattr(self, name)
+            setattr(self, name, parse_bool(False if value is None else value, name))
+        self.set_state_dict_type(self.state_dict_type)
+        if isinstance(self.ignored_modules, str):
+            try:
+                re.compile(self.ignored_modules)
+            except re.error as exc:
+                raise ValueError(f"ignored_modules={self.ignored_modules!r} is not a valid regex: {exc}") from None
+        elif self.ignored_modules is not None:
+            self.ignored_modules = self._module_list(self.ignored_modules)
+        self.mixed_precision_policy = self._parse_mp_policy(self.mixed_precision_policy)
+
+    # ---- Accelerate's methods -----------------------------------------------------------------------------------
+    def set_state_dict_type(self, state_dict_type: Any = None) -> None:
+        """Change how `save_state` writes models and optimizers (e.g. train sharded, save the last one full)."""
+        value = _enum_name(state_dict_type) if state_dict_type is not None else "SHARDED_STATE_DICT"
+        value = value.upper() if isinstance(value, str) else value
+        if value not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={value!r} is not one of {list(STATE_DICT_TYPES)} (FSDP2 has no "
+                             "LOCAL_STATE_DICT)")
+        self.state_dict_type = value
+
+    @classmethod
+    def from_env(cls, plugin: FullyShardedDataParallelPlugin | None = None,
+                 environ: Mapping[str, str] | None = None) -> FullyShardedDataParallelPlugin:
+        """`plugin` (default: all fields unset) with each field it left unset read from ``FSDP_<FIELD>`` as
+        ``accelerate launch`` exports them (``FSDP_VERSION``, ``FSDP_AUTO_WRAP_POLICY``, ``FSDP_OFFLOAD_PARAMS``,
+        ``FSDP_TRANSFORMER_CLS_TO_WRAP``...)."""
+        environ = os.environ if environ is None else environ
+        base = cls() if plugin is None else plugin
+        given = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+        for name, var in _FSDP_ENV.items():
+            raw = environ.get(FSDP_ENV_PREFIX + var, "")
+            if name in base.unset and raw != "":
+                given[name] = raw
+        with warnings.catch_warnings():
+            if plugin is not None:  # the plugin warned already about what it was given
+                warnings.simplefilter("ignore")
+            return cls(**given)
+
+    # ---- parsing ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _parse_wrap_policy(policy: Any) -> str | Callable[..., bool]:
+        if policy is None:
+            return "transformer_based_wrap"
+        if callable(policy):
+            return policy
+        if isinstance(policy, str) and policy.lower() in AUTO_WRAP_POLICIES:
+            return policy.lower()
+        raise ValueError(f"auto_wrap_policy={policy!r} is not supported; use one of {list(AUTO_WRAP_POLICIES)} or a "
+                         "callable policy(module=, recurse=, nonwrapped_numel=)")
+
+    @staticmethod
+    def _parse_offload(value: Any) -> bool:
+        if value is None:
+            return False
+        if isinstance(value, OffloadPolicy):  # CPUOffloadPolicy subclasses OffloadPolicy, which means "no offload"
+            return type(value).__name__ == "CPUOffloadPolicy"
+        if hasattr(value, "offload_params"):  # FSDP1's CPUOffload
+            return bool(value.offload_params)
+        return parse_bool(value, "cpu_offload")
+
+    @staticmethod
+    def _module_list(value: Any) -> list[torch.nn.Module]:
+        usage = "ignored_modules must be a regex over module names (a str) or an iterable of nn.Module objects"
+        if isinstance(value, torch.nn.Module):
+            return [value]
+        try:
+            modules = list(value)
+        except TypeError:
+            raise TypeError(f"{usage}, got {type(value).__name__} {value!r}") from None
+        bad = [m for m in modules if not isinstance(m, torch.nn.Module)]
+        if bad:
+            raise TypeError(f"{usage}; these are not modules: {bad!r} (to select by name, pass one regex string)")
+        return modules
+
+    @staticmethod
+    def _parse_mp_policy(policy: Any) -> MixedPrecisionPolicy | None:
+        if policy is None or isinstance(policy, MixedPrecisionPolicy):
+            return policy
+        if isinstance(policy, (str, torch.dtype)):
+            dtype = parse_dtype(policy, "mixed_precision_policy")
+            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if isinstance(policy, dict):
+            valid = {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
+            unknown = sorted(set(policy) - valid)
+            if unknown:
+                raise ValueError(f"mixed_precision_policy: unknown field(s) {unknown}; valid: {sorted(valid)}")
+            kwargs = {k: (parse_dtype(v, f"mixed_precision_policy.{k}") if k.endswith("dtype") else v)
+                      for k, v in policy.items()}
+            return MixedPrecisionPolicy(**kwargs)
+        raise TypeError(
+            "mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields, a dtype name or None; "
+            f"got {type(policy).__name__}"
+        )
+
+
+# Plugin field -> the FSDP_* variable `accelerate launch` exports for it.
+_FSDP_ENV = {
+    "fsdp_version": "VERSION", "reshard_after_forward": "RESHARD_AFTER_FORWARD",
+    "sharding_strategy": "SHARDING_STRATEGY", "backward_prefetch": "BACKWARD_PREFETCH",
+    "cpu_offload": "OFFLOAD_PARAMS", "state_dict_type": "STATE_DICT_TYPE", "auto_wrap_policy": "AUTO_WRAP_POLICY",
+    "transformer_cls_names_to_wrap": "TRANSFORMER_CLS_TO_WRAP", "min_num_params": "MIN_NUM_PARAMS",
+    "use_orig_params": "USE_ORIG_PARAMS", "sync_module_states": "SYNC_MODULE_STATES",
+    "forward_prefetch": "FORWARD_PREFETCH", "activation_checkpointing": "ACTIVATION_CHECKPOINTING",
+    "ignored_modules": "IGNORED_MODULES", "cpu_ram_efficient_loading": "CPU_RAM_EFFICIENT_LOADING",
+}
+
+
+# ---- the other settings objects -------------------------------------------------------------------------------------
+class KwargsHandler:
+    """Base of the objects passed in ``Accelerator(kwargs_handlers=[...])``: each configures one thing."""
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields that differ from their defaults."""
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """How the process group is started: its ``timeout`` for collectives (a `timedelta` or seconds) and ``backend``
+    (None: NCCL on GPUs, gloo on CPUs). ``init_method`` is accepted for Accelerate's sake; launchers set it."""
+
+    backend: str | None = None
+    init_method: str | None = None
+    timeout: timedelta | float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
+            self.timeout = timedelta(seconds=self.timeout)
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            raise TypeError(f"InitProcessGroupKwargs.timeout must be a timedelta or seconds, got {self.timeout!r}")
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Arguments of torch's `DistributedDataParallel`, where ndparallel wraps a model in it (plain data parallelism)."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Arguments of the fp16 gradient scaler (`torch.amp.GradScaler`)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    """Arguments of `torch.autocast` where mixed precision runs through it (outside FSDP2)."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+@dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    """Accumulation settings: ``num_steps`` micro-steps per optimizer step; ``sync_with_dataloader``: the end of the
+    data loader ends a window (always so here); ``sync_each_batch``: reduce gradients on every micro-step (less
+    memory, more communication); ``adjust_scheduler``: accepted (the scheduler steps once per optimizer step here)."""
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_steps is not None and (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
+                                           or self.num_steps < 1):
+            raise ValueError(f"GradientAccumulationPlugin.num_steps must be an int >= 1, got {self.num_steps!r}")
+        if not self.sync_with_dataloader:
+            raise ValueError("GradientAccumulationPlugin(sync_with_dataloader=False) is not supported: a window that "
+                             "spans two passes over the data would mix epochs; leave it True")
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How prepared data loaders split and deliver batches (Accelerate's fields).
+
+    - split_batches: the loader's batch is the *global* batch, split over the ranks of ``batch`` (its size must
+      divide); False (default): each rank draws batches of the loader's size.
+    - even_batches: True (default) pads a partial last global batch with samples from the start, so every rank gets
+      a batch (``gather_for_metrics`` drops the repeats); False gives the ranks what is left, unevenly.
+    - use_seedable_sampler / data_seed: every random sampler draws from a generator seeded alike on all ranks
+      (always so here); ``data_seed`` fixes that seed.
+    - non_blocking: copy batches to the device asynchronously (with ``pin_memory=True`` loaders).
+    - dispatch_batches, use_stateful_dataloader: accepted; None/False only (each rank reads its own batches, and
+      prepared loaders checkpoint their position themselves).
+    """
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dispatch_batches:
+            raise ValueError("DataLoaderConfiguration(dispatch_batches=True) is not supported: every rank reads its own "
+                             "share of the data; leave dispatch_batches unset")
+
+
+__all__ = [
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+]
