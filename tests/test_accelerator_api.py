@@ -91,3 +91,33 @@ def _optimizer_follows_the_sharded_parameters() -> bool:
 
 def test_an_optimizer_built_before_prepare_is_remapped_to_the_sharded_parameters():
     assert run_ranks(_optimizer_follows_the_sharded_parameters, 2) == [True, True]
+
+
+def _prepare_after_free_memory() -> tuple[str, int]:
+    from torch.utils.data import DataLoader
+
+    from ndparallel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    loader = DataLoader(list(range(4)), batch_size=2)
+    accelerator.prepare(loader)
+    try:
+        accelerator.prepare(loader)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    taken = 0
+    for _ in range(50):
+        accelerator.free_memory()
+        loader = DataLoader(list(range(4)), batch_size=2)
+        accelerator.prepare(loader)
+        taken += 1
+    return refused, taken
+
+
+def test_an_object_is_refused_only_while_it_was_prepared_already():
+    """prepare() refuses a plain object it took before; after free_memory, new objects (which CPython may place at a
+    freed object's address, so with the same id) are taken again."""
+    for refused, taken in run_ranks(_prepare_after_free_memory, 1):
+        assert "argument 0 (a DataLoader) is already prepared" in refused
+        assert taken == 50

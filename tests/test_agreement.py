@@ -242,3 +242,55 @@ def test_init_process_group_kwargs_sets_the_collective_timeout():
     seconds, message, configured = results[0]
     assert configured == results[1][2] == 1.5
     assert 1.4 <= seconds < 4 and "Timed out" in message, (seconds, message)
+
+
+def _mismatched_collectives(rank_1: str) -> tuple[tuple[str, str] | None, float]:
+    """Rank 0 calls accelerator.reduce; rank 1 calls accelerator.gather (`rank_1` "gather") or is busy elsewhere
+    ("busy") -- the gather/reduce under `if accelerator.is_main_process:` case."""
+    import torch.distributed as dist
+
+    from ndparallel import Accelerator, InitProcessGroupKwargs
+
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(
+        seconds=1.5))])
+    store = dist.distributed_c10d._get_default_store()
+    accelerator.wait_for_everyone()
+    started = time.perf_counter()
+    if accelerator.process_index == 0:
+        out = outcomes({"x": lambda: accelerator.reduce(torch.ones(2))})["x"]
+        seconds = time.perf_counter() - started
+        store.wait(["test/done"], datetime.timedelta(seconds=30))  # this rank hosts the store: wait for rank 1
+        return out, seconds
+    if rank_1 == "gather":
+        out = outcomes({"x": lambda: accelerator.gather(torch.ones(1))})["x"]
+    else:
+        time.sleep(4)
+        out = None
+    seconds = time.perf_counter() - started
+    store.set("test/done", "1")
+    return out, seconds
+
+
+def test_a_gather_and_a_reduce_that_do_not_meet_name_each_rank_and_its_call():
+    (kind, message), seconds = (first := run_ranks(_mismatched_collectives, 2, "gather", timeout=60))[0]
+    assert kind == "CollectiveTimeoutError", message
+    assert message.startswith("reduce: the collective over ranks 0-1 failed after 1.5 s (RuntimeError: "), message
+    assert "Timed out" in message and "): rank 0 in 'reduce'; rank 1 in 'gather'.\n  rank 0 (" in message, message
+    assert "): in 'reduce' (its collective call #1, for " in message and "): in 'gather' (its collective call #1, " \
+        in message, message
+    assert "\nThe ranks called different collectives: call gather / reduce in the same order on every rank" in message
+    assert 1.5 <= seconds < 1.5 + 1.0, "both ranks report at once: no grace period to wait for"
+    (kind, message), _ = first[1]
+    assert kind == "CollectiveTimeoutError" and message.startswith("gather: the collective over ranks 0-1 failed")
+    assert "rank 0 in 'reduce'; rank 1 in 'gather'." in message, message
+
+
+def test_a_reduce_that_another_rank_skips_names_the_rank_that_did_not_report():
+    (kind, message), seconds = run_ranks(_mismatched_collectives, 2, "busy", timeout=60)[0]
+    assert kind == "CollectiveTimeoutError", message
+    assert message.startswith("reduce: the collective over ranks 0-1 failed after 1.5 s (RuntimeError: "), message
+    assert "): rank 0 in 'reduce'; rank 1 did not report.\n  rank 0 (" in message, message
+    assert "): did not report being in a gather/reduce; last passed monitored call 'wait_for_everyone' (" in message
+    assert "\nA rank that did not report is busy outside the library's collectives (raise the timeout" in message
+    assert "skipped this call (a gather / reduce under `if accelerator.is_main_process:`" in message
+    assert 1.5 + 1.0 <= seconds < 1.5 + 1.0 + 1.5, "the timeout, then a grace period of max(1 s, timeout / 10)"

@@ -31,7 +31,7 @@ def running(pid: int) -> bool:
     """Alive and not a zombie (an orphan's zombie may wait for a reaper that a container lacks)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone (ProcessLookupError: reaped while reading)
         return False
 
 

@@ -5,18 +5,26 @@ only, a stale file, a different batch size computed from the host, a ``save_stat
 alone, such ranks hang in a collective, crash with a transport error ("Connection reset by peer"), or -- worst --
 train silently apart. This module turns each into an error that names the cause, on every rank, in bounded time:
 
-- `check_agreement(fingerprint, what)`: every rank contributes a small JSON-able fingerprint of what must agree,
-  compared with one small collective (a 64-bit digest per rank); only when they differ are the fingerprints
+- `check_agreement(fingerprint, what)`: every rank contributes a small JSON-able fingerprint of what must agree; a
+  64-bit digest of it rides on one `monitored_barrier` named `what` (no collective of the backend: the barrier
+  alone costs about as much, see benchmarks/agreement.py); only when the digests differ are the fingerprints
   gathered (``all_gather_object``; long lists as a digest, and in full only when they differ), and every rank
-  raises the same ValueError naming the fields, the ranks and their values.
+  raises the same ValueError naming the fields, the ranks and their values. The Accelerator runs it at
+  construction and at each ``prepare``, nothing per step.
 - fingerprint helpers for what must agree: `accelerator_fingerprint` (parallelism config, plugin, mixed precision,
   accumulation, versions), `model_fingerprint` (parameter and buffer names, shapes, dtypes),
   `optimizer_fingerprint` (type, parameter groups and hyperparameters), `dataloader_fingerprint` (batch size,
   dataset length, sampler kind), `prepare_fingerprint` (all of the objects given to one ``prepare``).
-- `monitored_barrier(name, timeout)`: a barrier through the default process group's store (so the same on gloo and
-  NCCL) that, when ranks reach *different* named calls, fails at once, and when some rank does not arrive within
-  `timeout`, fails on every rank that did -- saying which ranks arrived, which did not, and the last named call each
-  rank was in, with the likely cause.
+- `monitored_barrier(name, timeout, digest=None)`: a barrier through the default process group's store (so the
+  same on gloo and NCCL) that, when ranks reach *different* named calls, fails at once, and when some rank does not
+  arrive within `timeout`, fails on every rank that did -- saying which ranks arrived, which did not, and the last
+  named call each rank was in, with the likely cause; it also tells every rank whether all gave the same `digest`.
+  The library's collective entry points (``Accelerator(...)``, ``prepare``, ``save_state``, ``load_state``,
+  ``wait_for_everyone``) enter through one.
+- `watched(call, ranks)`: around the per-step collectives (the Accelerator's gather, reduce, reduce_loss,
+  gather_for_metrics, ...), which cannot afford a barrier: nothing but a local record while they work; when the
+  backend's timeout fires, the ranks that are in one post which to the store, and each raises
+  `CollectiveTimeoutError` naming the call every rank was in and the ranks that posted nothing.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ import math
 import platform
 import socket
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -138,32 +147,45 @@ def _first_difference(lists: dict[int, Any]) -> str:
     return "; ".join(notes)
 
 
-def check_agreement(fingerprint: dict[str, Any], what: str, group: dist.ProcessGroup | None = None) -> None:
-    """Collective over `group` (default: every rank): raise the same ValueError on every rank if the ranks'
-    fingerprints differ, naming each differing field with the ranks and their values. Nothing happens in a world
-    of one or before torch.distributed is initialised.
+def check_agreement(fingerprint: dict[str, Any], what: str, group: dist.ProcessGroup | None = None,
+                    timeout: datetime.timedelta | float | None = None) -> None:
+    """Collective over every rank (or `group`): raise the same ValueError on every rank if the ranks' fingerprints
+    differ, naming each differing field with the ranks and their values. Nothing happens in a world of one or
+    before torch.distributed is initialised.
 
     `fingerprint` is a dict of JSON-able data (`jsonable` is applied); nested dicts are compared field by field
-    (``parallelism.tp_size``). When the ranks agree this costs one all-gather of one int64 per rank. Otherwise the
-    fingerprints are gathered, lists longer than 8 entries as a digest, and those lists in full only when their
-    digests differ, to show the first differing entry. `what` names the call in the message.
+    (``parallelism.tp_size``). `what` names the call in the message. Over every rank (no `group`) the check rides
+    on a `monitored_barrier` named `what` (with its `timeout`) that carries a 64-bit digest of each rank's
+    fingerprint: when the ranks agree it costs that barrier and no collective of the backend. Over a `group`, one
+    all-gather of the digests. Only when they differ are the fingerprints gathered, lists longer than 8 entries as a
+    digest, and those lists in full only when their digests differ, to show the first differing entry.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
-    heartbeat(f"check_agreement: {what}")
-    flat = _flatten(jsonable(fingerprint), "", {})
+    data = jsonable(fingerprint)
+    digest = hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]  # 64 bits, as hex
+    if group is None:
+        if monitored_barrier(what, timeout, digest=digest):
+            return
+    else:
+        heartbeat(f"check_agreement: {what}")
+        size = dist.get_world_size(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
+            else torch.device("cpu")
+        digests = torch.empty(size, dtype=torch.long, device=device)
+        dist.all_gather_into_tensor(digests, torch.tensor([int.from_bytes(bytes.fromhex(digest), "little",
+                                                                          signed=True)], device=device), group=group)
+        if bool((digests == digests[0]).all()):
+            return
+    _disagreement(data, what, group)
+
+
+def _disagreement(data: Any, what: str, group: dist.ProcessGroup | None) -> None:
+    """Collective, on every rank once all know the fingerprints differ: gather them and raise the ValueError."""
+    flat = _flatten(data, "", {})
     compact = {key: _compact(value) for key, value in flat.items()}
     size = dist.get_world_size(group)
-    # One small collective when the ranks agree (the usual case): a 64-bit digest of each rank's fingerprint.
-    digest = hashlib.sha1(json.dumps(compact, sort_keys=True).encode()).digest()[:8]
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
-        else torch.device("cpu")
-    digests = torch.empty(size, dtype=torch.long, device=device)
-    dist.all_gather_into_tensor(digests, torch.tensor([int.from_bytes(digest, "little", signed=True)],
-                                                      dtype=torch.long, device=device), group=group)
-    if bool((digests == digests[0]).all()):
-        return
-    gathered: list[Any] = [None] * size  # they differ: every rank knows, and gathers the fingerprints to say how
+    gathered: list[Any] = [None] * size
     dist.all_gather_object(gathered, compact, group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
     keys = sorted(set().union(*gathered), key=lambda k: (list(flat).index(k) if k in flat else len(flat), k))
@@ -252,11 +274,13 @@ def prepare_fingerprint(objects: Sequence[Any]) -> dict[str, Any]:
 
 # ---- a barrier that says who is missing ------------------------------------------------------------------------------
 _PREFIX = "ndparallel/monitored_barrier/"
+_STATES = {"waiting": "waiting in", "passed": "last passed", "gave up": "gave up waiting in"}
 
 
 class _Barriers:
     store_id: int | None = None
     seq: int = 0
+    failed: ClassVar[set[int]] = set()  # barriers this rank did not pass (on rank 0: "abort" keys to drop)
 
 
 def _store() -> Any:
@@ -278,7 +302,6 @@ def _report(store: Any, world: int, seq: int, name: str | None) -> str:
     at call #`seq` named `name` and which are not."""
     lines, arrived, missing = [], [], []
     where = _where(store, world)
-    states = {"waiting": "waiting in", "passed": "last passed", "gave up": "gave up waiting in"}
     for rank in range(world):
         entry = where.get(rank)
         at_this = entry is not None and entry[0] == seq
@@ -289,12 +312,12 @@ def _report(store: Any, world: int, seq: int, name: str | None) -> str:
             lines.append(f"rank {rank} ({entry[3]}): {entry[1]!r}")
         else:
             ago = "" if at_this else f", {time.time() - entry[4]:.0f} s ago"
-            lines.append(f"rank {rank} ({entry[3]}): {states[entry[2]]} {entry[1]!r} (its call #{entry[0]}{ago})")
+            lines.append(f"rank {rank} ({entry[3]}): {_STATES[entry[2]]} {entry[1]!r} (its call #{entry[0]}{ago})")
     head = f"{_ranks(arrived)} arrived; {_ranks(missing)} did not:\n  " if name is not None and arrived else ""
     return head + "\n  ".join(lines)
 
 
-def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = None) -> None:
+def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = None, digest: str | None = None) -> bool:
     """Collective over every rank: wait until every rank has called ``monitored_barrier`` with the same `name` as
     its same-numbered monitored call -- or raise `CollectiveTimeoutError`:
 
@@ -306,22 +329,43 @@ def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = No
       the last monitored call each of those was in; a rank that arrives after that fails at once with the same
       message (it does not pass a barrier the others have given up on).
 
-    It goes through the default process group's store (a few small requests per rank), not through a collective
-    of the backend, so it works alike on gloo and NCCL and nothing can hang in it past `timeout`. A no-op in a world
-    of one or before torch.distributed is initialised.
+    Returns whether every rank gave the same `digest` (a string; `check_agreement` passes one of its fingerprint),
+    the same answer on every rank: True when none was given. It goes through the default process group's store, not
+    through a collective of the backend, so it works alike on gloo and NCCL and nothing can hang in it past
+    `timeout`; a digest costs no request of its own (see `_barrier`). A no-op returning True in a world of one or
+    before torch.distributed is initialised.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
+        return True
     timeout = resolve_timeout(timeout)
     heartbeat(name)
     store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
     if _Barriers.store_id != id(store):
-        _Barriers.store_id, _Barriers.seq = id(store), 0
+        _Barriers.store_id, _Barriers.seq, _Barriers.failed = id(store), 0, set()
     seq = _Barriers.seq
     _Barriers.seq += 1
+    try:
+        return _barrier(store, rank, world, seq, name, timeout, digest or "")
+    except CollectiveTimeoutError:
+        _Barriers.failed.add(seq)
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store itself failed: its host (rank 0 or the launcher) is gone
+        raise CollectiveTimeoutError(
+            f"monitored_barrier({name!r}): lost the rendezvous store ({type(exc).__name__}: {exc}); the process "
+            "hosting it (rank 0, or its `ndparallel launch`) probably died: see that rank's output") from None
+
+
+def _barrier(store: Any, rank: int, world: int, seq: int, name: str, timeout: datetime.timedelta,
+             digest: str) -> bool:
+    """Barrier #`seq` in the store. Each rank: says where it is; claims the call's name and digest, or reads the
+    first rank's; counts itself in -- by 1, or by 1 + (world + 1) when its digest differs from the first rank's, so
+    that the count modulo world + 1 counts arrivals and the last rank learns from the quotient whether any digest
+    differed; the last one posts "ok" or "differ" (or a rank that gave up posts "abort"); the others wait for that
+    post and read it. When all goes well that is four requests a rank waits for (three for the last one; "where it
+    is" is not waited for), and rank 0 then drops the keys of the barrier before."""
     key, host = f"{_PREFIX}{seq}", socket.gethostname()
 
-    def mark(state: str) -> None:
+    def mark(state: str) -> None:  # a store's set is not waited on
         store.set(f"{_PREFIX}at/{rank}", json.dumps([seq, name, state, host, time.time()]))
 
     def fail(message: str) -> CollectiveTimeoutError:
@@ -329,26 +373,30 @@ def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = No
         return CollectiveTimeoutError(message)
 
     def abort(message: str) -> str:
-        """Post `message` for every rank of this barrier, those waiting and those still to come; return what was
-        decided first: "abort", or "ok" when the last rank arrived just before."""
-        store.set(f"{key}/abort", message)
-        return store.compare_set(f"{key}/done", "", "abort").decode()
+        """Post "abort" and `message` for every rank of this barrier, those waiting and those still to come, unless
+        the last rank arrived just before; return what was decided first: "abort", "ok" or "differ"."""
+        decided = store.compare_set(f"{key}/done", "", "abort").decode()
+        if decided == "abort":  # the first to abort posts its message; readers' get waits for it
+            store.compare_set(f"{key}/abort", "", message)
+        return decided
 
-    try:
-        mark("waiting")
-        if rank == 0 and seq >= 2:  # every rank has left barrier seq-2 (they all reached seq-1): drop its keys
-            for suffix in ("", "/name", "/done", "/abort"):
-                store.delete_key(f"{_PREFIX}{seq - 2}{suffix}")
-        first = store.compare_set(f"{key}/name", "", name).decode()
-        if first != name:
-            message = (f"monitored_barrier: the ranks reached different collective calls as their call #{seq} "
-                       f"({' / '.join(repr(n) for n in sorted({first, name}))}). A collective call made on some ranks "
-                       "only -- e.g. save_state or wait_for_everyone under `if accelerator.is_main_process:` -- leaves "
-                       "the others behind: call it on every rank.\n  " + _report(store, world, seq, None))
-            abort(message)
-            raise fail(message)
-        if store.add(key, 1) == world:  # the last to arrive opens the barrier, unless a rank gave up before
-            store.compare_set(f"{key}/done", "", "ok")
+    def posted() -> bytes:  # "done" exists: compare_set with an expected value it never has reads it in one request
+        return store.compare_set(f"{key}/done", "\0", "\0")
+
+    mark("waiting")
+    first, first_digest = json.loads(store.compare_set(f"{key}/name", "", json.dumps([name, digest])))
+    if first != name:
+        message = (f"monitored_barrier: the ranks reached different collective calls as their call #{seq} "
+                   f"({' / '.join(repr(n) for n in sorted({first, name}))}). A collective call made on some ranks "
+                   "only -- e.g. save_state or wait_for_everyone under `if accelerator.is_main_process:` -- leaves "
+                   "the others behind: call it on every rank.\n  " + _report(store, world, seq, None))
+        abort(message)
+        raise fail(message)
+    stride = world + 1
+    count = store.add(key, 1 if digest == first_digest else 1 + stride)
+    if count % stride == world:  # the last to arrive opens the barrier, unless a rank gave up before
+        done = store.compare_set(f"{key}/done", "", "ok" if count < stride else "differ")
+    else:
         try:
             store.wait([f"{key}/done"], timeout)
         except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, or RuntimeError on older torch)
@@ -357,17 +405,109 @@ def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = No
                        + _report(store, world, seq, name) + "\nA rank that did not arrive is still working "
                        "(raise the timeout), stuck, or skipped this call (a collective call under `if "
                        "accelerator.is_main_process:`, or an exception on that rank only: see its own output).")
-            if abort(message) != "ok":  # a rank arriving later fails at once with this message
+            if abort(message) == "abort":  # a rank arriving later fails at once with this message
                 raise fail(message) from None
-        if store.get(f"{key}/done") == b"abort":
-            raise fail(store.get(f"{key}/abort").decode())
-        mark("passed")
-    except CollectiveTimeoutError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the store itself failed: its host (rank 0 or the launcher) is gone
-        raise CollectiveTimeoutError(
-            f"monitored_barrier({name!r}): lost the rendezvous store ({type(exc).__name__}: {exc}); the process "
-            "hosting it (rank 0, or its `ndparallel launch`) probably died: see that rank's output") from None
+        done = posted()
+    if done == b"abort":
+        raise fail(store.get(f"{key}/abort").decode())
+    mark("passed")
+    if rank == 0 and seq >= 1:  # every rank has arrived here, so has left barrier seq-1: drop its keys
+        for suffix in ("", "/name", "/done") + (("/abort",) if seq - 1 in _Barriers.failed else ()):
+            store.delete_key(f"{_PREFIX}{seq - 1}{suffix}")
+        _Barriers.failed.discard(seq - 1)
+    return done == b"ok"
+
+
+# ---- gather / reduce: nothing extra while they work, who is where when they fail -------------------------------------
+class _Collectives:
+    seq: int = 0  # this rank's watched calls so far
+
+
+def watched(call: str, ranks: Callable[[], Sequence[int]] | Sequence[int] | None = None,
+            timeout: datetime.timedelta | float | None = None) -> _Watch:
+    """A context manager around one of the Accelerator's per-step collectives (``with watched("reduce", ...):``).
+
+    While the collective works: a local count and `ndparallel.runtime.heartbeat` (about a microsecond, no
+    communication). When the backend raises (a collective timeout -- gloo raises RuntimeError ``Timed out waiting
+    ...`` after the process group's timeout -- or a peer's connection closing), this rank posts where it is to the
+    default store, waits up to a grace period (a tenth of `timeout`, between 1 and 30 s) for the other ranks of the
+    group (`ranks`: their global ranks, or a callable giving them, asked only then; default every rank) to post
+    theirs, and raises `CollectiveTimeoutError` naming the call each rank is in (numbered among that rank's watched
+    calls, so a call made on some ranks only shows as differing numbers) and the ranks that did not post, chained to
+    the backend's error.
+
+    A rank that posts nothing is not in a watched call: busy elsewhere, stuck, or it skipped this call; what it last
+    did in a `monitored_barrier` is shown. A rank that entered its own watched call more than the grace period after
+    this one, and is stuck there, shows as not posting too. On NCCL a collective that never completes is ended by
+    its watchdog, which stops the process rather than raising here: ``ndparallel launch --stall-timeout`` reads the
+    heartbeat then.
+    """
+    return _Watch(call, ranks, timeout)
+
+
+class _Watch:
+    __slots__ = ("call", "ranks", "seq", "started", "timeout")
+
+    def __init__(self, call: str, ranks: Any, timeout: datetime.timedelta | float | None) -> None:
+        self.call, self.ranks, self.timeout = call, ranks, timeout
+
+    def __enter__(self) -> None:
+        _Collectives.seq += 1
+        self.seq, self.started = _Collectives.seq, time.time()
+        heartbeat(self.call)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if exc is None or not isinstance(exc, RuntimeError) or isinstance(exc, torch.OutOfMemoryError) \
+                or not (dist.is_available() and dist.is_initialized()):
+            return False
+        raise CollectiveTimeoutError(self._message(exc)) from exc
+
+    def _message(self, exc: BaseException) -> str:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ranks = sorted(self.ranks() if callable(self.ranks) else (self.ranks or range(world)))
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        head = (f"{self.call}: the collective over {_ranks(ranks)} failed after {time.time() - self.started:.1f} s "
+                f"({error[:300]})")
+        try:
+            store, host = _store(), socket.gethostname()
+            store.set(f"{_PREFIX}failed/{rank}", json.dumps([self.seq, self.call, host, self.started]))
+            grace = min(max(resolve_timeout(self.timeout).total_seconds() / 10, 1.0), 30.0)
+            keys = {r: f"{_PREFIX}failed/{r}" for r in ranks}
+            deadline = time.monotonic() + grace  # polled: the store's own wait logs a warning when it times out
+            while not store.check(list(keys.values())) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            posted = {r: json.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
+            barriers = _where(store, world)
+        except Exception as lost:  # noqa: BLE001 - the store's host (rank 0 or the launcher) is gone
+            return f"{head}; the rendezvous store is gone too ({type(lost).__name__}: {lost}): see rank 0's output"
+        lines, silent = [], []
+        for r in ranks:
+            if r in posted:
+                seq, call, host, started = posted[r]
+                lines.append(f"rank {r} ({host}): in {call!r} (its collective call #{seq}, for "
+                             f"{time.time() - started:.1f} s)")
+                continue
+            silent.append(r)
+            entry = barriers.get(r)
+            last = "has made no monitored call" if entry is None else (
+                f"{_STATES[entry[2]]} monitored call {entry[1]!r} ({time.time() - entry[4]:.0f} s ago)")
+            where = f" ({entry[3]})" if entry is not None else ""
+            lines.append(f"rank {r}{where}: did not report being in a gather/reduce; {last}")
+        calls: dict[str, list[int]] = {}
+        for r in sorted(posted):
+            calls.setdefault(repr(posted[r][1]), []).append(r)
+        summary = "; ".join(f"{_ranks(rs)} in {call}" for call, rs in calls.items())
+        summary += f"; {_ranks(silent)} did not report" if silent else ""
+        hints = []
+        if len(calls) > 1:
+            hints.append("the ranks called different collectives: call gather / reduce in the same order on every "
+                         "rank of the group")
+        if silent:
+            hints.append("a rank that did not report is busy outside the library's collectives (raise the timeout: "
+                         "NDPARALLEL_TIMEOUT / InitProcessGroupKwargs(timeout=...)), stuck, or skipped this call (a "
+                         "gather / reduce under `if accelerator.is_main_process:`, or an exception on that rank only: "
+                         "see its own output)")
+        return f"{head}: {summary}.\n  " + "\n  ".join(lines) + "".join(f"\n{h[0].upper()}{h[1:]}." for h in hints)
 
 
 __all__ = [
@@ -381,5 +521,6 @@ __all__ = [
     "optimizer_fingerprint",
     "prepare_fingerprint",
     "versions",
+    "watched",
 ]
 

@@ -1,16 +1,20 @@
 """Collectives for metrics and logging: gather along ``batch``, reduce over ``loss``, the exact logged loss, padding,
-and Accelerate's trigger (`ndparallel.operations` does the work)."""
+and Accelerate's trigger (`ndparallel.operations` does the work). Each runs inside `ndparallel.agreement.watched`:
+nothing extra while it works; when the backend fails (the process-group timeout) a `CollectiveTimeoutError` says
+which rank was in which call and which ranks were elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import operations
+from .. import agreement, operations
 from ..loss import GradientState
 from ..mesh import ParallelMesh
+from ..state import AcceleratorState
 
 
 class CollectivesMixin:
@@ -19,25 +23,35 @@ class CollectivesMixin:
     mesh: ParallelMesh
     gradient_state: GradientState
     device: torch.device
+    state: AcceleratorState
+
+    def _watched(self, call: str, view: str | None = None) -> contextlib.AbstractContextManager:
+        """`call` watched over the ranks of mesh view `view` (every process without one), with the run's timeout."""
+        ranks = None if view is None else (lambda: self.mesh.ranks(view))
+        return agreement.watched(call, ranks, self.state.runtime.timeout)
 
     def gather(self, tensor: Any) -> Any:
         """Concatenate tensors (or dicts/lists of them) along dim 0 over the ranks with distinct samples (``batch``:
         tensor-, context- and sequence-parallel peers hold the same samples and are not counted twice)."""
-        return operations.gather(tensor, self.mesh, "batch")
+        with self._watched("gather", "batch"):
+            return operations.gather(tensor, self.mesh, "batch")
 
     def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """`gather`, minus the samples repeated to even out the last batch across ranks."""
         drop = self.gradient_state.remainder
         if use_gather_object or not isinstance(data, (torch.Tensor, dict, list, tuple)):
-            parts = operations.gather_object(data, self.mesh, "batch")
+            with self._watched("gather_for_metrics", "batch"):
+                parts = operations.gather_object(data, self.mesh, "batch")
             flat = [x for part in parts for x in (part if isinstance(part, list) else [part])]
             return flat[: len(flat) - drop]
-        gathered = self.gather(data)
+        with self._watched("gather_for_metrics", "batch"):
+            gathered = operations.gather(data, self.mesh, "batch")
         return operations.map_tensors(gathered, lambda t: t[: t.shape[0] - drop]) if drop else gathered
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Sum or average over the ranks whose values are distinct contributions (the ``loss`` view)."""
-        return operations.reduce(tensor, self.mesh, "loss", reduction, scale)
+        with self._watched("reduce", "loss"):
+            return operations.reduce(tensor, self.mesh, "loss", reduction, scale)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The global loss of this optimizer step, for logging. Collective.
@@ -50,12 +64,15 @@ class CollectivesMixin:
         ranks' and micro-steps' losses, Accelerate's meaning. A float64 scalar tensor, so that summing many ranks' fp32
         losses adds no rounding of its own. See `ndparallel.loss`.
         """
-        sums = operations.reduce(self.gradient_state.log_loss(loss), self.mesh, "loss", "sum")
+        logged = self.gradient_state.log_loss(loss)
+        with self._watched("reduce_loss", "loss"):
+            sums = operations.reduce(logged, self.mesh, "loss", "sum")
         return sums[0] / sums[1]
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
         """Pad tensors along `dim` to the largest size any process has, so they can be gathered. Collective."""
-        return operations.pad_across_processes(tensor, dim, pad_index, pad_first)
+        with self._watched("pad_across_processes"):
+            return operations.pad_across_processes(tensor, dim, pad_index, pad_first)
 
     # ---- Accelerate's trigger: one process asks every process to act (e.g. stop early) -------------------------------
     def set_trigger(self) -> None:
@@ -67,6 +84,7 @@ class CollectivesMixin:
         Collective."""
         flag = torch.tensor([1.0 if getattr(self, "_trigger", False) else 0.0], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag)
+            with self._watched("check_trigger"):
+                dist.all_reduce(flag)
         self._trigger = False
         return bool(flag.item() > 0)

@@ -22,7 +22,7 @@ import contextlib
 import gc
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -55,6 +55,14 @@ from .collectives import CollectivesMixin
 from .processes import ProcessesMixin
 
 _PREPARED_TYPES = (DistributedDataParallel, FSDPModule, AcceleratedOptimizer, PreparedDataLoader, AcceleratedScheduler)
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    """A weak reference to `obj`, or a strong one for the rare object that cannot be referenced weakly."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
@@ -116,10 +124,12 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         self.project_configuration = s.project
         partial = PartialState(s.cpu, **s.process_group)
         # Before the first collective that depends on these settings (the mesh's process groups): ranks whose
-        # settings differ all raise the same error naming them, instead of hanging (ndparallel.agreement).
+        # settings differ all raise the same error naming them, instead of hanging (ndparallel.agreement). One
+        # monitored barrier carrying a digest of the settings; the settings travel only when they differ.
         agreement.check_agreement(agreement.accelerator_fingerprint(
             s.parallelism, s.fsdp_plugin, s.mixed_precision, s.accumulation_steps, device=partial.device.type,
-            dataloader=s.dataloader, loss_weighting=loss_weighting), "Accelerator(...)")
+            dataloader=s.dataloader, loss_weighting=loss_weighting), "Accelerator(...)",
+            timeout=partial.runtime.timeout)
         self.parallelism_config = s.parallelism.resolve(partial.num_processes)
         uses_fsdp = parallel.uses_fsdp(self.parallelism_config, s.fsdp_plugin)
         self.mesh = ParallelMesh(self.parallelism_config, partial.device.type, fsdp=uses_fsdp)
@@ -144,7 +154,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         self.trackers = Trackers(s.log_with, self.project_configuration.logging_dir, self.is_main_process)
         # id(original parameter) -> (weak reference to it, the parameter that replaced it in prepare()).
         self._param_map: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
-        self._taken: set[int] = set()  # ids of the plain objects prepare() has taken, to refuse them a second time
+        # The plain objects prepare() has taken, to refuse them a second time: id -> a weak reference (an id alone
+        # could be reused by a new object once the old one is freed).
+        self._taken: dict[int, Callable[[], Any]] = {}
         checkpoint.announce(s.fsdp_plugin)  # cpu_ram_efficient_loading: tell transformers, as Accelerate does
 
     # ---- settings as properties (Accelerate's names) ------------------------------------------------------------
@@ -186,15 +198,16 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         kinds = [None if isinstance(obj, _PREPARED_TYPES) else self._kind(i, obj) for i, obj in enumerate(args)]
         seen: set[int] = set()
         for i, obj in enumerate(args):  # the same plain object twice would be wrapped twice: refused
-            if kinds[i] is not None and (id(obj) in self._taken or id(obj) in seen):
+            taken = self._taken.get(id(obj))
+            if kinds[i] is not None and ((taken is not None and taken() is obj) or id(obj) in seen):
                 raise ValueError(f"prepare(): argument {i} (a {type(obj).__name__}) is already prepared; pass each "
                                  "plain object to prepare() once")
             seen.add(id(obj))
         # Every rank here, with the same objects, before prepare's first collective (DDP and FSDP broadcast or shard
-        # parameters, the data loader's seed is broadcast): a mismatch raises the same error everywhere.
-        agreement.monitored_barrier("prepare", self.state.runtime.timeout)
-        agreement.check_agreement(agreement.prepare_fingerprint(
-            [obj for obj, kind in zip(args, kinds) if kind is not None]), "prepare()")
+        # parameters, the data loader's seed is broadcast): one monitored barrier carrying a digest of the objects;
+        # a rank missing, or in another call, or with other objects raises the same error everywhere.
+        plain = [obj for obj, kind in zip(args, kinds) if kind is not None]
+        agreement.check_agreement(agreement.prepare_fingerprint(plain), "prepare()", timeout=self.state.runtime.timeout)
         out = list(args)
         for kind in ("model", "optimizer", "dataloader", "scheduler"):
             for i, obj in enumerate(args):
@@ -203,7 +216,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
                     if kind in ("model", "dataloader") and device_placement is not None:
                         extra["device_placement"] = device_placement[i]
                     out[i] = getattr(self, f"prepare_{kind}")(obj, **extra)
-                    self._taken.add(id(obj))  # only once prepared: a failed prepare() may be retried
+                    self._taken[id(obj)] = _weak(obj)  # only once prepared: a failed prepare() may be retried
         return out[0] if len(out) == 1 else tuple(out)
 
     @staticmethod
@@ -502,6 +515,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
                      self.prepared.dataloaders):
             kept.clear()
         self._param_map.clear()
+        self._taken.clear()
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
