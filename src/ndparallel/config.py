@@ -87,7 +87,8 @@ class TorchTensorParallelConfig:
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, dict):
-            raise TypeError(f"TorchTensorParallelConfig.plan must be a dict of pattern -> style, got {type(self.plan).__name__}")
+            raise TypeError("TorchTensorParallelConfig.plan must be a dict of pattern -> style, got "
+                            f"{type(self.plan).__name__}")
         if self.enable_async_tp:
             warnings.warn("TorchTensorParallelConfig(enable_async_tp=True): asynchronous tensor parallelism is not "
                           "supported; ignoring it", stacklevel=3)

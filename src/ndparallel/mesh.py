@@ -133,7 +133,8 @@ class ParallelMesh:
         shard inside), else the 1-D ``fsdp`` view. Needs the mesh built with ``fsdp=True`` where fsdp has one rank."""
         if self._data_parallel is None:
             if self._views["fsdp"] is None:
-                raise ValueError("FSDP2 over a one-rank fsdp view needs the mesh built with ParallelMesh(..., fsdp=True)")
+                raise ValueError("FSDP2 over a one-rank fsdp view needs the mesh built with "
+                                 "ParallelMesh(..., fsdp=True)")
             if self.size("dp_replicate") > 1:
                 self._data_parallel = self._concatenate(("dp_replicate", "fsdp"))
             else:

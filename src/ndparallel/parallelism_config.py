@@ -1,4 +1,4 @@
-"""`ndparallel.parallelism_config`: Accelerate's module path of `ParallelismConfig` (its home is `ndparallel.config`)."""
+"""`ndparallel.parallelism_config`: Accelerate's module path of `ParallelismConfig` (home: `ndparallel.config`)."""
 
 from .config import ParallelismConfig
 

@@ -345,8 +345,8 @@ class DataLoaderConfiguration:
 
     def __post_init__(self) -> None:
         if self.dispatch_batches:
-            raise ValueError("DataLoaderConfiguration(dispatch_batches=True) is not supported: every rank reads its own "
-                             "share of the data; leave dispatch_batches unset")
+            raise ValueError("DataLoaderConfiguration(dispatch_batches=True) is not supported: every rank reads its "
+                             "own share of the data; leave dispatch_batches unset")
 
 
 __all__ = [

@@ -439,7 +439,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         before any collective.
         """
         if buffers is not None and buffer_seq_dims is not None and len(buffers) != len(buffer_seq_dims):
-            raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} buffer_seq_dims")
+            raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} "
+                             "buffer_seq_dims")
         if self.sequence_sharding is None:
             yield
             return

@@ -58,7 +58,8 @@ class ProcessesMixin:
         ``accelerator.mesh[name]`` answers every view name."""
         return self.mesh.world
 
-    dp_replicate_rank, dp_replicate_size = _axis_property("dp_replicate", "rank"), _axis_property("dp_replicate", "size")
+    dp_replicate_rank = _axis_property("dp_replicate", "rank")
+    dp_replicate_size = _axis_property("dp_replicate", "size")
     dp_shard_rank, dp_shard_size = _axis_property("dp_shard", "rank"), _axis_property("dp_shard", "size")
     cp_rank, cp_size = _axis_property("cp", "rank"), _axis_property("cp", "size")
     sp_rank, sp_size = _axis_property("sp", "rank"), _axis_property("sp", "size")

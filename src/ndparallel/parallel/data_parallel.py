@@ -59,7 +59,8 @@ def _ignored_params(model: nn.Module, ignored) -> set[nn.Parameter]:
     return {p for m in modules for p in m.parameters()}
 
 
-def mixed_precision_policy(plugin: FullyShardedDataParallelPlugin | None, dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+def mixed_precision_policy(plugin: FullyShardedDataParallelPlugin | None,
+                           dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     """The plugin's policy when it sets one; else compute in `dtype`, reduce gradients in fp32."""
     if plugin is not None and plugin.mixed_precision_policy is not None:
         return plugin.mixed_precision_policy

@@ -133,11 +133,12 @@ class SequenceSharding:
         if not buffers:
             raise ValueError(
                 f"maybe_context_parallel() with {self.sizes} needs the batch's sequence tensors: pass "
-                "buffers=[batch['input_ids'], batch['shift_labels'], batch['position_ids']] and buffer_seq_dims=[1, 1, 1]"
+                "buffers=[batch['input_ids'], batch['shift_labels'], batch['position_ids']] and "
+                "buffer_seq_dims=[1, 1, 1]"
             )
         if seq_dims is None:
-            raise ValueError("maybe_context_parallel(buffers=...) needs buffer_seq_dims: the sequence dimension of each "
-                             "buffer, e.g. [1, 1, 1] for [batch, seq] tensors")
+            raise ValueError("maybe_context_parallel(buffers=...) needs buffer_seq_dims: the sequence dimension of "
+                             "each buffer, e.g. [1, 1, 1] for [batch, seq] tensors")
         for i, buf in enumerate(buffers):
             if not isinstance(buf, torch.Tensor):
                 raise TypeError(f"maybe_context_parallel: buffers[{i}] is a {type(buf).__name__}, not a tensor")
