@@ -154,18 +154,25 @@ def _distribute_params(module: nn.Module, mesh, placements: dict[str, Placement]
             requires_grad=param.requires_grad))
 
 
+def _distribute_conv1d(style: ColwiseParallel | RowwiseParallel, kind: str, module: nn.Module, device_mesh):
+    """`style` (colwise or rowwise) applied to transformers' Conv1D, whose weight is stored ``(in, out)``: the
+    parameters placed by `param_placements` for `kind`, inputs and outputs converted as `style` does."""
+
+    def partition(_name, mod, mesh):
+        _distribute_params(mod, mesh, param_placements(mod, kind, False), style.src_data_rank)
+
+    return distribute_module(module, device_mesh, partition,
+                             lambda mod, inputs, mesh: style._prepare_input_fn(
+                                 style.input_layouts, style.desired_input_layouts, mod, inputs, mesh),
+                             lambda mod, outputs, mesh: style._prepare_output_fn(
+                                 style.output_layouts, style.use_local_output, mod, outputs, mesh))
+
+
 class _Conv1DColwise(ColwiseParallel):
     """`ColwiseParallel` for transformers' Conv1D: weight ``(in, out)`` split on dim 1, bias on dim 0."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def partition(_name, mod, mesh):
-            _distribute_params(mod, mesh, param_placements(mod, "colwise", False), self.src_data_rank)
-
-        return distribute_module(module, device_mesh, partition,
-                                 lambda mod, inputs, mesh: self._prepare_input_fn(
-                                     self.input_layouts, self.desired_input_layouts, mod, inputs, mesh),
-                                 lambda mod, outputs, mesh: self._prepare_output_fn(
-                                     self.output_layouts, self.use_local_output, mod, outputs, mesh))
+        return _distribute_conv1d(self, "colwise", module, device_mesh)
 
 
 class _Conv1DRowwise(RowwiseParallel):
@@ -173,15 +180,7 @@ class _Conv1DRowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
-
-        def partition(_name, mod, mesh):
-            _distribute_params(mod, mesh, param_placements(mod, "rowwise", False), self.src_data_rank)
-
-        return distribute_module(module, device_mesh, partition,
-                                 lambda mod, inputs, mesh: self._prepare_input_fn(
-                                     self.input_layouts, self.desired_input_layouts, mod, inputs, mesh),
-                                 lambda mod, outputs, mesh: self._prepare_output_fn(
-                                     self.output_layouts, self.use_local_output, mod, outputs, mesh))
+        return _distribute_conv1d(self, "rowwise", module, device_mesh)
 
 
 class _GatherSequence(ParallelStyle):
