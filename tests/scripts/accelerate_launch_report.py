@@ -2,6 +2,7 @@
 Accelerate script does, with no arguments), prepare a small model, and print the settings it got as one JSON line."""
 
 import json
+import sys
 
 import torch
 
@@ -21,5 +22,8 @@ record = {
     "cp_strategy": accelerator.parallelism_config.cp_handler.cp_comm_strategy,
     "model": type(model).__name__,
 }
-print("RESULT " + json.dumps(record), flush=True)
+# One write of the whole line: with several ranks on one pipe (and PYTHONUNBUFFERED), print's separate write of
+# the newline lets two ranks' lines run together.
+sys.stdout.write("RESULT " + json.dumps(record) + "\n")
+sys.stdout.flush()
 accelerator.end_training()

@@ -23,6 +23,9 @@ record = {
     "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     "sizes": {k: v for k, v in ParallelismConfig.from_env().to_dict().items() if k.endswith("_size")},
 }
-print("RESULT " + json.dumps(record), flush=True)
+# One write of the whole line: with several ranks on one pipe (and PYTHONUNBUFFERED), print's separate write of
+# the newline lets two ranks' lines run together.
+sys.stdout.write("RESULT " + json.dumps(record) + "\n")
+sys.stdout.flush()
 if args.fail_rank == rank:
     sys.exit(args.exit_code)
