@@ -8,11 +8,15 @@ its traceback; the parent re-raises the first failure and kills every rank that 
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +39,8 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, result
         del os.environ[key]
     os.environ.update(env)
     torch.set_num_threads(1)
+    # A rank that crashes in native code prints its Python stack (to the real stderr: capsys's has no file number).
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
     try:
         payload = (rank, True, pickle.dumps(fn(*args)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
@@ -63,14 +69,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(out) < world_size:
             try:
-                rank, ok, payload = results.get(timeout=timeout)
+                rank, ok, payload = results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(out))
-                raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout:.0f} s "
-                                   "(a collective probably hangs)") from None
+                # A rank that died without a result (a native crash, a kill) fails the test now, by name,
+                # instead of leaving its peers blocked in a collective until the timeout.
+                dead = [(r, procs[r].exitcode) for r in missing if procs[r].exitcode not in (None, 0)]
+                if dead:
+                    raise AssertionError("rank(s) died without a result: " + ", ".join(
+                        f"rank {r} exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+                        for r, code in dead))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout:.0f} s "
+                                       "(a collective probably hangs)") from None
+                continue
             if not ok:
                 raise AssertionError(f"rank {rank} of {world_size} failed:\n{payload}")
             out[rank] = pickle.loads(payload)
