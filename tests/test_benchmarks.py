@@ -147,3 +147,24 @@ def test_a_failing_layout_keeps_the_others_results(tmp_path, monkeypatch):
     assert [r["layout"]["name"] for r in saved["results"]] == ["fsdp2"]
     assert "hand-written attention broke" in saved["failures"]["cp"]
     assert "hand-written attention broke" in (tmp_path / "results.md").read_text()
+
+
+def _gpu_program_on_cpu(out: str) -> dict:
+    import gpu
+
+    return gpu.main(["--device", "cpu", "--seq-lens", "32", "64", "--repeats", "1", "--model-layers", "1",
+                     "--model-hidden", "64", "--train-seq-len", "32", "--train-steps", "4", "--attention-heads", "4",
+                     "2", "--out", out])
+
+
+def test_gpu_benchmark_program_runs_on_cpu(tmp_path):
+    """benchmarks/gpu.py is run on GPU machines only when one is lent: its logic is checked here with tiny sizes
+    on CPU (`--device cpu`), so a GPU session spends its time on figures, not on fixing the program."""
+    result = run_ranks(_gpu_program_on_cpu, 1, str(tmp_path))[0]
+    assert [row["seq_len"] for row in result["attention"]] == [32, 64]
+    assert all(row["block_kernel"] == "cpu_flash" and row["block_s"] > 0 for row in result["attention"])
+    assert [row["activation_checkpointing"] for row in result["training"]] == [False, True]
+    # the library and plain PyTorch trained the same model on the same tokens: their losses are close
+    assert all(abs(row["library_final_loss"] - row["plain_final_loss"]) < 0.05 for row in result["training"])
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| 64 | cpu_flash |" in table and json.loads((tmp_path / "gpu_check.json").read_text())["training"]

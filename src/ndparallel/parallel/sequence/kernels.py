@@ -15,18 +15,27 @@ A block is either full (every query sees every key) or `causal`: a square block 
 sees keys 0..i. Grouped-query attention: key/value may have fewer heads; query head h uses key/value head
 h // (heads / kv_heads), as Hugging Face's ``repeat_kv`` and SDPA's ``enable_gqa`` do.
 
-Backends: on CPU, ATen's fused flash-attention kernel for CPU (the kernel `scaled_dot_product_attention` itself
-picks there; it returns the log-sum-exp and has a backward that accepts the final O and lse); anywhere else, an exact
-implementation from matmuls, tiled over query rows so that no more than `TILE_ELEMENTS` scores exist at a time,
-with softmax statistics in fp32 (fp64 for fp64 inputs). Setting ``BACKEND = "math"`` forces the latter (tests do).
+Backends (`choose_backend`, the choice SDPA itself would make for the block):
+- CPU: ATen's fused flash-attention kernel for CPU (what ``scaled_dot_product_attention`` runs there; it returns the
+  log-sum-exp and its backward accepts the final O and lse).
+- CUDA: ATen's flash-attention op and its backward for fp16/bf16 on sm80+ with head dims that are multiples of 8 up
+  to 256 (GQA native); else the memory-efficient (cutlass) op and its backward for fp16/bf16/fp32 with aligned head
+  dims (GQA by repeating K/V heads, their gradients summed back); else the math backend.
+- Anything else (fp64 on CUDA, other devices, odd head dims): an exact implementation from matmuls, tiled over query
+  rows so that no more than `TILE_ELEMENTS` scores exist at a time, with softmax statistics in fp32 (fp64 for fp64
+  inputs).
+Setting ``BACKEND`` to ``"math"`` forces the matmul implementation (tests do); ``"flash"`` or ``"efficient"`` force
+that CUDA kernel and raise where it does not apply.
 """
 
 from __future__ import annotations
 
 import torch
 
-BACKEND = "auto"  # "auto": fused where available, else math; "math": always the matmul implementation
+BACKEND = "auto"  # "auto": as `choose_backend`; "math", "flash", "efficient": that backend (see the docstring)
 TILE_ELEMENTS = 1 << 22  # scores per tile of the math backend (16 MiB in fp32)
+BACKENDS = ("cpu_flash", "flash", "efficient", "math")
+_LSE_ALIGN = 32  # the memory-efficient CUDA kernel pads its log-sum-exp rows to a multiple of this
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -34,9 +43,71 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return (BACKEND == "auto" and q.device.type == "cpu"
-            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+# ---- which kernel runs a block ---------------------------------------------------------------------------------------
+def _flash_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str | None:
+    """Why CUDA's flash-attention op cannot run these inputs, or None if it can."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention needs fp16 or bf16 inputs, got {dtype}"
+    if capability < (8, 0):
+        return f"flash attention needs a GPU of compute capability 8.0 or newer, got {capability}"
+    if head_dim % 8 or head_dim > 256:
+        return f"flash attention needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
+    return None
+
+
+def _efficient_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str | None:
+    """Why CUDA's memory-efficient attention op cannot run these inputs, or None if it can."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"memory-efficient attention needs fp16, bf16 or fp32 inputs, got {dtype}"
+    if capability < ((8, 0) if dtype == torch.bfloat16 else (5, 0)):
+        return f"memory-efficient attention in {dtype} is not built for compute capability {capability}"
+    align = 4 if dtype == torch.float32 else 8
+    if head_dim % align:
+        return f"memory-efficient attention in {dtype} needs a head dim that is a multiple of {align}, got {head_dim}"
+    return None
+
+
+_CUDA_REASONS = {"flash": _flash_reason, "efficient": _efficient_reason}
+
+
+def choose_backend(device_type: str, dtype: torch.dtype, head_dim: int,
+                   capability: tuple[int, int] | None = None, forced: str | None = None) -> str:
+    """The kernel for blocks of these inputs: one of `BACKENDS` (see the module docstring).
+
+    `capability`: the CUDA device's compute capability (needed for ``device_type="cuda"``). `forced` (default: the
+    module's ``BACKEND``) picks one; a forced CUDA kernel that cannot run the inputs raises ValueError saying why.
+    """
+    forced = BACKEND if forced is None else forced
+    if forced not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown attention block backend {forced!r}: use one of {['auto', *BACKENDS]}")
+    if forced == "math":
+        return "math"
+    if device_type == "cpu":
+        if forced not in ("auto", "cpu_flash"):
+            raise ValueError(f"the {forced!r} attention kernel runs on CUDA only, not on {device_type}")
+        fused = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+        return "cpu_flash" if fused else "math"
+    if device_type != "cuda":
+        if forced != "auto":
+            raise ValueError(f"the {forced!r} attention kernel does not run on {device_type}")
+        return "math"
+    if capability is None:
+        raise ValueError("choose_backend needs the CUDA device's compute capability")
+    if forced != "auto":
+        reason = _CUDA_REASONS.get(forced)
+        why = reason(dtype, head_dim, capability) if reason else "it does not run on CUDA"
+        if why:
+            raise ValueError(f"cannot use the {forced!r} attention kernel: {why}")
+        return forced
+    for name, reason in _CUDA_REASONS.items():
+        if reason(dtype, head_dim, capability) is None:
+            return name
+    return "math"
+
+
+def _backend(q: torch.Tensor) -> str:
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return choose_backend(q.device.type, q.dtype, q.shape[-1], capability)
 
 
 # ---- math backend: queries of a K/V head folded into rows, tiled ----------------------------------------------------
@@ -99,25 +170,76 @@ def _math_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     return _heads(dq, heads), dk, dv
 
 
+# ---- CUDA kernels: ATen's ops on [B, H, n, D] ---------------------------------------------------------------------
+def _flash_forward(q, k, v, scale: float, causal: bool):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def _flash_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+    # No dropout: the random-state arguments are placeholders the kernel does not read.
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
+        causal, seed, offset, scale=scale)
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    b, h, m, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, m, d).sum(2)
+
+
+def _efficient_forward(q, k, v, scale: float, causal: bool):
+    heads = q.shape[1]
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, True, 0.0, causal, scale=scale)
+    return out, lse[:, :, :q.shape[2]]  # its rows are padded to a multiple of _LSE_ALIGN
+
+
+def _efficient_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+    heads, kv_heads, n = q.shape[1], k.shape[1], q.shape[2]
+    padded = torch.nn.functional.pad(lse.contiguous(), (0, -n % _LSE_ALIGN))  # the layout its forward returned
+    placeholder = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: no random state is read
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, out.contiguous(), padded,
+        placeholder, placeholder, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _sum_kv(dk, kv_heads), _sum_kv(dv, kv_heads)
+
+
+def _cpu_forward(q, k, v, scale: float, causal: bool):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+_KERNELS = {"cpu_flash": (_cpu_forward, _cpu_backward), "flash": (_flash_forward, _flash_backward),
+            "efficient": (_efficient_forward, _efficient_backward), "math": (_math_forward, _math_backward)}
+
+
 # ---- the interface ----------------------------------------------------------------------------------------------
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(O_b, lse_b) of queries [B, H, n, D] against keys/values [B, Hkv, m, D] (``causal`` needs m == n)."""
-    if _fused(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse
-    return _math_forward(q, k, v, scale, causal)
+    return _KERNELS[_backend(q)][0](q, k, v, scale, causal)
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's (dQ, dK, dV), in the accumulator dtype, given the final output `out` and log-sum-exp `lse`."""
-    if _fused(q):
-        acc = acc_dtype(q)
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(acc), 0.0, causal, scale=scale)
-        return tuple(g.to(acc) for g in grads)  # type: ignore[return-value]
-    return _math_backward(dout, q, k, v, out, lse, scale, causal)
+    backend, acc = _backend(q), acc_dtype(q)
+    if backend == "math":
+        return _math_backward(dout, q, k, v, out, lse, scale, causal)
+    # The fused kernels take gradients and outputs in the inputs' dtype, the log-sum-exp in fp32.
+    grads = _KERNELS[backend][1](dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(acc), scale, causal)
+    return tuple(g.to(acc) for g in grads)  # type: ignore[return-value]
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,

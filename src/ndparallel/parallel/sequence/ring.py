@@ -78,8 +78,10 @@ class _RingAttention(torch.autograd.Function):
                 _chunk(dq, j, n).add_(g[0])
                 _chunk(dk, i, n).add_(g[1])
                 _chunk(dv, i, n).add_(g[2])
-            # The accumulators follow their block: after `size` hops they are back with the block's owner.
-            grads = Ring.finish(ring.start(grads, _GRAD_TAG))
+            # The accumulators follow their block: after `size` hops they are back with the block's owner (on a
+            # one-rank group, where they never left).
+            if layout.size > 1:
+                grads = Ring.finish(ring.start(grads, _GRAD_TAG))
             if pending is not None:
                 block, owner = Ring.finish(pending), (owner - 1) % layout.size
         return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None, None

@@ -1,0 +1,239 @@
+"""One-GPU figures: CP/SP attention's block path against SDPA's fused kernel, and training through the library
+against plain PyTorch. Prints one table and writes it (Markdown) and the raw figures (JSON) to --out.
+
+    python benchmarks/gpu.py [--out gpu_check_out] [--seq-lens 8192 32768 131072] [--model-layers 16]
+    bash scripts/gpu_check.sh            # the GPU test tier, then this
+
+(a) Attention, forward + backward, bf16, batch 1, 32 query heads / 8 K/V heads, head dim 128, causal. The block
+    path is ring attention over a one-rank group with the load-balanced layout -- two chunks: a causal block for
+    each and a full block between them, merged by log-sum-exp -- i.e. exactly the kernels and merges one rank of a
+    context-parallel group runs, with nothing to communicate. SDPA runs on the whole sequence (it picks its fused
+    kernel). Medians of --repeats timed runs after a warm-up; peak memory above what the inputs hold.
+(b) Training a Llama of about 1B parameters (random init from a config; hidden 2048, 16 layers, 32/8 heads,
+    vocabulary 32000), bf16 autocast with fp32 master weights, AdamW, sequence 4096, batch 1, activation
+    checkpointing off and on: `Accelerator.prepare` on one process against the same loop in plain PyTorch.
+    Tokens/s (median step after warm-up), their ratio, and MFU against this GPU's *measured* bf16 matmul rate
+    (8192^3 matmuls), also reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measured_bf16_peak(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    n = n if device.type == "cuda" else 256  # --device cpu only checks that the program runs
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def timed(fn, repeats: int, device: torch.device) -> tuple[float, int]:
+    """(median seconds, peak bytes allocated above the level before the first call; 0 off CUDA) of `fn()`."""
+    fn()  # warm-up (kernel selection, allocator)
+    sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), (torch.cuda.max_memory_allocated(device) - base) if cuda else 0
+
+
+# ---- (a) attention -------------------------------------------------------------------------------------------------
+def attention_rows(seq_lens: list[int], repeats: int, device: torch.device, heads: int = 32,
+                   kv_heads: int = 8) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from ndparallel.parallel.sequence import SequenceLayout, kernels
+    from ndparallel.parallel.sequence.ring import ring_attention
+
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if cuda else None)
+    rows = []
+    try:
+        for seq in seq_lens:
+            g = torch.Generator(device).manual_seed(seq)
+            q, dout = (torch.randn(1, heads, seq, 128, device=device, generator=g, dtype=torch.bfloat16)
+                       for _ in range(2))
+            k, v = (torch.randn(1, kv_heads, seq, 128, device=device, generator=g, dtype=torch.bfloat16)
+                    for _ in range(2))
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            layout = SequenceLayout(seq, 1, 0, load_balance=True)
+            scale = 128 ** -0.5
+
+            def block_path():
+                ring_attention(*leaves, layout, dist.group.WORLD, True, scale).backward(dout)
+
+            def sdpa():
+                F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True).backward(dout)
+
+            block_s, block_mem = timed(block_path, repeats, device)
+            sdpa_s, sdpa_mem = timed(sdpa, repeats, device)
+            backend = kernels.choose_backend(device.type, q.dtype, 128,
+                                             torch.cuda.get_device_capability(device) if cuda else None)
+            rows.append({"seq_len": seq, "block_kernel": backend, "block_s": block_s, "sdpa_s": sdpa_s,
+                         "time_ratio": block_s / sdpa_s, "block_peak_bytes": block_mem, "sdpa_peak_bytes": sdpa_mem,
+                         "memory_ratio": block_mem / max(sdpa_mem, 1)})
+            for t in leaves:
+                t.grad = None
+            print(f"attention {seq:>7}: block path {block_s * 1e3:8.1f} ms, SDPA {sdpa_s * 1e3:8.1f} ms "
+                  f"({block_s / sdpa_s:.2f}x); peak {block_mem / 2**30:.2f} / {sdpa_mem / 2**30:.2f} GiB", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+# ---- (b) training --------------------------------------------------------------------------------------------------
+def llama_1b(layers: int, hidden: int = 2048, seq: int = 4096):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=seq,
+                         use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def train_tokens_per_s(use_library: bool, checkpointing: bool, layers: int, hidden: int, seq: int, steps: int,
+                       device: torch.device) -> tuple[float, float]:
+    """(median tokens/s after 3 warm-up steps, final loss) of `steps` steps on random tokens."""
+    model = llama_1b(layers, hidden, seq)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 32000, (1, seq), generator=g) for _ in range(steps)]
+    if use_library:
+        from ndparallel import Accelerator, FullyShardedDataParallelPlugin
+
+        accelerator = Accelerator(mixed_precision="bf16", fsdp_plugin=FullyShardedDataParallelPlugin(
+            activation_checkpointing=checkpointing))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        backward, context = accelerator.backward, contextlib.nullcontext()  # prepare() casts
+    else:
+        model = model.to(device)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        backward, context = (lambda loss: loss.backward()), torch.autocast(device.type, dtype=torch.bfloat16)
+    model.train()
+    times, loss = [], None
+    for ids in batches:
+        ids = ids.to(device)
+        sync(device)
+        start = time.perf_counter()
+        with context:
+            loss = model(input_ids=ids, labels=ids).loss
+        backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    final = loss.item()
+    if use_library:
+        accelerator.end_training()
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seq / statistics.median(times[3:]), final
+
+
+def training_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.device,
+                  peak: float) -> list[dict[str, Any]]:
+    from ndparallel.metrics import flops_per_token
+
+    per_token = flops_per_token(llama_1b(layers, hidden, seq).config, seq)
+    rows = []
+    for checkpointing in (False, True):
+        plain, plain_loss = train_tokens_per_s(False, checkpointing, layers, hidden, seq, steps, device)
+        lib, lib_loss = train_tokens_per_s(True, checkpointing, layers, hidden, seq, steps, device)
+        rows.append({"activation_checkpointing": checkpointing, "plain_tokens_per_s": plain,
+                     "library_tokens_per_s": lib, "ratio": lib / plain, "plain_mfu": plain * per_token / peak,
+                     "library_mfu": lib * per_token / peak, "plain_final_loss": plain_loss,
+                     "library_final_loss": lib_loss})
+        print(f"training AC={'on' if checkpointing else 'off'}: library {lib:,.0f} tokens/s, plain {plain:,.0f} "
+              f"({lib / plain:.3f}x); MFU {lib * per_token / peak:.1%} / {plain * per_token / peak:.1%}", flush=True)
+    return rows
+
+
+def markdown(info: dict[str, Any], attention: list[dict], training: list[dict]) -> str:
+    lines = [f"GPU check: {info['device']}, torch {info['torch']}, {info['date']}; measured bf16 matmul "
+             f"{info['measured_bf16_tflops']:.0f} TFLOP/s", "",
+             "| seq len | block kernel | block path ms | SDPA ms | time ratio (<= 1.10) | block peak GiB | "
+             "SDPA peak GiB | memory ratio (<= 1.10) |", "|---|---|---|---|---|---|---|---|"]
+    for r in attention:
+        lines.append(f"| {r['seq_len']} | {r['block_kernel']} | {r['block_s'] * 1e3:.1f} | {r['sdpa_s'] * 1e3:.1f} | "
+                     f"{r['time_ratio']:.2f} | {r['block_peak_bytes'] / 2**30:.2f} | "
+                     f"{r['sdpa_peak_bytes'] / 2**30:.2f} | {r['memory_ratio']:.2f} |")
+    lines += ["", "| activation checkpointing | library tokens/s | plain tokens/s | ratio (>= 0.98) | library MFU | "
+              "plain MFU |", "|---|---|---|---|---|---|"]
+    for r in training:
+        lines.append(f"| {'on' if r['activation_checkpointing'] else 'off'} | {r['library_tokens_per_s']:,.0f} | "
+                     f"{r['plain_tokens_per_s']:,.0f} | {r['ratio']:.3f} | {r['library_mfu']:.1%} | "
+                     f"{r['plain_mfu']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model-layers", type=int, default=16, help="16: about 1.1B parameters")
+    p.add_argument("--train-seq-len", type=int, default=4096)
+    p.add_argument("--train-steps", type=int, default=10)
+    p.add_argument("--skip", choices=["attention", "training"], action="append", default=[])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: only checks that the program runs (tests do, with tiny sizes); figures mean nothing")
+    p.add_argument("--model-hidden", type=int, default=2048, help=argparse.SUPPRESS)  # tiny for the CPU check
+    p.add_argument("--attention-heads", type=int, nargs=2, default=[32, 8], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA GPU; none is visible to torch")
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    peak = measured_bf16_peak(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (a program check, not figures)"
+    info = {"device": name, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "measured_bf16_tflops": peak / 1e12}
+    print(f"{info['device']}, torch {info['torch']}: measured bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
+    attention = [] if "attention" in args.skip else attention_rows(args.seq_lens, args.repeats, device,
+                                                                    *args.attention_heads)
+    training = [] if "training" in args.skip else training_rows(args.model_layers, args.model_hidden,
+                                                                 args.train_seq_len, args.train_steps, device, peak)
+    table = markdown(info, attention, training)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_check.md").write_text(table)
+    (args.out / "gpu_check.json").write_text(json.dumps({**info, "attention": attention, "training": training},
+                                                        indent=2))
+    print("\n" + table + f"\nwritten to {args.out}/gpu_check.md and gpu_check.json")
+    return {"info": info, "attention": attention, "training": training}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU check: the GPU test tier (tests/test_gpu.py), then benchmarks/gpu.py's table. Run it on any machine with
+# a CUDA GPU, from the repository root or anywhere:
+#
+#     bash scripts/gpu_check.sh [OUT_DIR]        # default: gpu_check_out
+#
+# It installs nothing: it uses the machine's own torch (a CUDA build), transformers and pytest, and this checkout's
+# source (through PYTHONPATH), and says what is missing. The tests' log, the table (gpu_check.md) and the raw
+# figures (gpu_check.json) go to OUT_DIR; copy the table into docs/gpu.md with the date.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu_check_out}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+python - <<'PY' || exit 2
+import importlib.util, sys
+missing = [m for m in ("torch", "transformers", "pytest") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"gpu_check: missing Python packages: {', '.join(missing)} (this script installs nothing)")
+import torch
+if not torch.cuda.is_available():
+    sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA GPU")
+print(f"gpu_check: {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()}), "
+      f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+PY
+
+python -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt"
+tests_rc=${PIPESTATUS[0]}
+python benchmarks/gpu.py --out "$out" 2>&1 | tee "$out/gpu_benchmark.txt"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu_check: tests exit code $tests_rc, benchmark exit code $bench_rc; results in $out/"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
