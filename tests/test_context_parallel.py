@@ -241,19 +241,24 @@ def _refusals() -> dict[str, tuple[str, str]]:
         ids = _batch()["input_ids"]
         _forward_sharded(acc, llama(), {"input_ids": ids, "labels": ids.clone()})
 
-    def padding_mask():
-        mask = torch.ones(2, 16, dtype=torch.long)
-        mask[:, 0] = 0
-        _forward_sharded(acc, llama(), {**_batch(), "attention_mask": mask})
+    def custom_mask():
+        batch = _batch()
+        _forward_sharded(acc, llama(), {**batch, "attention_mask": torch.ones(2, 1, 16, 16, dtype=torch.long)},
+                         buffers=list(batch.values()))
 
     def input_ids_not_sharded():
         batch = _batch()
         _forward_sharded(acc, llama(), batch, buffers=[batch["shift_labels"], batch["position_ids"]])
 
-    def packed():
+    def positions_decrease():
         batch = _batch()
-        batch["position_ids"] = torch.arange(8).repeat(2, 2)  # two sequences of 8 in each row
+        batch["position_ids"] = torch.cat([torch.arange(8), torch.arange(5, 13)]).repeat(2, 1)
         _forward_sharded(acc, llama(), batch)
+
+    def document_too_long():
+        batch = _batch()
+        batch["position_ids"] = torch.cat([torch.arange(12), torch.arange(4)]).repeat(2, 1)  # packed: 12 + 4
+        _forward_sharded(acc, llama(max_position_embeddings=8), batch)
 
     def shared_memory():
         ids = torch.zeros(1, 16)
@@ -289,11 +294,10 @@ def _refusals() -> dict[str, tuple[str, str]]:
         "seq-len-18": lambda: _forward_sharded(acc, llama(), _batch(18)),
         "no-buffers": lambda: acc.maybe_context_parallel().__enter__(),
         "labels-without-shift_labels": labels_only,
-        "padding-mask": padding_mask,
+        "custom-4d-mask": custom_mask,
         "input_ids-not-sharded": input_ids_not_sharded,
-        "packed-position_ids": packed,
-        "sliding-window-8-of-16": lambda: _forward_sharded(acc, acc.prepare(build_model("mistral", sliding_window=8)),
-                                                           _batch()),
+        "position_ids-decrease": positions_decrease,
+        "document-longer-than-max_position_embeddings": document_too_long,
         "attention-dropout": lambda: _forward_sharded(acc, llama(attention_dropout=0.1), _batch()),
         "use_cache": lambda: _forward_sharded(acc, llama(), _batch(), use_cache=True),
         "flex_attention": flex,
@@ -311,11 +315,14 @@ REFUSALS = {
     "seq-len-18": ("ValueError", r"sequence length 18 is not divisible by 2 \* cp_size = 4"),
     "no-buffers": ("ValueError", r"cp_size=2 needs the batch's sequence tensors: pass buffers="),
     "labels-without-shift_labels": ("ValueError", r"the batch has labels but no shift_labels.*pass shift_labels"),
-    "padding-mask": ("ValueError", r"attention_mask masks some positions .*without padding"),
+    "custom-4d-mask": ("ValueError", r"attention_mask of shape \(2, 1, 16, 16\) is not a \[batch, seq\] padding "
+                                     r"mask of 0s and 1s"),
     "input_ids-not-sharded": ("ValueError", r"input_ids has 16 positions, but this rank's shard of the 16-token "
                                             r"sequence has 8; it was not sharded: list it in maybe_context_parallel"),
-    "packed-position_ids": ("ValueError", r"position_ids do not count up by one along each sequence"),
-    "sliding-window-8-of-16": ("ValueError", r"sliding-window attention \(window 8\) over 16-token sequences cannot"),
+    "position_ids-decrease": ("ValueError", r"position_ids of row 0 go from 7 to 5 at position 8; packed sequences "
+                                            r"must count up by one within each document and restart at 0"),
+    "document-longer-than-max_position_embeddings": ("ValueError", r"a document of 12 tokens in row 0 is longer "
+                                                                   r"than the model's max_position_embeddings=8"),
     "attention-dropout": ("ValueError", r"attention dropout 0.1 is not supported"),
     "use_cache": ("ValueError", r"a KV cache \(past_key_values, use_cache=True\) cannot be used"),
     "flex_attention": ("ValueError", r"cp_size=2: LlamaForCausalLM uses attn_implementation='flex_attention'; "

@@ -14,35 +14,52 @@ import torch
 import torch.distributed as dist
 
 from .collectives import gather_pair, reduce_scatter_pair
-from .kernels import acc_dtype, block_backward, block_forward, merge
+from .kernels import acc_dtype, block_backward, block_forward, merge_part
 from .layout import SequenceLayout
+from .masking import DocumentMask, plan_block
 
 
-def _key_blocks(layout: SequenceLayout, causal: bool) -> list[list[tuple[int, int, bool]]]:
-    """Per local chunk, the key ranges ``(start, end, causal)`` it attends to: under a causal mask the keys before
-    the chunk (full) and the chunk itself (causal); else the whole sequence."""
-    if not causal:
-        return [[(0, layout.seq_len, False)] for _ in layout.chunks()]
-    return [[(0, s, False)] * (s > 0) + [(s, e, True)] for s, e in layout.chunks()]
+def _key_blocks(layout: SequenceLayout, causal: bool, doc: DocumentMask | None,
+                device: torch.device) -> list[list[tuple[int, int, list]]]:
+    """Per local chunk, the key ranges ``(start, end, pieces)`` it attends to: under a causal mask the keys before
+    the chunk (full) and the chunk itself (causal); else the whole sequence. With a document mask (padded or packed
+    rows) the keys are cut into chunk-sized blocks, and blocks without a visible key are left out. Pieces:
+    ``(rows, query range, key range, kernel's causal flag, mask or None)`` (`masking.plan_block`)."""
+    blocks = []
+    for s, e in layout.chunks():
+        if doc is None or doc.trivial:
+            ranges = [(0, s, False), (s, e, True)] if causal else [(0, layout.seq_len, False)]
+        else:
+            n, stop = layout.chunk_len, e if causal else layout.seq_len
+            ranges = [(a, min(a + n, stop), causal and a == s) for a in range(0, stop, n)]
+        planned = [(a, b, plan_block(doc, slice(s, e), slice(a, b), diagonal, causal, device))
+                   for a, b, diagonal in ranges if b > a]
+        blocks.append([(a, b, pieces) for a, b, pieces in planned if pieces])
+    return blocks
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
-                group: dist.ProcessGroup, causal: bool, scale: float) -> torch.Tensor:
+                group: dist.ProcessGroup, causal: bool, scale: float, doc: DocumentMask | None) -> torch.Tensor:
         full_k, full_v = gather_pair(key, value, layout, group)
-        n, outs, lses = layout.chunk_len, [], []
-        for j, blocks in enumerate(_key_blocks(layout, causal)):
+        n, outs, lses, acc = layout.chunk_len, [], [], acc_dtype(query)
+        for j, blocks in enumerate(_key_blocks(layout, causal, doc, query.device)):
             out = lse = None
-            for s, e, diagonal in blocks:
-                o, l = block_forward(query[:, :, j * n:(j + 1) * n], full_k[:, :, s:e], full_v[:, :, s:e], scale,
-                                     diagonal)
-                out, lse = merge(out, lse, o, l)
+            qj = query[:, :, j * n:(j + 1) * n]
+            for s, e, pieces in blocks:
+                kb, vb = full_k[:, :, s:e], full_v[:, :, s:e]
+                for rows, qs, ks, diagonal, mask in pieces:
+                    o, l = block_forward(qj[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], scale, diagonal, mask)
+                    out, lse = merge_part(out, lse, rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
+            if out is None:  # this chunk's queries see no key at all (padding only): output 0, lse -inf
+                out = query.new_zeros(*query.shape[:2], n, value.shape[-1], dtype=acc)
+                lse = query.new_full((*query.shape[:2], n), float("-inf"), dtype=acc)
             outs.append(out)
             lses.append(lse)
         result, lse_all = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(query, key, value, result, lse_all)
-        ctx.layout, ctx.group, ctx.causal, ctx.scale = layout, group, causal, scale
+        ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
         return result.to(query.dtype)
 
     @staticmethod
@@ -54,23 +71,28 @@ class _AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
         dk = torch.zeros(full_k.shape, dtype=acc, device=query.device)
         dv = torch.zeros(full_v.shape, dtype=acc, device=query.device)
-        for j, blocks in enumerate(_key_blocks(layout, ctx.causal)):
-            rows = slice(j * n, (j + 1) * n)
-            for s, e, diagonal in blocks:
-                g = block_backward(grad_out[:, :, rows], query[:, :, rows], full_k[:, :, s:e], full_v[:, :, s:e],
-                                   out[:, :, rows], lse[:, :, rows], ctx.scale, diagonal)
-                dq[:, :, rows] += g[0]
-                dk[:, :, s:e] += g[1]
-                dv[:, :, s:e] += g[2]
+        for j, blocks in enumerate(_key_blocks(layout, ctx.causal, ctx.doc, query.device)):
+            chunk = slice(j * n, (j + 1) * n)
+            for s, e, pieces in blocks:
+                for rows, qs, ks, diagonal, mask in pieces:
+                    g = block_backward(*(t[:, :, chunk][rows, :, qs] for t in (grad_out, query)),
+                                       *(t[:, :, s:e][rows, :, ks] for t in (full_k, full_v)),
+                                       out[:, :, chunk][rows, :, qs], lse[:, :, chunk][rows, :, qs], ctx.scale,
+                                       diagonal, mask)
+                    dq[:, :, chunk][rows, :, qs] += g[0]
+                    dk[:, :, s:e][rows, :, ks] += g[1]
+                    dv[:, :, s:e][rows, :, ks] += g[2]
         dk, dv = reduce_scatter_pair(dk, dv, layout, ctx.group)
-        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None, None
 
 
 def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
-                        group: dist.ProcessGroup, is_causal: bool, scale: float) -> torch.Tensor:
+                        group: dist.ProcessGroup, is_causal: bool, scale: float,
+                        doc: DocumentMask | None = None) -> torch.Tensor:
     """Exact attention of the local queries over the whole sequence, K/V all-gathered over `group`.
 
     ``[batch, heads, local_len, head_dim]`` tensors (K/V may have fewer heads: GQA); shapes are checked by the caller
-    (`ndparallel.parallel.sequence.attention`).
+    (`ndparallel.parallel.sequence.attention`). `doc`: which keys each query sees in a padded or packed batch
+    (`masking.DocumentMask`).
     """
-    return _AllGatherAttention.apply(query, key, value, layout, group, bool(is_causal), float(scale))
+    return _AllGatherAttention.apply(query, key, value, layout, group, bool(is_causal), float(scale), doc)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .allgather import allgather_attention
-from .layout import SequenceShards
+from .layout import SequenceLayout, SequenceShards
+from .masking import DocumentMask
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
@@ -43,23 +44,28 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard
 
 def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shards: SequenceShards,
                                 *, cp_group: dist.ProcessGroup | None = None, sp_group: dist.ProcessGroup | None = None,
-                                strategy: str = "allgather", is_causal: bool = True,
-                                scale: float | None = None) -> torch.Tensor:
+                                strategy: str = "allgather", is_causal: bool = True, scale: float | None = None,
+                                doc: DocumentMask | None = None) -> torch.Tensor:
     """Exact attention of this rank's shard of queries over the whole sequence (causal by global position, or full).
 
     `shards` says which positions this rank holds (`SequenceShards`); `cp_group` / `sp_group` are the ``cp`` and
     ``sp`` groups (needed when their size is above 1); `strategy` is the context-parallel one ("allgather" or
-    "ring"). Tensors are ``[batch, heads, local_len, head_dim]``; key/value may have fewer heads (GQA).
+    "ring"). Tensors are ``[batch, heads, local_len, head_dim]``; key/value may have fewer heads (GQA). `doc`: which
+    keys each query sees in a padded or packed batch, and a sliding window (`masking.DocumentMask`).
     """
     check_qkv(query, key, value, shards)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     layout, cp_attention = shards.cp, CP_ATTENTION[strategy]
+    masked = doc is not None and not doc.trivial
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layout.size == 1 and masked:  # the block kernels on this rank's whole sequence, in two chunks
+            return ring_attention(q, k, v, SequenceLayout(layout.seq_len, 1, 0, layout.seq_len % 2 == 0), None,
+                                  is_causal, scale, doc)
         if layout.size == 1:
             gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
             return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
-        return cp_attention(q, k, v, layout, cp_group, is_causal, scale)
+        return cp_attention(q, k, v, layout, cp_group, is_causal, scale, doc if masked else None)
 
     if shards.sp_size == 1:
         return attend(query, key, value)

@@ -3,12 +3,13 @@
 `prepare_model` registers ndparallel's attention function in transformers' `AttentionInterface` (and a mask
 function beside it) and switches the model to it. While a sequence is sharded (`sharding.active()`), that function
 computes exact attention over the whole sequence through `sharding.context_parallel_attention`, restoring the
-model's mask from global positions (causal or full; a sliding window only when it covers the whole sequence);
-otherwise it hands over to the model's own implementation (``sdpa`` or ``eager``), so evaluation of unsharded
-batches, padding masks included, works as before. A forward pre-hook checks the model's inputs first
-(`_check_hf_inputs`): it refuses what sharded attention would silently get wrong and gives the model global
-``position_ids``. Models that are not Hugging Face models get the pre-hook only; they call
-`context_parallel_attention` themselves.
+model's mask from global positions (causal or full, sliding windows included) and from the batch's documents
+(padded rows, packed rows: `masking`); otherwise it hands over to the model's own implementation (``sdpa`` or
+``eager``), so evaluation of unsharded batches, padding masks included, works as before. A forward pre-hook checks
+the model's inputs first (`_check_hf_inputs`): it refuses what sharded attention would silently get wrong,
+describes the batch's padding and packed documents once (from the full-sequence ``attention_mask`` and
+``position_ids``) and gives the model global ``position_ids``. Models that are not Hugging Face models get the
+pre-hook only; they call `context_parallel_attention` themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from ...loss import count_loss_tokens
+from .masking import DocumentMask, check_document_lengths, document_ids
 from .sharding import ShardedSequence, active, context_parallel_attention
 
 ATTN_IMPLEMENTATION = "ndparallel_context_parallel"  # the name registered in transformers' registries
@@ -74,9 +76,14 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     unsupported = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
     if unsupported:
         raise ValueError(f"{where}: {', '.join(unsupported)} cannot be honoured by context-parallel attention")
-    _check_window(kwargs.get("sliding_window"), state.layout.seq_len, where)
+    window = kwargs.get("sliding_window")
+    configured = _config_window(getattr(module, "config", None))
+    if "sliding_window" not in kwargs and configured is not None and configured < state.layout.seq_len:
+        raise ValueError(f"{where}: the config has a sliding window ({configured}) but the attention call does not "
+                         "say which layers use it, so context-parallel attention cannot honour it; use a layout "
+                         "without cp_size/sp_size (FSDP, TP: they run the model's own attention)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = context_parallel_attention(query, key, value, is_causal=causal, scale=scaling)
+    out = context_parallel_attention(query, key, value, is_causal=causal, scale=scaling, sliding_window=window)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -90,15 +97,13 @@ def _hf_mask(*args: Any, **kwargs: Any) -> Any:
     return ALL_MASK_ATTENTION_FUNCTIONS[_original_implementation(kwargs.get("config"))](*args, **kwargs)
 
 
-def _check_window(window: int | None, seq_len: int, where: str) -> None:
-    # Hugging Face's sliding window lets query q see key k when q - window < k <= q; with window >= seq_len that is
-    # every earlier key, i.e. plain causal attention.
-    if window is not None and window < seq_len:
-        raise ValueError(
-            f"{where}: sliding-window attention (window {window}) over {seq_len}-token sequences cannot be "
-            f"context-parallel; use sequences of at most {window} tokens, a model without a sliding window, or a "
-            "layout without cp_size/sp_size (FSDP, TP: they run the model's own attention)"
-        )
+def _config_window(config: Any) -> int | None:
+    """The sliding window a config applies to some of its layers, or None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is not None and (layer_types is None or any("sliding" in str(t) for t in layer_types)):
+        return int(window)
+    return None
 
 
 def _register() -> None:
@@ -197,8 +202,9 @@ def _full(state: ShardedSequence, t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts: set[str]) -> dict:
-    """Refuse inputs CP would silently get wrong; give the model global position_ids. Checks use the full-sequence
-    copies of sharded buffers, so every rank of ``cp`` decides alike."""
+    """Refuse inputs CP would silently get wrong; describe the batch's padding and packed documents for attention;
+    give the model global position_ids. Checks use the full-sequence copies of sharded buffers, so every rank of
+    ``cp`` decides alike."""
     layout = state.layout
     local, total = layout.local_len, layout.seq_len
     for name in ("input_ids", "inputs_embeds", "shift_labels", "position_ids"):
@@ -224,35 +230,18 @@ def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts:
     # would then recompute each layer against its own cached keys.
     if "use_cache" in accepts:
         kwargs["use_cache"] = False
-    mask = kwargs.get("attention_mask")
-    if mask is not None:
-        whole = _full(state, mask)
-        whole = mask if whole is None else whole
-        if whole.dim() != 2 or not bool(whole.bool().all()):
-            raise ValueError(
-                "context parallelism: attention_mask masks some positions (padding or a custom mask), which sharded "
-                "attention cannot honour; pack or cut sequences to full length without padding and drop "
-                "attention_mask (an all-ones mask is accepted and ignored)"
-            )
-        kwargs["attention_mask"] = None
-    positions = kwargs.get("position_ids")
     device = next((t.device for t in kwargs.values() if isinstance(t, torch.Tensor)), None)
-    if positions is None and "position_ids" in accepts:
+    mask, positions = (_whole(state, kwargs.get(name), name) for name in ("attention_mask", "position_ids"))
+    batch = _batch_size(kwargs)
+    doc = document_ids(positions, mask, (batch, total)) if batch is not None else None
+    if doc is not None:
+        check_document_lengths(doc, getattr(config, "max_position_embeddings", None), "context parallelism")
+    state.set_documents(DocumentMask(doc) if doc is not None else None)
+    if "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None  # attention rebuilds the mask from the documents
+    if kwargs.get("position_ids") is None and "position_ids" in accepts:
         # Without them the model would number each shard 0..local-1 and rotary embeddings would be wrong.
         kwargs["position_ids"] = layout.positions(device).unsqueeze(0)
-    elif positions is not None:
-        whole = _full(state, positions)
-        if whole is None:  # sharded by the caller: the layout's positions plus one offset per row
-            offsets = positions - layout.positions(positions.device)
-            consecutive = bool((offsets == offsets[..., :1]).all())
-        else:
-            consecutive = bool((torch.diff(whole, dim=-1) == 1).all())
-        if not consecutive:
-            raise ValueError(
-                "context parallelism: position_ids do not count up by one along each sequence (packed sequences, or "
-                "positions not sharded with the context-parallel layout); pass one sequence per row with "
-                "position_ids = arange(seq_len), listed in maybe_context_parallel(buffers=...)"
-            )
     _check_config(config, total)
     shift = kwargs.get("shift_labels")
     got = count_loss_tokens(kwargs) if isinstance(shift, torch.Tensor) else None
@@ -271,12 +260,33 @@ def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts:
     return kwargs
 
 
+def _batch_size(kwargs: dict) -> int | None:
+    for name in ("input_ids", "inputs_embeds", "shift_labels"):
+        if isinstance(kwargs.get(name), torch.Tensor) and kwargs[name].dim() >= 2:
+            return kwargs[name].shape[0]
+    return None
+
+
+def _whole(state: ShardedSequence, t: Any, name: str) -> torch.Tensor | None:
+    """The full-sequence contents of an input (its copy from before sharding, or the input itself when it was not
+    sharded); raises when only a shard is known, since documents cannot be seen whole from a shard."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    whole = _full(state, t)
+    if whole is not None:
+        return whole
+    if t.shape[-1] == state.layout.seq_len:
+        return t
+    if name == "position_ids":  # sharded by the caller: fine if they are the layout's positions (plus a row offset)
+        offsets = t - state.layout.positions(t.device)
+        if bool((offsets == offsets[..., :1]).all()):
+            return None
+    raise ValueError(f"context parallelism: {name} was sharded outside maybe_context_parallel, so padding and "
+                     f"packed documents cannot be seen whole; list {name} in maybe_context_parallel(buffers=...)")
+
+
 def _check_config(config: Any, seq_len: int) -> None:
     where = f"context parallelism ({type(config).__name__})"
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if window is not None and (layer_types is None or any("sliding" in str(t) for t in layer_types)):
-        _check_window(window, seq_len, where)
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is not None and chunk < seq_len:
         raise ValueError(f"{where}: chunked attention (chunks of {chunk}) over {seq_len}-token sequences cannot be "

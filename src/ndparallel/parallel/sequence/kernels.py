@@ -30,6 +30,8 @@ that CUDA kernel and raise where it does not apply.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 BACKEND = "auto"  # "auto": as `choose_backend`; "math", "flash", "efficient": that backend (see the docstring)
@@ -129,39 +131,48 @@ def _tiles(q_rows: torch.Tensor, keys: int) -> list[tuple[int, int]]:
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int, n: int) -> torch.Tensor:
-    """Scaled scores of rows ``first_row..`` of the folded queries against `k`, masked above the diagonal."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int, n: int,
+            mask: Any) -> torch.Tensor:
+    """Scaled scores of rows ``first_row..`` of the folded queries against `k`, masked above the diagonal (causal)
+    and where `mask` (a `masking.BlockMask`: its ``rows(query offsets)`` is True where visible) says."""
     s = torch.matmul(q, k.transpose(-1, -2)).to(acc_dtype(q)).mul_(scale)
-    if causal:  # folded row r is query position r % n
-        pos = torch.arange(first_row, first_row + q.shape[2], device=q.device) % n
+    pos = torch.arange(first_row, first_row + q.shape[2], device=q.device) % n  # folded row r is query r % n
+    if causal:
         s.masked_fill_(torch.arange(k.shape[2], device=q.device) > pos.unsqueeze(-1), float("-inf"))
+    if mask is not None:
+        s.masked_fill_(~mask.rows(pos), float("-inf"))
     return s
 
 
-def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """`lse` with the -inf of rows that see no key replaced by 0, so exp(s - lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mask: Any = None):
     heads, n, acc = q.shape[1], q.shape[2], acc_dtype(q)
     qr = _rows(q, k.shape[1])
     out = torch.empty(*qr.shape[:3], v.shape[-1], dtype=acc, device=q.device)
     lse = torch.empty(qr.shape[:3], dtype=acc, device=q.device)
     for r0, r1 in _tiles(qr, k.shape[2]):
-        p = _scores(qr[:, :, r0:r1], k, scale, causal, r0, n)
+        p = _scores(qr[:, :, r0:r1], k, scale, causal, r0, n, mask)
         lse[:, :, r0:r1] = torch.logsumexp(p, dim=-1)
-        p.sub_(lse[:, :, r0:r1].unsqueeze(-1)).exp_()
+        p.sub_(_finite(lse[:, :, r0:r1]).unsqueeze(-1)).exp_()
         out[:, :, r0:r1] = torch.matmul(p.to(v.dtype), v)
     return _heads(out, heads), _heads(lse, heads)
 
 
-def _math_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+def _math_backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask: Any = None):
     heads, kv_heads, n, acc = q.shape[1], k.shape[1], q.shape[2], acc_dtype(q)
     qr, dor = _rows(q, kv_heads), _rows(dout, kv_heads).to(acc)
     delta = (dor * _rows(out, kv_heads).to(acc)).sum(-1)
-    lse = _rows(lse.unsqueeze(-1), kv_heads).squeeze(-1)
+    lse = _finite(_rows(lse.unsqueeze(-1), kv_heads).squeeze(-1))
     kk, vv = k.to(acc), v.to(acc)
     dq = torch.empty(qr.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     for r0, r1 in _tiles(qr, k.shape[2]):
-        p = _scores(qr[:, :, r0:r1], k, scale, causal, r0, n).sub_(lse[:, :, r0:r1].unsqueeze(-1)).exp_()
+        p = _scores(qr[:, :, r0:r1], k, scale, causal, r0, n, mask).sub_(lse[:, :, r0:r1].unsqueeze(-1)).exp_()
         do = dor[:, :, r0:r1]
         dv += torch.matmul(p.transpose(-1, -2), do)
         ds = torch.matmul(do, vv.transpose(-1, -2)).sub_(delta[:, :, r0:r1].unsqueeze(-1)).mul_(p)
@@ -225,21 +236,43 @@ _KERNELS = {"cpu_flash": (_cpu_forward, _cpu_backward), "flash": (_flash_forward
 
 
 # ---- the interface ----------------------------------------------------------------------------------------------
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O_b, lse_b) of queries [B, H, n, D] against keys/values [B, Hkv, m, D] (``causal`` needs m == n)."""
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O_b, lse_b) of queries [B, H, n, D] against keys/values [B, Hkv, m, D] (``causal`` needs m == n).
+
+    `mask` (a `masking.BlockMask`: which keys each query sees in padded and packed batches) sends the block to the
+    math kernel; a query that sees no key gets output 0 and log-sum-exp -inf."""
+    if mask is not None:
+        return _math_forward(q, k, v, scale, causal, mask)
     return _KERNELS[_backend(q)][0](q, k, v, scale, causal)
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, scale: float, causal: bool,
+                   mask: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's (dQ, dK, dV), in the accumulator dtype, given the final output `out` and log-sum-exp `lse`."""
-    backend, acc = _backend(q), acc_dtype(q)
+    backend, acc = ("math" if mask is not None else _backend(q)), acc_dtype(q)
     if backend == "math":
-        return _math_backward(dout, q, k, v, out, lse, scale, causal)
+        return _math_backward(dout, q, k, v, out, lse, scale, causal, mask)
     # The fused kernels take gradients and outputs in the inputs' dtype, the log-sum-exp in fp32.
     grads = _KERNELS[backend][1](dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(acc), scale, causal)
     return tuple(g.to(acc) for g in grads)  # type: ignore[return-value]
+
+
+def merge_part(out: torch.Tensor | None, lse: torch.Tensor | None, rows: slice, queries: slice,
+               block_out: torch.Tensor, block_lse: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+    """`merge` of a block that covers `rows` x `queries` of a chunk's running (output, lse) of `shape`
+    ([B, H, n, D]); a block covering all of them merges as `merge` does."""
+    if out is None and rows == slice(None) and queries == slice(0, shape[2]):
+        return merge(None, None, block_out, block_lse)
+    acc = acc_dtype(block_out)
+    if out is None or lse is None:  # queries no block reached yet: output 0, lse -inf (merge's identity)
+        out = block_out.new_zeros(shape, dtype=acc)
+        lse = block_out.new_full(shape[:3], float("-inf"), dtype=acc)
+    region_out, region_lse = merge(out[rows, :, queries], lse[rows, :, queries], block_out, block_lse)
+    out[rows, :, queries], lse[rows, :, queries] = region_out, region_lse
+    return out, lse
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
@@ -249,6 +282,7 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     block_out, block_lse = block_out.to(acc), block_lse.to(acc)
     if out is None or lse is None:
         return block_out, block_lse
-    new = torch.logaddexp(lse, block_lse)  # finite: every block gives each query at least one key
-    out = out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)
+    new = torch.logaddexp(lse, block_lse)  # -inf only for a query that has seen no key yet (padding)
+    safe = _finite(new)
+    out = out * torch.exp(lse - safe).unsqueeze(-1) + block_out * torch.exp(block_lse - safe).unsqueeze(-1)
     return out, new

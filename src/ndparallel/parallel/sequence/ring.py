@@ -20,18 +20,28 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Ring
-from .kernels import acc_dtype, block_backward, block_forward, merge
+from .kernels import acc_dtype, block_backward, block_forward, merge_part
 from .layout import SequenceLayout
+from .masking import DocumentMask, plan_block
 
 _KV_TAG, _GRAD_TAG = 7, 8  # P2P tags: K/V blocks and their gradients may be in flight between the same peers
 
 
-def pairs(layout: SequenceLayout, owner: int, causal: bool):
-    """(local query chunk j, key chunk i of `owner`, diagonal?) for every chunk pair that is not fully masked."""
+def pairs(layout: SequenceLayout, owner: int, causal: bool, doc: DocumentMask | None = None,
+          device: torch.device | None = None):
+    """(local query chunk j, key chunk i of `owner`, pieces) for every chunk pair with a visible key: under a causal
+    mask, pairs above the diagonal are skipped; with a document mask (padded or packed rows) also the pairs whose
+    queries see none of the keys. Pieces: ``(rows, query range, key range, kernel's causal flag, mask or None)``
+    within the chunks (`masking.plan_block`)."""
+    n = layout.chunk_len
     for j, qc in enumerate(layout.chunk_ids()):
         for i, kc in enumerate(layout.chunk_ids(owner)):
-            if not (causal and kc > qc):  # a key chunk after the query chunk is masked entirely
-                yield j, i, causal and kc == qc
+            if causal and kc > qc:  # a key chunk after the query chunk is masked entirely
+                continue
+            pieces = plan_block(doc, slice(qc * n, (qc + 1) * n), slice(kc * n, (kc + 1) * n), causal and kc == qc,
+                                causal, device)
+            if pieces:
+                yield j, i, pieces
 
 
 def _chunk(x: torch.Tensor, j: int, n: int) -> torch.Tensor:
@@ -41,23 +51,30 @@ def _chunk(x: torch.Tensor, j: int, n: int) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
-                group: dist.ProcessGroup, causal: bool, scale: float) -> torch.Tensor:
+                group: dist.ProcessGroup | None, causal: bool, scale: float, doc: DocumentMask | None) -> torch.Tensor:
         n, chunks = layout.chunk_len, len(layout.chunk_ids())
-        ring = Ring(group, layout.size, layout.rank)
+        ring = Ring(group, layout.size, layout.rank) if layout.size > 1 else None
         out: list[Any] = [None] * chunks
         lse: list[Any] = [None] * chunks
         block, owner = [key.contiguous(), value.contiguous()], layout.rank
         for t in range(layout.size):
             pending = ring.start(block, _KV_TAG) if t < layout.size - 1 else None
             k, v = block
-            for j, i, diagonal in pairs(layout, owner, causal):
-                o, l = block_forward(_chunk(query, j, n), _chunk(k, i, n), _chunk(v, i, n), scale, diagonal)
-                out[j], lse[j] = merge(out[j], lse[j], o, l)
+            for j, i, pieces in pairs(layout, owner, causal, doc, query.device):
+                qj, ki, vi = _chunk(query, j, n), _chunk(k, i, n), _chunk(v, i, n)
+                for rows, qs, ks, diagonal, mask in pieces:
+                    o, l = block_forward(qj[rows, :, qs], ki[rows, :, ks], vi[rows, :, ks], scale, diagonal, mask)
+                    out[j], lse[j] = merge_part(out[j], lse[j], rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
             if pending is not None:
                 block, owner = Ring.finish(pending), (owner - 1) % layout.size
+        for j in range(chunks):  # a chunk whose queries saw no key at all (padding only): output 0, lse -inf
+            if out[j] is None:
+                shape = (*query.shape[:2], n)
+                out[j] = query.new_zeros(*shape, value.shape[-1], dtype=acc_dtype(query))
+                lse[j] = query.new_full(shape, float("-inf"), dtype=acc_dtype(query))
         result, lse_all = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(query, key, value, result, lse_all)
-        ctx.layout, ctx.group, ctx.causal, ctx.scale = layout, group, causal, scale
+        ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
         return result.to(query.dtype)
 
     @staticmethod
@@ -65,33 +82,37 @@ class _RingAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         layout: SequenceLayout = ctx.layout
         n, acc = layout.chunk_len, acc_dtype(query)
-        ring = Ring(ctx.group, layout.size, layout.rank)
+        ring = Ring(ctx.group, layout.size, layout.rank) if layout.size > 1 else None
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
         block, owner = [key.contiguous(), value.contiguous()], layout.rank
         grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in block]
         for t in range(layout.size):
             pending = ring.start(block, _KV_TAG) if t < layout.size - 1 else None
             (k, v), (dk, dv) = block, grads
-            for j, i, diagonal in pairs(layout, owner, ctx.causal):
-                g = block_backward(_chunk(grad_out, j, n), _chunk(query, j, n), _chunk(k, i, n), _chunk(v, i, n),
-                                   _chunk(out, j, n), lse[:, :, j * n:(j + 1) * n], ctx.scale, diagonal)
-                _chunk(dq, j, n).add_(g[0])
-                _chunk(dk, i, n).add_(g[1])
-                _chunk(dv, i, n).add_(g[2])
+            for j, i, pieces in pairs(layout, owner, ctx.causal, ctx.doc, query.device):
+                for rows, qs, ks, diagonal, mask in pieces:
+                    g = block_backward(*(_chunk(t, j, n)[rows, :, qs] for t in (grad_out, query)),
+                                       *(_chunk(t, i, n)[rows, :, ks] for t in (k, v)), _chunk(out, j, n)[rows, :, qs],
+                                       _chunk(lse, j, n)[rows, :, qs], ctx.scale, diagonal, mask)
+                    _chunk(dq, j, n)[rows, :, qs] += g[0]
+                    _chunk(dk, i, n)[rows, :, ks] += g[1]
+                    _chunk(dv, i, n)[rows, :, ks] += g[2]
             # The accumulators follow their block: after `size` hops they are back with the block's owner (on a
             # one-rank group, where they never left).
-            if layout.size > 1:
+            if ring is not None:
                 grads = Ring.finish(ring.start(grads, _GRAD_TAG))
             if pending is not None:
                 block, owner = Ring.finish(pending), (owner - 1) % layout.size
-        return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None, None
+        return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None, None, None
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
-                   group: dist.ProcessGroup, is_causal: bool, scale: float) -> torch.Tensor:
+                   group: dist.ProcessGroup | None, is_causal: bool, scale: float,
+                   doc: DocumentMask | None = None) -> torch.Tensor:
     """Exact attention of the local queries over the sequence sharded on `group` (see the module docstring).
 
     ``[batch, heads, local_len, head_dim]`` tensors (K/V may have fewer heads: GQA); shapes are checked by the caller
-    (`ndparallel.parallel.sequence.attention`).
+    (`ndparallel.parallel.sequence.attention`). `doc`: which keys each query sees in a padded or packed batch
+    (`masking.DocumentMask`). `group` may be None on a one-rank layout.
     """
-    return _RingAttention.apply(query, key, value, layout, group, bool(is_causal), float(scale))
+    return _RingAttention.apply(query, key, value, layout, group, bool(is_causal), float(scale), doc)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from ...loss import count_loss_tokens
 from ...mesh import ParallelMesh
 from .attention import sequence_parallel_attention
 from .layout import SequenceShards
+from .masking import DocumentMask
 
 
 def describe_sizes(cp_size: int, sp_size: int) -> str:
@@ -80,9 +81,9 @@ class SequenceSharding:
         return layout.shard(labels, -1)
 
     def attend(self, layout: SequenceShards, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               is_causal: bool, scale: float | None) -> torch.Tensor:
+               is_causal: bool, scale: float | None, doc: DocumentMask | None = None) -> torch.Tensor:
         return sequence_parallel_attention(query, key, value, layout, cp_group=self.cp_group, sp_group=self.sp_group,
-                                           strategy=self.strategy, is_causal=is_causal, scale=scale)
+                                           strategy=self.strategy, is_causal=is_causal, scale=scale, doc=doc)
 
     @contextlib.contextmanager
     def sharded(self, buffers: list[torch.Tensor] | None, seq_dims: list[int] | None,
@@ -166,6 +167,22 @@ class ShardedSequence:
     expected_tokens: int | None = None  # loss tokens of this shard, as counted by the prepared data loader
     forwards: int = 0  # forwards of prepared models inside the block
     attention_calls: int = 0
+    documents: DocumentMask | None = None  # padded or packed rows (set by the model's input check), else None
+    _windowed: dict = field(default_factory=dict, repr=False)
+
+    def set_documents(self, documents: DocumentMask | None) -> None:
+        self.documents, self._windowed = documents, {}
+
+    def visibility(self, window: int | None) -> DocumentMask | None:
+        """The batch's document mask with a sliding window (None: none), one object per window for the batch so
+        each block's kind is worked out once, not once per layer."""
+        if window is not None and window >= self.layout.seq_len:
+            window = None  # a window covering the sequence is plain causal attention
+        if window is None:
+            return self.documents
+        if window not in self._windowed:
+            self._windowed[window] = (self.documents or DocumentMask(None)).with_window(window)
+        return self._windowed[window]
 
 
 _ACTIVE: ShardedSequence | None = None
@@ -177,17 +194,23 @@ def active() -> ShardedSequence | None:
 
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                               is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                               is_causal: bool = True, scale: float | None = None,
+                               sliding_window: int | None = None) -> torch.Tensor:
     """`scaled_dot_product_attention` for models run under context/sequence parallelism; the entry point for models
     that are not Hugging Face ``sdpa``/``eager`` models.
 
     Takes ``[batch, heads, seq, head_dim]`` query, key and value (key/value may have fewer heads: GQA). Inside
     ``maybe_context_parallel`` ``seq`` is this rank's shard and the result is exact attention over the whole
-    sequence (causal by global position, or full); outside, it is plain SDPA. No attention mask or dropout.
+    sequence (causal by global position, or full), within the batch's documents where a Hugging Face model's
+    padded or packed inputs set them, and within `sliding_window` (query q sees key k when q - window < k);
+    outside, it is plain SDPA. No attention mask or dropout.
     """
     state = _ACTIVE
     if state is None:
+        if sliding_window is not None and sliding_window < query.shape[2]:
+            raise ValueError("context_parallel_attention: a sliding window outside maybe_context_parallel needs the "
+                             "model's own masked attention")
         gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
         return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale, **gqa)
     state.attention_calls += 1
-    return state.sharding.attend(state.layout, query, key, value, is_causal, scale)
+    return state.sharding.attend(state.layout, query, key, value, is_causal, scale, state.visibility(sliding_window))
