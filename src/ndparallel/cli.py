@@ -1,6 +1,7 @@
 """The ``ndparallel`` command: ``launch`` (torchrun with checked sizes), ``config`` (write the YAML file
-that ``launch --config-file`` reads), ``env`` (versions, devices, backends, for bug reports) and ``merge-weights``
-(a sharded checkpoint of ``save_state`` into a Hugging Face directory, offline)."""
+that ``launch --config-file`` reads), ``env`` (versions, devices, backends, for bug reports), ``merge-weights``
+(a sharded checkpoint of ``save_state`` into a Hugging Face directory, offline), ``plan`` (rank the layouts for a
+model and a cluster: `ndparallel.planner`) and ``estimate-memory`` (one layout's memory per GPU)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def _add_settings_arguments(parser: argparse.ArgumentParser, accelerate_names: b
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="N-dimensional parallel training of PyTorch models.")
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{launch,config,env,merge-weights}")
+    sub = parser.add_subparsers(dest="command", metavar="{launch,config,env,merge-weights,plan,estimate-memory}")
 
     launch = sub.add_parser("launch", help="start a training script on N processes (wraps torchrun)",
                             description="Check the parallelism sizes, then start SCRIPT on every rank with "
@@ -119,7 +120,69 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest shard, e.g. 5GB or 500MiB (default 10GB)")
     merge.add_argument("--unsafe-serialization", action="store_true",
                        help="write pytorch_model*.bin (torch.save) instead of safetensors")
+    _add_planner_parsers(sub)
     return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``plan`` and ``estimate-memory`` share: the model, the GPU and the precision."""
+    parser.add_argument("--model", required=True, metavar="CONFIG",
+                        help="a Hugging Face config.json, a model directory, or a built-in name (llama-3.1-8b, "
+                             "llama-3.1-70b, llama-3.1-405b, qwen2.5-7b, qwen2.5-72b, mistral-7b)")
+    parser.add_argument("--gpu", default=None, metavar="NAME", help="hardware profile: h100, h200, a100-80g, ...")
+    parser.add_argument("--hardware", default=None, metavar="FILE", help="JSON file with your own profile(s)")
+    parser.add_argument(*_spellings("seq-len"), dest="seq_len", type=int, required=True, metavar="S")
+    parser.add_argument(*_spellings("mixed-precision"), dest="mixed_precision", choices=("bf16", "fp32"),
+                        default="bf16")
+    parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    parser.add_argument(*_spellings("memory-gib"), dest="memory_gib", type=float, default=None, metavar="M",
+                        help="memory per GPU to plan for (default: the profile's)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _add_planner_parsers(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="rank every layout for a model on a cluster (memory, bytes, step time)",
+                          description="Enumerate every layout of dp_replicate x dp_shard x cp x sp x tp the library "
+                                      "accepts on NODES x GPUS_PER_NODE GPUs, predict memory per GPU, bytes per "
+                                      "collective and step time for each, rank them, and print the best as a "
+                                      "ParallelismConfig and a config file for `ndparallel launch --config-file`. "
+                                      "Formulas and constants: docs/planner.md.")
+    _add_model_arguments(plan)
+    plan.add_argument("--nodes", type=int, default=1, metavar="N")
+    plan.add_argument(*_spellings("gpus-per-node"), dest="gpus_per_node", type=int, default=None, metavar="G",
+                      help="default: the profile's (8)")
+    plan.add_argument(*_spellings("global-batch-tokens"), dest="global_batch_tokens", type=int, required=True,
+                      metavar="T", help="tokens per optimizer step over all GPUs (a multiple of --seq-len)")
+    plan.add_argument(*_spellings("activation-checkpointing"), dest="activation_checkpointing",
+                      choices=("auto", "on", "off"), default="auto",
+                      help="auto: off where it fits, else on (default)")
+    plan.add_argument(*_spellings("sync-each-batch"), dest="sync_each_batch", choices=("auto", "on", "off"),
+                      default="auto", help="reduce-scatter gradients every micro-step instead of keeping them "
+                                           "unsharded between them (auto: whichever is faster and fits)")
+    plan.add_argument(*_spellings("allow-cross-node-tp"), dest="allow_cross_node_tp", action="store_true",
+                      help="also consider tensor parallelism across nodes")
+    plan.add_argument("--top", type=int, default=10, metavar="K", help="rows to show (default 10)")
+    plan.add_argument("--explain", default=None, metavar="LAYOUT",
+                      help="break one layout down term by term: a row number of the table or sizes such as "
+                           "dp_shard=4,tp=2")
+    plan.add_argument(*_spellings("write-config"), dest="write_config", default=None, metavar="PATH",
+                      help="also write the best layout's config file here")
+
+    memory = sub.add_parser("estimate-memory", help="memory per GPU of one layout (params, grads, optimizer, "
+                                                    "activations, buffers, peak)",
+                            description="The memory columns of `ndparallel plan` for one layout given by its sizes "
+                                        "(unset sizes: 1; the world is their product).")
+    _add_model_arguments(memory)
+    sizes = memory.add_argument_group("parallelism sizes (unset: 1)")
+    for name in SIZE_FIELDS:
+        sizes.add_argument(*_spellings(name), dest=name, type=int, default=1, metavar="N")
+    memory.add_argument(*_spellings("micro-batch-size"), dest="micro_batch_size", type=int, default=1, metavar="B",
+                        help="samples per data-parallel rank per micro-step (default 1)")
+    memory.add_argument(*_spellings("gradient-accumulation-steps"), dest="gradient_accumulation_steps", type=int,
+                        default=1, metavar="N")
+    memory.add_argument(*_spellings("activation-checkpointing"), dest="activation_checkpointing",
+                        choices=("on", "off"), default="off")
+    memory.add_argument(*_spellings("sync-each-batch"), dest="sync_each_batch", action="store_true")
 
 
 # ---- launch ---------------------------------------------------------------------------------------------
@@ -199,6 +262,15 @@ def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def config_file_data(pc: ParallelismConfig | None, launch: dict[str, Any], fmt: str = "ndparallel") -> dict[str, Any]:
+    """What `ndparallel config` writes (and `plan` prints): the ``parallelism`` sizes (empty without a config) and the
+    checked ``launch`` settings; with `fmt` "accelerate", an `accelerate config` file instead."""
+    if fmt == "accelerate":
+        return accelerate_launch.to_file(pc, launch)
+    parallelism = {name: value for name, value in pc.to_dict().items() if name in SIZE_FIELDS} if pc else {}
+    return {"parallelism": parallelism, "launch": launch}
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     """Write the config file. Sizes not given are written as 1 when some are given; when none is, the
     ``parallelism`` section stays empty, so ``launch`` passes no sizes (as without size flags)."""
@@ -222,11 +294,7 @@ def cmd_config(args: argparse.Namespace) -> int:
             "gradient_accumulation_steps": _given(args.gradient_accumulation_steps, 1),
             "cpu": bool(args.cpu),
         }, "ndparallel config")
-        if args.format == "accelerate":
-            data = accelerate_launch.to_file(pc if sizes else None, launch)
-        else:
-            parallelism = {name: value for name, value in pc.to_dict().items() if name in SIZE_FIELDS} if sizes else {}
-            data = {"parallelism": parallelism, "launch": launch}
+        data = config_file_data(pc if sizes else None, launch, args.format)
     except (ValueError, TypeError) as exc:
         return _error("config", exc)
     path = Path(args.config_file)
@@ -301,9 +369,115 @@ def cmd_merge_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- plan, estimate-memory (ndparallel.planner) ---------------------------------------------------------------
+def _plan_config_file(row: Any, nodes: int, gpus_per_node: int) -> dict[str, Any]:
+    from ndparallel.launch import check_launch_settings
+
+    launch = check_launch_settings({"nproc_per_node": gpus_per_node, "nnodes": nodes,
+                                    "mixed_precision": "bf16" if row.setting.mixed_precision == "bf16" else "no",
+                                    "gradient_accumulation_steps": row.setting.accumulation, "cpu": False},
+                                   "ndparallel plan")
+    return config_file_data(ParallelismConfig(**row.layout.config_kwargs()), launch)
+
+
+def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
+    from ndparallel.planner import Request
+
+    return Request(model=model, hardware=hardware, nodes=args.nodes,
+                   gpus_per_node=args.gpus_per_node or hardware.gpus_per_node, seq_len=args.seq_len,
+                   global_batch_tokens=args.global_batch_tokens, memory_gib=args.memory_gib,
+                   mixed_precision=args.mixed_precision, checkpointing=args.activation_checkpointing,
+                   optimizer=args.optimizer, allow_cross_node_tp=args.allow_cross_node_tp,
+                   sync_each_batch=args.sync_each_batch)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import yaml
+
+    from ndparallel.planner import get_hardware, load_model, parse_layout, plan, row_for
+    from ndparallel.planner import report
+
+    try:
+        request = _plan_request(args, get_hardware(args.gpu, args.hardware), load_model(args.model))
+        if args.top < 1:
+            raise ValueError(f"--top must be >= 1, got {args.top}")
+        result = plan(request)
+        row = None
+        if args.explain is not None:
+            text = args.explain.strip().lstrip("#")
+            if text.isdigit():
+                if not 1 <= int(text) <= len(result.rows):
+                    raise ValueError(f"--explain {args.explain}: the table has rows 1 to {len(result.rows)}")
+                row = result.rows[int(text) - 1]
+            else:
+                row = row_for(request, parse_layout(args.explain, request.world))
+    except (ValueError, FileNotFoundError) as exc:
+        return _error("plan", exc)
+    best = result.best
+    config = _plan_config_file(best, request.nodes, request.gpus_per_node) if best is not None else None
+    if args.json:
+        out = report.plan_json(result, args.top, config)
+        if row is not None:
+            out["explain"] = report.row_json(row)
+        print(json.dumps(out, indent=1))
+    elif row is not None:
+        print(report.explain_text(row, request))
+    else:
+        print(report.header(result), flush=True)
+        report.print_table(result, args.top)
+        if config is not None:
+            print("\n" + report.recommendation(best, yaml.safe_dump(config, sort_keys=False)))
+    if config is not None and args.write_config:
+        path = Path(args.write_config)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        print(f"wrote {path}", file=sys.stderr)
+    if best is None:
+        return _error("plan", result.no_fit_message())
+    return 0
+
+
+def cmd_estimate_memory(args: argparse.Namespace) -> int:
+    from ndparallel.planner import Layout, Setting, get_hardware, load_model, report
+    from ndparallel.planner.layouts import Constraints, reasons
+    from ndparallel.planner.memory import estimate
+
+    try:
+        model = load_model(args.model)
+        layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in SIZE_FIELDS})
+        if min(layout.sizes().values()) < 1:
+            raise ValueError(f"every size must be >= 1, got {layout.sizes()}")
+        setting = Setting(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
+                          args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch)
+        samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch
+        why = reasons(layout, Constraints(model, args.seq_len, samples, layout.world, allow_cross_node_tp=True))
+        if why:
+            raise ValueError(f"layout {layout.name} is refused: {'; '.join(why)}")
+        budget = None
+        if args.gpu or args.hardware:
+            hardware = get_hardware(args.gpu, args.hardware)
+            budget = ((args.memory_gib or hardware.memory_gib) - hardware.memory_reserve_gib) * 2**30
+        elif args.memory_gib:
+            budget = args.memory_gib * 2**30
+        memory = estimate(model, layout, setting)
+    except (ValueError, FileNotFoundError) as exc:
+        return _error("estimate-memory", exc)
+    if args.json:
+        print(json.dumps({"layout": layout.sizes(), "memory_bytes": {k: t.bytes for k, t in memory.terms.items()},
+                          "activations_bytes": {"checkpointing_off": memory.activations_without_checkpointing,
+                                                "checkpointing_on": memory.activations_with_checkpointing},
+                          "budget_bytes": budget, "fits": None if budget is None else memory.peak <= budget},
+                         indent=1))
+    else:
+        print(f"{model.name}: {model.num_parameters() / 1e9:.2f} B parameters, {layout.world} GPU(s)")
+        print(report.memory_text(layout, setting, memory, budget))
+    return 0
+
+
 # ---- entry point ----------------------------------------------------------------------------------------
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"launch": cmd_launch, "config": cmd_config, "env": cmd_env,
-                                                           "merge-weights": cmd_merge_weights}
+                                                           "merge-weights": cmd_merge_weights, "plan": cmd_plan,
+                                                           "estimate-memory": cmd_estimate_memory}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,159 @@
+"""The planner's memory and bytes next to what the library measures, layout by layout (docs/planner.md).
+
+    python benchmarks/planner_check.py [--hidden 64 --layers 2 --vocab 258 --seq 32 --batch 2]
+
+Each case of `CASES` (every layout of benchmarks/run.py in fp32, three in bf16 with two accumulation micro-steps, two
+with activation checkpointing) runs on forked gloo ranks (tests/harness.py): the library with an FSDP2 plugin, one
+warm-up optimizer step, then one counted step -- the bytes and calls of every collective (comm_count's
+CollectiveCounter), the model states per rank just before zero_grad, and the bytes saved for backward in the first
+micro-step. The planner predicts the same from the model's config (`ndparallel.planner.memory.estimate`,
+`ndparallel.planner.comm.transfers`); the table shows both and their ratio. tests/test_planner.py asserts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+
+import torch  # noqa: E402
+import torch.distributed.fsdp  # noqa: E402, F401  (imported before forking: the ranks need not import it each)
+import torch.distributed.tensor  # noqa: E402, F401
+from transformers.models.llama import modeling_llama  # noqa: E402, F401
+
+import ndparallel  # noqa: E402, F401
+import workloads  # noqa: E402
+from comm_count import CollectiveCounter, model_state_bytes  # noqa: E402
+from harness import run_ranks  # noqa: E402
+from ndparallel.config import ParallelismConfig  # noqa: E402
+from ndparallel.planner import Layout, Setting, spec_from_config  # noqa: E402
+from ndparallel.planner.comm import by_kind, transfers  # noqa: E402
+from ndparallel.planner.memory import estimate  # noqa: E402
+
+
+class SavedActivations:
+    """Distinct storages autograd saves for backward, *without the weights*: a linear layer saves its weight (under
+    FSDP2 a view of the unsharded parameter, under TP the local shard), which is model state, not activation.
+    (benchmarks/comm_count.py's counter keeps those views, which is why its figure moves with FSDP2's buffers.)"""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.storages = model, {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        def local(x):
+            return x.to_local() if isinstance(x, DTensor) else x
+
+        if not isinstance(t, torch.nn.Parameter):
+            weights = {local(p).untyped_storage().data_ptr() for p in self.model.parameters()}  # FSDP2: unsharded
+            storage = local(t).untyped_storage()
+            if storage.data_ptr() not in weights:
+                self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def context(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, accumulation: int,
+             checkpointing: bool) -> dict:
+    """On every rank: the library with an FSDP2 plugin (as a planned script runs it), one warm-up optimizer step of
+    `accumulation` micro-steps, then one step counted: collectives (CollectiveCounter), model states just before
+    zero_grad, and the first micro-step's saved activations."""
+    from torch.utils.data import DataLoader
+
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, TorchContextParallelConfig
+
+    pc = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard, cp_size=layout.cp,
+                           sp_size=layout.sp, tp_size=layout.tp,
+                           cp_handler=TorchContextParallelConfig(cp_comm_strategy="allgather"))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=checkpointing)
+    accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=precision,
+                              gradient_accumulation_steps=accumulation, cpu=True)
+    model = workloads.build_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rows = workloads.dataset(args, layout)
+    samples = [{"input_ids": r, "labels": r, "shift_labels": workloads.shift_labels(r),
+                "position_ids": torch.arange(len(r))} for r in rows]
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(samples, batch_size=args.batch))
+    batches = iter(loader)
+    states: dict[str, int] = {}
+    saved = SavedActivations(model)
+
+    def micro_step(count_saved: bool = False) -> None:
+        batch = next(batches)
+        buffers = list(batch.values())
+        with accelerator.accumulate(model), accelerator.maybe_context_parallel(
+                buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)):
+            if count_saved:
+                with saved.context():
+                    loss = model(**batch).loss
+            else:
+                loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            if accelerator.sync_gradients:
+                states.update(model_state_bytes(model, optimizer))
+            optimizer.zero_grad()
+
+    for _ in range(accumulation):
+        micro_step()
+    with CollectiveCounter() as counter:
+        for i in range(accumulation):
+            micro_step(count_saved=i == 0)
+    return {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "states": states,
+            "saved": sum(saved.storages.values())}
+
+
+# (layout of benchmarks/run.py, mixed precision, accumulation steps, activation checkpointing): every layout as the
+# benchmark runs it (fp32, no accumulation); three again in bf16 with two micro-steps per step (gathers in bf16,
+# reductions in fp32, parameters gathered every micro-step, gradients reduced once); two with every layer checkpointed
+# (the rerun forward repeats TP, CP and SP collectives).
+CASES = ([(name, "no", 1, False) for name in workloads.LAYOUTS]
+         + [(name, "bf16", 2, False) for name in ("hsdp", "fsdp2_tp", "cp_sp")]
+         + [("fsdp2_tp", "no", 1, True), ("cp_sp", "bf16", 2, True)])
+
+
+def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int, checkpointing: bool):
+    """(memory terms, transfers) the planner predicts for one case on one rank."""
+    spec = spec_from_config(workloads.llama_config(args).to_dict(), "tiny")
+    w = workloads.LAYOUTS[name]
+    layout = Layout(dp_replicate=w.dp_replicate, dp_shard=w.dp_shard, cp=w.cp, sp=w.sp, tp=w.tp)
+    setting = Setting(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing)
+    return estimate(spec, layout, setting), transfers(spec, layout, setting, gpus_per_node=8)
+
+
+def run_case(args: SimpleNamespace, case: tuple) -> list[dict]:
+    layout = workloads.LAYOUTS[case[0]]
+    return run_ranks(measure, layout.world, layout, args, *case[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("hidden", 64), ("layers", 2), ("vocab", 258), ("seq", 32), ("batch", 2)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    args = SimpleNamespace(**vars(p.parse_args(argv)), warmup=1, steps=1, repeats=1, cpu=True)  # workloads' fields
+    print("| case | states B measured / predicted | bytes per collective, measured / predicted (calls) | "
+          "saved for backward B, measured / predicted |\n|---|---|---|---|")
+    for case in CASES:
+        ranks = run_case(args, case)
+        memory, items = predict(args, *case)
+        predicted = by_kind(items)
+        states = max(sum(r["states"].values()) for r in ranks)
+        comm = ", ".join(f"{k} {ranks[0]['bytes'].get(k, 0):,} / {v:,.0f} ({ranks[0]['calls'].get(k, 0)} / "
+                         f"{sum(i.calls for i in items if i.kind == k)})" for k, v in predicted.items())
+        saved = [r["saved"] for r in ranks]
+        act = "n/a (checkpointed)" if case[3] else \
+            f"{min(saved):,}..{max(saved):,} / {memory['activations']:,.0f} ({max(saved) / memory['activations']:.4f})"
+        name = f"{case[0]} {'bf16' if case[1] == 'bf16' else 'fp32'} x{case[2]}{' AC' if case[3] else ''}"
+        print(f"| {name} | {states:,} / {memory.states:,.0f} ({states / memory.states:.4f}) | {comm} | {act} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

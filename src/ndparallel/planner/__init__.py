@@ -1,0 +1,15 @@
+"""``ndparallel plan``: predict memory, bytes and step time of every layout for a model and a cluster, and rank them.
+
+One module per concern: `hardware` (GPU profiles, data), `model` (a Hugging Face config.json), `layouts`
+(enumeration and the library's refusals), `memory`, `comm`, `timing` (the cost model), `search` (the best
+setting per layout, the ranking) and `report` (table, JSON, explanation). docs/planner.md has the formulas.
+"""
+
+from .hardware import Hardware, get_hardware
+from .layouts import Layout, parse_layout
+from .model import ModelSpec, load_model, spec_from_config
+from .search import Plan, Request, Row, evaluate, plan, row_for
+from .setting import Setting
+
+__all__ = ["Hardware", "Layout", "ModelSpec", "Plan", "Request", "Row", "Setting", "evaluate", "get_hardware",
+           "load_model", "parse_layout", "plan", "row_for", "spec_from_config"]

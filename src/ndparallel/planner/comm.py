@@ -1,0 +1,122 @@
+"""Bytes each GPU sends per optimizer step, collective by collective, and over which links.
+
+Bytes are those one rank sends under a bandwidth-optimal ring on a group of n ranks -- all-gather (n-1) x input,
+reduce-scatter (n-1) x output, all-reduce 2 (n-1)/n x size, all-to-all (n-1)/n x input -- the formulas
+`benchmarks/comm_count.py` counts with, so prediction and measurement compare like for like. Per step, with m
+micro-steps (gradient accumulation), P_s a rank's FSDP2 shard (elements, padded), c the compute dtype's bytes,
+n tokens per rank per micro-step, L layers:
+
+- FSDP2 over dp_shard x cp x sp (s ranks): all-gather 2 m (s-1) P_s c (every layer and the root unit, forward and
+  again in backward); reduce-scatter (s-1) P_s 4 once per step (every micro-step with sync_each_batch).
+- HSDP over dp_replicate (r ranks): all-reduce 2 (r-1)/r x P_s x 4 once per step.
+- TP (t ranks, Megatron): all-reduce 2 (t-1)/t x n h c x (4 L + 1) per micro-step (attention and MLP outputs
+  forward, their input gradients backward, the head's input gradient), + 1 for a vocabulary-split tied embedding;
+  all-gather (t-1) x n V/t c of the logits.
+- Ulysses (sp ranks): all-to-all 2 L (sp-1)/sp x n (2 q_width/t + 2 kv_width) c per micro-step.
+- CP, all-gather strategy (cp ranks): K and V gathered forward and gathered again in backward (the library keeps
+  only its own share), all-gather 2 L (cp-1) x 2 n kv_width c; their gradients, accumulated in fp32,
+  reduce-scattered: L (cp-1) x 2 n kv_width x 4.
+- Activation checkpointing reruns each layer's forward in backward, with its collectives, up to the last tensor
+  backward needs (torch's non-reentrant checkpoint stops there): TP 5 L + 1 all-reduces instead of 4 L + 1 (the
+  MLP output's is not repeated), Ulysses 3 L instead of 2 L all-to-all rounds, CP 3 L K/V gathers instead of 2 L.
+  FSDP2's traffic does not change (the layer is gathered for backward anyway).
+- The loss normalisation's token count: all-reduce of 8 bytes over the ``batch`` view once per step.
+
+A group whose ranks all sit in one node uses the node's links (NVLink); one that spans nodes is limited by the
+network (`layouts.cross_node`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .layouts import Layout, cross_node
+from .memory import state_elements
+from .model import ModelSpec
+from .setting import FP32, Setting, kv_width_local
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    purpose: str
+    kind: str
+    axes: tuple[str, ...]
+    group_size: int
+    link: str  # "intra" (inside a node) or "inter" (across nodes)
+    bytes: float  # sent by one rank per optimizer step
+    calls: int  # collective calls per optimizer step
+    overlappable: bool  # data-parallel traffic FSDP2 issues while other layers compute
+    how: str
+
+
+def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node: int) -> list[Transfer]:
+    """Every collective of one optimizer step on one rank (module docstring)."""
+    out: list[Transfer] = []
+    m, c, L, t = setting.accumulation, setting.compute_bytes, model.layers, layout.tp
+    n = setting.tokens(layout)
+
+    def add(purpose: str, kind: str, axes: tuple[str, ...], value: float, calls: int, overlap: bool, how: str):
+        size = math.prod(layout.sizes()[a] for a in axes)
+        if size > 1:
+            link = "inter" if cross_node(layout, axes, gpus_per_node) else "intra"
+            out.append(Transfer(purpose, kind, axes, size, link, value, calls, overlap, how))
+
+    held, per_tp, _ = state_elements(model, layout)
+    s, r = layout.fsdp, layout.dp_replicate
+    fsdp_axes = ("dp_shard", "cp", "sp")
+    units = L + 1  # one FSDP2 unit per decoder layer, and the root
+    add("FSDP2 parameter all-gather", "all_gather", fsdp_axes, 2 * m * (s - 1) * held * c, 2 * m * units, True,
+        f"2 x {m} micro-steps x ({s}-1) x {held:,} x {c} B")
+    syncs = m if setting.sync_each_batch else 1
+    add("FSDP2 gradient reduce-scatter", "reduce_scatter", fsdp_axes, syncs * (s - 1) * held * FP32, syncs * units,
+        True, f"{syncs} x ({s}-1) x {held:,} x 4 B")
+    add("HSDP gradient all-reduce", "all_reduce", ("dp_replicate",), 2 * (r - 1) / r * held * FP32, units, True,
+        f"2 x ({r}-1)/{r} x {held:,} x 4 B")
+    # With activation checkpointing each layer's forward runs again in backward, collectives included.
+    forwards = 2 if setting.checkpointing else 1
+    if t > 1:
+        act = n * model.hidden * c
+        # The rerun stops once the tensors backward needs exist (torch's non-reentrant checkpoint): the attention
+        # output's all-reduce is repeated, the MLP output's is not.
+        reduces = 4 * L + 1 + (L if setting.checkpointing else 0) + (1 if model.tied else 0)
+        add("TP activation all-reduce", "all_reduce", ("tp",), m * 2 * (t - 1) / t * act * reduces, m * reduces,
+            False, f"{m} x 2 x ({t}-1)/{t} x {n} tokens x {model.hidden} x {c} B x {reduces}")
+        add("TP logits all-gather", "all_gather", ("tp",), m * (t - 1) * n * model.vocab // t * c, m, False,
+            f"{m} x ({t}-1) x {n} x {model.vocab // t} x {c} B")
+    kw = kv_width_local(model, layout)
+    if layout.sp > 1:
+        sp = layout.sp
+        width = 2 * model.q_width // t + 2 * kw
+        passes = 1 + forwards  # forward (and its rerun), backward: q, k, v and the output each time
+        add("Ulysses all-to-all", "all_to_all", ("sp",), m * passes * L * (sp - 1) / sp * n * width * c,
+            m * 4 * passes * L, False, f"{m} x {passes} x {L} x ({sp}-1)/{sp} x {n} x {width} x {c} B")
+    if layout.cp > 1:
+        cp = layout.cp
+        kv = 2 * n * kw
+        gathers = 1 + forwards  # forward (and its rerun), and again in backward
+        add("CP K/V all-gather (forward + backward)", "all_gather", ("cp",), m * gathers * L * (cp - 1) * kv * c,
+            m * gathers * L, False, f"{m} x {gathers} x {L} x ({cp}-1) x 2 x {n} x {kw} x {c} B")
+        add("CP K/V gradient reduce-scatter", "reduce_scatter", ("cp",), m * L * (cp - 1) * kv * FP32, m * L, False,
+            f"{m} x {L} x ({cp}-1) x 2 x {n} x {kw} x 4 B (accumulated in fp32)")
+    b = layout.batch
+    add("loss token count", "all_reduce", ("dp_replicate", "dp_shard"), 2 * (b - 1) / b * 8, 1, False,
+        f"2 x ({b}-1)/{b} x 8 B")
+    return out
+
+
+def by_kind(items: list[Transfer]) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    for item in items:
+        totals[item.kind] += item.bytes
+    return dict(totals)
+
+
+def by_link(items: list[Transfer]) -> dict[str, float]:
+    totals: dict[str, float] = {"intra": 0.0, "inter": 0.0}
+    for item in items:
+        totals[item.link] += item.bytes
+    return totals

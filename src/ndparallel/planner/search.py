@@ -1,0 +1,172 @@
+"""The plan: every accepted layout, its best micro-batch and checkpointing, ranked by predicted tokens/s per GPU.
+
+For each layout the data-parallel ranks get ``samples / (dp_replicate x dp_shard)`` sequences per step, run as
+``accumulation`` micro-steps of ``micro_batch`` samples (micro_batch x accumulation = that share). A larger micro-batch
+means fewer FSDP2 all-gathers per step and is never slower, so for each choice of activation checkpointing (off / on)
+and gradient synchronisation (``sync_each_batch`` off / on) the largest micro-batch that fits is taken, and the
+fastest of those wins. A layout where nothing fits is shown
+with its smallest peak and how much it misses by.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from .comm import Transfer, transfers
+from .hardware import GiB, Hardware
+from .layouts import Constraints, Layout, explain_no_layout, reasons, valid_layouts
+from .memory import Memory, estimate
+from .model import ModelSpec
+from .setting import Setting, human_bytes
+from .timing import Timing, step_time
+
+CHECKPOINTING = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Request:
+    model: ModelSpec
+    hardware: Hardware
+    nodes: int
+    gpus_per_node: int
+    seq_len: int
+    global_batch_tokens: int
+    memory_gib: float | None = None  # memory per GPU to plan for; None: the profile's
+    mixed_precision: str = "bf16"
+    checkpointing: str = "auto"
+    optimizer: str = "adamw"
+    allow_cross_node_tp: bool = False
+    sync_each_batch: str = "auto"  # auto | on | off
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node", "seq_len", "global_batch_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.global_batch_tokens % self.seq_len:
+            raise ValueError(f"--global-batch-tokens {self.global_batch_tokens} is not a multiple of --seq-len "
+                             f"{self.seq_len}: a step holds whole sequences (e.g. "
+                             f"{max(1, self.global_batch_tokens // self.seq_len) * self.seq_len})")
+        for name in ("checkpointing", "sync_each_batch"):
+            if getattr(self, name) not in CHECKPOINTING:
+                raise ValueError(f"{name} {getattr(self, name)!r}: use one of {list(CHECKPOINTING)}")
+        if self.memory_gib is not None and self.memory_gib <= self.hardware.memory_reserve_gib:
+            raise ValueError(f"--memory-gib {self.memory_gib} leaves nothing once the profile's reserve of "
+                             f"{self.hardware.memory_reserve_gib} GiB (CUDA context, NCCL, fragmentation) is set "
+                             "aside")
+        Setting(self.seq_len, 1, mixed_precision=self.mixed_precision, optimizer=self.optimizer)  # checks both
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def samples(self) -> int:
+        return self.global_batch_tokens // self.seq_len
+
+    @property
+    def budget_bytes(self) -> float:
+        memory = self.hardware.memory_gib if self.memory_gib is None else self.memory_gib
+        return (memory - self.hardware.memory_reserve_gib) * GiB
+
+    def constraints(self) -> Constraints:
+        return Constraints(self.model, self.seq_len, self.samples, self.gpus_per_node, self.allow_cross_node_tp)
+
+
+@dataclass
+class Row:
+    layout: Layout
+    setting: Setting
+    memory: Memory
+    transfers: list[Transfer]
+    timing: Timing
+    budget: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.budget
+
+    @property
+    def miss(self) -> float:
+        """Bytes over the budget (0 when it fits)."""
+        return max(0.0, self.memory.peak - self.budget)
+
+
+@dataclass
+class Plan:
+    request: Request
+    rows: list[Row]  # ranked: fitting rows by tokens/s, then the others by peak
+    refused: dict[Layout, list[str]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Row | None:
+        return self.rows[0] if self.rows and self.rows[0].fits else None
+
+    def no_fit_message(self) -> str:
+        smallest = min(self.rows, key=lambda row: row.memory.peak)
+        r, s = self.request, smallest.setting
+        return (f"no layout fits in {r.budget_bytes / GiB:.1f} GiB per GPU ({r.hardware.name}, "
+                f"{(r.memory_gib or r.hardware.memory_gib)} GiB less a {r.hardware.memory_reserve_gib} GiB reserve): "
+                f"the smallest peak is {human_bytes(smallest.memory.peak)} ({smallest.layout.name}, micro-batch "
+                f"{s.micro_batch}, activation checkpointing {'on' if s.checkpointing else 'off'}), "
+                f"{human_bytes(smallest.miss)} over. Add GPUs, shorten --seq-len or lower --global-batch-tokens")
+
+
+def evaluate(request: Request, layout: Layout, setting: Setting) -> Row:
+    """Predictions for one layout run with one setting."""
+    memory = estimate(request.model, layout, setting)
+    items = transfers(request.model, layout, setting, request.gpus_per_node)
+    timing = step_time(request.model, layout, setting, items, request.hardware, request.global_batch_tokens)
+    return Row(layout, setting, memory, items, timing, request.budget_bytes)
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def best_row(request: Request, layout: Layout) -> Row:
+    """The fastest setting of `layout` that fits, else the one with the smallest peak."""
+    per_rank = request.samples // layout.batch
+    options = {"auto": (False, True), "on": (True,), "off": (False,)}
+    fitting: list[Row] = []
+    smallest: Row | None = None
+    # Reduce-scattering every micro-step only changes anything with accumulation over a sharded group.
+    syncs = options[request.sync_each_batch] if layout.fsdp > 1 and per_rank > 1 else (False,)
+    for checkpointing, sync in itertools.product(options[request.checkpointing], syncs):
+        for micro in _divisors_desc(per_rank):
+            if sync and micro == per_rank and len(syncs) > 1:
+                continue  # no accumulation: the same as without sync_each_batch
+            setting = Setting(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
+                              request.optimizer, sync)
+            row = evaluate(request, layout, setting)
+            if row.fits:
+                fitting.append(row)
+                break
+            if smallest is None or row.memory.peak < smallest.memory.peak:
+                smallest = row
+    if fitting:
+        return max(fitting, key=lambda row: row.timing.tokens_per_s_per_gpu)
+    assert smallest is not None
+    return smallest
+
+
+def plan(request: Request) -> Plan:
+    """Rank every layout the library accepts for `request`; raise ValueError when it accepts none."""
+    start = time.perf_counter()
+    ok, refused = valid_layouts(request.world, request.constraints())
+    if not ok:
+        raise ValueError(explain_no_layout(request.world, request.constraints()))
+    rows = [best_row(request, layout) for layout in ok]
+    rows.sort(key=lambda row: (not row.fits, -row.timing.tokens_per_s_per_gpu if row.fits else row.memory.peak))
+    return Plan(request, rows, refused, time.perf_counter() - start)
+
+
+def row_for(request: Request, layout: Layout) -> Row:
+    """The row of one given layout (``--explain``); raises if the library would refuse it."""
+    why = reasons(layout, request.constraints())
+    if why:
+        raise ValueError(f"layout {layout.name} is refused: {'; '.join(why)}")
+    return best_row(request, layout)

@@ -1,0 +1,72 @@
+"""The per-run settings every part of the cost model reads, and the small helpers they share."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .layouts import Layout
+from .model import ModelSpec
+
+MIXED_PRECISIONS = ("bf16", "fp32")
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors the optimizer keeps per parameter
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one optimizer step runs on every rank."""
+
+    seq_len: int
+    micro_batch: int  # samples per data-parallel rank per micro-step (the DataLoader's batch_size)
+    accumulation: int = 1  # micro-steps per optimizer step (gradient_accumulation_steps)
+    mixed_precision: str = "bf16"  # "bf16": FSDP2 computes in bf16, reduces in fp32; "fp32": everything fp32
+    checkpointing: bool = False  # activation checkpointing of every decoder layer
+    optimizer: str = "adamw"
+    sync_each_batch: bool = False  # GradientAccumulationPlugin(sync_each_batch=True): reduce-scatter every micro-step
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise ValueError(f"mixed precision {self.mixed_precision!r}: use one of {list(MIXED_PRECISIONS)}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer {self.optimizer!r}: the planner knows {sorted(OPTIMIZER_STATES)}")
+        if self.seq_len < 1 or self.micro_batch < 1 or self.accumulation < 1:
+            raise ValueError("seq_len, micro_batch and accumulation must be >= 1")
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of an activation element (and of a parameter as FSDP2 gathers it)."""
+        return 2 if self.mixed_precision == "bf16" else FP32
+
+    def tokens(self, layout: Layout) -> int:
+        """Tokens one rank holds in a micro-step: its samples' share of the sequence under cp x sp."""
+        return self.micro_batch * self.seq_len // layout.seq_split
+
+
+def local_shape(shape: tuple[int, ...], tp_dim: int | None, tp: int) -> tuple[int, ...]:
+    """A weight's shape on one tensor-parallel rank."""
+    if tp_dim is None or tp == 1:
+        return shape
+    return tuple(n // tp if d == tp_dim else n for d, n in enumerate(shape))
+
+
+def shard_numel(shape: tuple[int, ...], shards: int) -> int:
+    """Elements one rank holds of a tensor FSDP2 shards over `shards` ranks: dim 0 padded to a multiple of it."""
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / shards) * rest
+
+
+def kv_width_local(model: ModelSpec, layout: Layout) -> int:
+    """Key/value width one tensor-parallel rank attends with, after Ulysses repeats K/V heads so that sp splits them
+    (`parallel.sequence.ulysses.kv_repeats`)."""
+    kv_heads = model.kv_heads // layout.tp
+    if layout.sp > 1:
+        kv_heads *= layout.sp // math.gcd(kv_heads, layout.sp)
+    return kv_heads * model.head_dim
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

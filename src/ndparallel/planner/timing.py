@@ -1,0 +1,100 @@
+"""Step time: compute from FLOPs and an achievable fraction of peak, communication from bytes and bandwidth, and
+how much of the communication hides behind the compute.
+
+- compute = global tokens x FLOPs per token / world / (peak x compute_efficiency). FLOPs per token as the GPU
+  performs them: 6 N_matmul + 12 L d_attn K, with K the keys a query attends to on average -- S/2 under the causal
+  mask (the MFU convention of `ndparallel.metrics` counts the whole score matrix, K = S), w - w^2/2S under a
+  sliding window w < S -- plus one forward of the layers again (2 N_layers + 4 L d_attn K) with activation
+  checkpointing.
+- each collective: bytes / bandwidth of its link class + calls x latency.
+- data-parallel traffic (FSDP2 all-gathers and reduce-scatters, HSDP all-reduces) runs while other layers compute:
+  exposed = max(0, its time - overlap x compute). Tensor-, context- and sequence-parallel collectives sit on the
+  critical path (each layer waits for them) and count in full.
+- optimizer = bytes AdamW reads and writes per parameter it holds (28) / HBM bandwidth.
+- step = compute + exposed communication + optimizer; tokens/s per GPU = global tokens / step / world;
+  MFU = tokens/s per GPU x FLOPs per token (metrics convention) / peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .comm import Transfer
+from .hardware import Hardware
+from .layouts import Layout
+from .memory import state_elements
+from .model import ModelSpec
+from .setting import FP32, OPTIMIZER_STATES, Setting
+
+
+@dataclass(frozen=True)
+class Timing:
+    compute_s: float
+    comm_s: dict[str, float]  # by purpose, before overlap
+    overlappable_s: float
+    critical_s: float
+    exposed_s: float  # communication not hidden by compute
+    optimizer_s: float
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    hardware_flops: float  # per GPU per step
+    how: dict[str, str]
+
+
+def attended_keys(model: ModelSpec, seq_len: int) -> float:
+    """Keys a query sees on average: S/2 under a causal mask; w - w^2/2S under a sliding window w < S."""
+    w = model.sliding_window
+    return seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
+
+
+def hardware_flops_per_token(model: ModelSpec, setting: Setting) -> float:
+    """FLOPs the GPUs perform per token of training (module docstring)."""
+    layer_matmul = model.layers * (2 * model.hidden * model.q_width + 2 * model.hidden * model.kv_width
+                                   + (3 if model.gated else 2) * model.hidden * model.intermediate)
+    head = model.hidden * model.vocab
+    attention = 4 * model.layers * model.q_width * attended_keys(model, setting.seq_len)  # forward
+    flops = 6 * (layer_matmul + head) + 3 * attention
+    if setting.checkpointing:
+        flops += 2 * layer_matmul + attention
+    return flops
+
+
+def transfer_seconds(item: Transfer, hw: Hardware) -> float:
+    if item.link == "inter":
+        return item.bytes / hw.inter_node_bandwidth + item.calls * hw.inter_node_latency_s
+    return item.bytes / hw.intra_node_bandwidth + item.calls * hw.intra_node_latency_s
+
+
+def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Transfer], hw: Hardware,
+              global_tokens: int) -> Timing:
+    world = layout.world
+    peak = hw.peak_flops(setting.mixed_precision)
+    hw_fpt = hardware_flops_per_token(model, setting)
+    flops = global_tokens * hw_fpt / world
+    compute = flops / (peak * hw.compute_efficiency)
+    comm: dict[str, float] = {}
+    overlappable = critical = 0.0
+    for item in items:
+        seconds = transfer_seconds(item, hw)
+        comm[item.purpose] = comm.get(item.purpose, 0.0) + seconds
+        if item.overlappable:
+            overlappable += seconds
+        else:
+            critical += seconds
+    hidden = min(overlappable, hw.overlap * compute)
+    exposed = critical + overlappable - hidden
+    held, _, _ = state_elements(model, layout)
+    moved = (2 * (1 + OPTIMIZER_STATES[setting.optimizer]) + 1) * FP32
+    optimizer = held * moved / hw.hbm_bandwidth
+    step = compute + exposed + optimizer
+    tps = global_tokens / step / world
+    mfu = tps * model.flops_per_token(setting.seq_len) / peak
+    how = {
+        "compute": f"{global_tokens:,} tokens x {hw_fpt / 1e9:.2f} GFLOP/token / {world} GPUs / ({peak / 1e12:.0f} "
+                   f"TFLOP/s x {hw.compute_efficiency})",
+        "exposed": f"critical {critical * 1e3:.2f} ms + data-parallel {overlappable * 1e3:.2f} ms - hidden "
+                   f"min(that, {hw.overlap} x compute) = {hidden * 1e3:.2f} ms",
+        "optimizer": f"{held:,} parameters x {moved} B / {hw.hbm_bandwidth / 1e12:.2f} TB/s",
+    }
+    return Timing(compute, comm, overlappable, critical, exposed, optimizer, step, tps, mfu, flops, how)
