@@ -5,14 +5,17 @@ visible, and attention step time on the same tokens. Prints one table; writes it
 
 Documents have long-tailed lengths (log-normal, median --median-doc tokens, clipped to [8, row length]), drawn once
 with a fixed seed. *Packed*: documents concatenated into rows of --row-len tokens (a document that does not fit is
-cut, its rest starting the next row as a document of its own), positions restarting at 0 per document. *Padded*:
-the same documents one per row, right-padded to the longest (rounded up so the cp layout splits it), in batches of
---pad-batch rows. Both feed `sequence_parallel_attention` with the load-balanced layout and the ring strategy on
-forked gloo ranks (fp32, 4 query / 2 K/V heads, head dim 32): forward + backward, median of --repeats.
+cut, its rest starting the next row as a document of its own; a last row that is not full is dropped), positions
+restarting at 0 per document; *packed, dealt*: the same rows with each batch's 4*cp chunks dealt over the ranks by
+attention work (`TorchContextParallelConfig(balance_documents=True)`, `masking.balanced_assignment`). *Padded*:
+the same documents (the same tokens) one per row, right-padded to the longest (rounded up so the cp layout splits
+it), in batches of --pad-batch rows. All feed `sequence_parallel_attention` with the ring strategy on forked gloo
+ranks (fp32, 4 query / 2 K/V heads, head dim 32): forward + backward, median of --repeats.
 
 *Computed pairs*: query-key scores the kernels evaluate (a skipped block none, a causal block half its square, a
 full or masked block all of it: `masking.attention_work`); *visible pairs*: those the mask allows (the work an exact
-variable-length kernel would do). *Imbalance*: the busiest rank's visible pairs over the mean.
+variable-length kernel would do). *Imbalance*: per batch, the busiest rank's visible pairs over the mean (a
+step waits for its busiest rank), averaged over the batches; the worst batch's in brackets.
 """
 
 from __future__ import annotations
@@ -53,13 +56,15 @@ def packed_rows(lengths: list[int], row_len: int) -> list[list[int]]:
 
 
 def batches(kind: str, lengths: list[int], row_len: int, cp: int, pad_batch: int) -> list[dict]:
-    """[{"position_ids", "attention_mask" (padded only), "tokens"}] batches of one kind."""
+    """[{"position_ids", "attention_mask" (padded only), "dealt", "tokens"}] batches of one kind."""
     out = []
-    if kind == "packed":
-        for row in packed_rows(lengths, row_len):
+    rows = packed_rows(lengths, row_len)
+    if kind.startswith("packed"):
+        for row in rows:
             out.append({"position_ids": torch.cat([torch.arange(n) for n in row]).unsqueeze(0), "attention_mask": None,
-                        "tokens": sum(row)})
+                        "dealt": kind == "packed, dealt", "tokens": sum(row)})
         return out
+    lengths = [n for row in rows for n in row]  # the packed rows' documents: the same tokens
     multiple = 2 * cp
     for i in range(0, len(lengths), pad_batch):
         group = lengths[i:i + pad_batch]
@@ -67,7 +72,8 @@ def batches(kind: str, lengths: list[int], row_len: int, cp: int, pad_batch: int
         mask = torch.zeros(len(group), width, dtype=torch.long)
         for r, n in enumerate(group):
             mask[r, :n] = 1
-        out.append({"position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "attention_mask": mask, "tokens": sum(group)})
+        out.append({"position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "attention_mask": mask, "dealt": False,
+                    "tokens": sum(group)})
     return out
 
 
@@ -75,7 +81,7 @@ def _time_attention(kind_batches: list[dict], repeats: int) -> float:
     """Seconds per pass over all batches (forward + backward), median of `repeats`; on every rank."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention
+    from ndparallel.parallel.sequence import SequenceLayout, SequenceShards, sequence_parallel_attention
     from ndparallel.parallel.sequence.masking import DocumentMask, document_ids
 
     dist.init_process_group("gloo")
@@ -85,7 +91,7 @@ def _time_attention(kind_batches: list[dict], repeats: int) -> float:
     for b in kind_batches:
         rows, seq = b["position_ids"].shape
         doc = document_ids(b["position_ids"], b["attention_mask"], (rows, seq))
-        shards = SequenceShards.of(seq, cp, rank)
+        shards = SequenceShards(SequenceLayout(seq, cp, rank, assignment=assignment(b, cp)))
         g = torch.Generator().manual_seed(seq)
         q = torch.randn(rows, 4, shards.local_len, 32, generator=g)
         k, v = (torch.randn(rows, 2, shards.local_len, 32, generator=g) for _ in range(2))
@@ -104,22 +110,40 @@ def _time_attention(kind_batches: list[dict], repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def assignment(batch: dict, cp: int):
+    """The dealt chunks of a "packed, dealt" batch (None: the load-balanced layout)."""
+    from ndparallel.parallel.sequence.masking import balanced_assignment, document_ids
+
+    if not batch["dealt"]:
+        return None
+    rows, seq = batch["position_ids"].shape
+    return balanced_assignment(document_ids(batch["position_ids"], batch["attention_mask"], (rows, seq)), cp)
+
+
 def work(kind_batches: list[dict], cp: int) -> dict:
     from ndparallel.parallel.sequence import SequenceLayout
     from ndparallel.parallel.sequence.masking import DocumentMask, attention_work, document_ids
 
     per_rank = [{"computed": 0, "visible": 0} for _ in range(cp)]
+    per_batch = []  # each step waits for its busiest rank: the imbalance that costs time is per batch
     for b in kind_batches:
         rows, seq = b["position_ids"].shape
         doc = DocumentMask(document_ids(b["position_ids"], b["attention_mask"], (rows, seq)))
-        for r, w in enumerate(attention_work(doc, seq, cp, lambda rank: SequenceLayout(seq, cp, rank).chunk_ids())):
+        dealt = assignment(b, cp)
+        for r, w in enumerate(attention_work(doc, seq, cp, lambda rank: SequenceLayout(
+                seq, cp, rank, assignment=dealt).chunk_ids())):
             per_rank[r]["computed"] += w["computed"]
             per_rank[r]["visible"] += w["visible"]
+            per_batch.append((len(per_batch) // cp, w["visible"]))
+    batches_visible: dict[int, list[int]] = {}
+    for index, visible in per_batch:
+        batches_visible.setdefault(index, []).append(visible)
+    ratios = [max(v) / max(1e-9, statistics.mean(v)) for v in batches_visible.values()]
     visible = [w["visible"] for w in per_rank]
     computed = sum(w["computed"] for w in per_rank)
     return {"per_rank": per_rank, "computed": computed, "visible": sum(visible),
             "computed_over_visible": computed / max(1, sum(visible)),
-            "imbalance": max(visible) / max(1e-9, statistics.mean(visible))}
+            "imbalance": statistics.mean(ratios), "worst_imbalance": max(ratios)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -136,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for cp in args.cp:
         row = {"cp": cp}
-        for kind in ("packed", "padded"):
+        for kind in ("packed", "packed, dealt", "padded"):
             kb = batches(kind, lengths, args.row_len, cp, args.pad_batch)
             tokens = sum(b["tokens"] for b in kb)
             seconds = run_ranks(_time_attention, cp, kb, args.repeats, timeout=1800)[0]
@@ -146,15 +170,15 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(row)
     lines = [f"Packed vs padded, {len(lengths)} documents (median {args.median_doc} tokens, log-normal), rows of "
              f"{args.row_len} tokens; attention forward + backward, ring, fp32, forked gloo ranks on this CPU", "",
-             "| cp | layout | tokens | tokens/s | packed/padded tokens/s | pairs computed (M) | visible (M) | "
+             "| cp | layout | tokens | tokens/s | tokens/s / padded's | pairs computed (M) | visible (M) | "
              "computed/visible | imbalance (max/mean) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in results:
-        for kind in ("packed", "padded"):
+        for kind in ("packed", "packed, dealt", "padded"):
             r = row[kind]
-            speed = row["packed"]["tokens_per_s"] / row["padded"]["tokens_per_s"]
+            speed = r["tokens_per_s"] / row["padded"]["tokens_per_s"]
             lines.append(f"| {row['cp']} | {kind} | {r['tokens']} | {r['tokens_per_s']:,.0f} | "
                          f"{speed:.2f} | {r['computed'] / 1e6:.1f} | {r['visible'] / 1e6:.1f} | "
-                         f"{r['computed_over_visible']:.2f} | {r['imbalance']:.2f} |")
+                         f"{r['computed_over_visible']:.2f} | {r['imbalance']:.2f} ({r['worst_imbalance']:.2f}) |")
     table = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "packed_sequences.md").write_text(table)

@@ -168,3 +168,15 @@ def test_gpu_benchmark_program_runs_on_cpu(tmp_path):
     assert all(abs(row["library_final_loss"] - row["plain_final_loss"]) < 0.05 for row in result["training"])
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| 64 | cpu_flash |" in table and json.loads((tmp_path / "gpu_check.json").read_text())["training"]
+
+
+def test_packed_sequence_benchmark_runs_and_computes_only_visible_pairs(tmp_path):
+    import packed_sequences
+
+    result = packed_sequences.main(["--row-len", "256", "--docs", "12", "--median-doc", "30", "--cp", "2",
+                                    "--repeats", "1", "--out", str(tmp_path)])
+    row = result["results"][0]
+    assert row["packed"]["tokens"] == row["padded"]["tokens"] == row["packed, dealt"]["tokens"]  # the same tokens
+    assert all(row[k]["computed"] == row[k]["visible"] > 0 for k in ("packed", "packed, dealt", "padded"))
+    assert row["packed, dealt"]["imbalance"] <= row["packed"]["imbalance"]
+    assert "| 2 | packed, dealt |" in (tmp_path / "packed_sequences.md").read_text()

@@ -209,20 +209,24 @@ def _reference_losses(kind: str, model_name: str, overrides: dict) -> list[float
     return losses
 
 
-def _train(kind: str, flags: dict, strategy: str, model_name: str, overrides: dict) -> list[float]:
+def _train(kind: str, flags: dict, strategy: str, model_name: str, overrides: dict) -> tuple[list[float], int]:
+    """Losses of the run, and how many batches the prepared loader dealt by attention work."""
     from ndparallel import Accelerator, ParallelismConfig, TorchContextParallelConfig
     from tiny_models import build_model
 
+    flags = dict(flags)
+    balance = flags.pop("balance_documents", False)
     acc = Accelerator(parallelism_config=ParallelismConfig(
-        **flags, cp_handler=TorchContextParallelConfig(cp_comm_strategy=strategy)))
+        **flags, cp_handler=TorchContextParallelConfig(cp_comm_strategy=strategy, balance_documents=balance)))
     torch.manual_seed(0)
     model = build_model(model_name, **overrides)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     data_ranks = flags.get("dp_shard_size", 1) * flags.get("dp_replicate_size", 1)
     loader = torch.utils.data.DataLoader(training_rows(kind), batch_size=ROWS // data_ranks)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    losses = []
+    losses, dealt = [], 0
     for batch in loader:
+        dealt += acc.gradient_state.batch.sequence_layout is not None
         batch.pop("labels")  # the loss reads shift_labels (shifted before sharding)
         buffers = list(batch.values())
         with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
@@ -234,7 +238,7 @@ def _train(kind: str, flags: dict, strategy: str, model_name: str, overrides: di
         optimizer.zero_grad()
         losses.append(acc.reduce_loss(loss).item())
     acc.end_training()
-    return losses
+    return losses, dealt
 
 
 TRAINING = {  # id -> (rows, world, sizes, strategy, model, model overrides)
@@ -248,6 +252,10 @@ TRAINING = {  # id -> (rows, world, sizes, strategy, model, model overrides)
     "padded-cp2-ring": ("padded", 2, {"cp_size": 2}, "ring", "llama", {}),
     "padded-sp2": ("padded", 2, {"sp_size": 2}, "allgather", "llama", {}),
     "mistral-window16-cp2": ("padded", 2, {"cp_size": 2}, "ring", "mistral", {"sliding_window": 16}),
+    # the chunks of each batch dealt over cp by attention work (TorchContextParallelConfig(balance_documents=True))
+    "packed-cp4-ring-balanced": ("packed", 4, {"cp_size": 4, "balance_documents": True}, "ring", "llama", {}),
+    "packed-cp2xsp2-allgather-balanced": ("packed", 4, {"cp_size": 2, "sp_size": 2, "balance_documents": True},
+                                          "allgather", "llama", {}),
 }
 
 
@@ -256,9 +264,11 @@ def test_training_matches_the_single_process_reference(case):
     kind, world, flags, strategy, model_name, overrides = TRAINING[case]
     expected = _reference_losses(kind, model_name, overrides)
     results = run_ranks(_train, world, kind, flags, strategy, model_name, overrides, timeout=180)
+    losses, dealt = results[0]
     assert all(r == results[0] for r in results), "ranks logged different losses"
-    gaps = [abs(a - b) for a, b in zip(results[0], expected)]
-    assert len(gaps) == STEPS and max(gaps) < 1e-5, list(zip(results[0], expected))
+    gaps = [abs(a - b) for a, b in zip(losses, expected)]
+    assert len(gaps) == STEPS and max(gaps) < 1e-5, list(zip(losses, expected))
+    assert (dealt > 0) == bool(flags.get("balance_documents")), dealt  # the dealt layout was really used
 
 
 def test_attention_work_counts_visible_pairs_and_imbalance():
@@ -280,3 +290,53 @@ def test_attention_work_counts_visible_pairs_and_imbalance():
     assert sum(w["visible"] for w in work) == visible
     assert all(w["computed"] == w["visible"] for w in work)
     assert max(w["visible"] for w in work) > min(w["visible"] for w in work)  # packed rows are not balanced
+
+
+# ---- balance: the work of packed rows over cp ranks ---------------------------------------------------------------
+UNBALANCED = torch.cat([torch.arange(24), torch.zeros(8, dtype=torch.long)]).unsqueeze(0)  # one long doc, 8 tiny ones
+
+
+def test_balanced_assignment_evens_out_packed_rows():
+    """One 24-token document then eight 1-token ones: under the load-balanced layout (cp 2) rank 1 holds positions
+    8-23 and does 264 of the 308 visible pairs (1.71x the mean); the dealt partition is within 1.1x."""
+    from ndparallel.parallel.sequence import SequenceLayout
+    from ndparallel.parallel.sequence.masking import attention_work, balanced_assignment
+
+    doc = document_ids(UNBALANCED, None, (1, 32))
+    default = [w["visible"] for w in attention_work(DocumentMask(doc), 32, 2,
+                                                     lambda r: SequenceLayout(32, 2, r).chunk_ids())]
+    assert default == [44, 264]
+    assignment = balanced_assignment(doc, 2)
+    assert sorted(c for chunks in assignment for c in chunks) == list(range(8))
+    dealt = [w["visible"] for w in attention_work(DocumentMask(doc), 32, 2,
+                                                   lambda r: SequenceLayout(32, 2, r, assignment=assignment)
+                                                   .chunk_ids())]
+    assert sum(dealt) == 308 and max(dealt) / (sum(dealt) / 2) < 1.1, dealt
+    # whole causal rows are already even: nothing to deal
+    assert balanced_assignment(torch.zeros(2, 32, dtype=torch.long), 2) is None
+
+
+def _first_batch_warning() -> list[str]:
+    import warnings
+
+    from ndparallel import Accelerator, ParallelismConfig
+    from tiny_models import build_model
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(cp_size=2))
+    model = acc.prepare(build_model("llama"))
+    ids = torch.arange(32).unsqueeze(0) % 50
+    batch = {"input_ids": ids, "position_ids": UNBALANCED.clone(),
+             "shift_labels": F.pad(ids[:, 1:], (0, 1), value=-100)}
+    buffers = list(batch.values())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1]):
+            model(**batch)
+    acc.end_training()
+    return [str(w.message) for w in caught if "attention work" in str(w.message)]
+
+
+def test_unbalanced_packed_rows_are_reported_with_the_remedy():
+    messages = run_ranks(_first_batch_warning, 2)
+    assert len(messages[0]) == 1 and not messages[1]  # said once, by cp rank 0
+    assert "1.71x the mean attention work" in messages[0][0] and "balance_documents=True" in messages[0][0]

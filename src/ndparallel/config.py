@@ -109,10 +109,15 @@ class TorchContextParallelConfig:
         `ndparallel.parallel.sequence`.
     load_balance: rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks, so causal attention costs every rank
         the same (sequence length must be a multiple of 2*cp); False: rank r holds chunk r of cp (a multiple of cp).
+    balance_documents: for packed or padded rows (whose attention work the load-balanced layout does not even out),
+        deal 4*cp equal chunks of each batch over the cp ranks by their attention work instead, when that is more
+        even (`ndparallel.parallel.sequence.masking.balanced_assignment`; batches from the prepared data loader,
+        sequence length a multiple of 4*cp). Exact either way; only the balance changes.
     """
 
     cp_comm_strategy: str | None = None
     load_balance: bool = True
+    balance_documents: bool = False
 
     def __post_init__(self) -> None:
         if self.cp_comm_strategy is None:
@@ -121,6 +126,8 @@ class TorchContextParallelConfig:
             raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy}. Must be one of {list(CP_STRATEGIES)}")
         if not isinstance(self.load_balance, bool):
             raise TypeError(f"load_balance must be a bool, got {self.load_balance!r}")
+        if not isinstance(self.balance_documents, bool):
+            raise TypeError(f"balance_documents must be a bool, got {self.balance_documents!r}")
 
 
 CP_BACKENDS = ("torch",)  # Accelerate's name for torch-native context parallelism: here, ndparallel's own

@@ -227,7 +227,8 @@ class PreparedDataLoader:
                  device: torch.device, put_on_device: bool, window: int, window_group: dist.ProcessGroup | None,
                  gradient_state: GradientState | None = None,
                  local_count: Callable[[Any], int | None] | None = None, split_batches: bool = False,
-                 even_batches: bool = True, non_blocking: bool = False) -> None:
+                 even_batches: bool = True, non_blocking: bool = False,
+                 sequence_plan: Callable[[Any], Any] | None = None) -> None:
         self.base_loader = loader
         self.device = device  # this rank's device: batches go there (if put_on_device), token counts always
         self.put_on_device = put_on_device
@@ -242,6 +243,9 @@ class PreparedDataLoader:
         # parallelism: `SequenceSharding.count_loss_tokens`); None: the whole batch. Window totals always count whole
         # sequences.
         self.local_count = local_count
+        # The sequence layout of each batch when it depends on the batch (`SequenceSharding.plan`: packed rows
+        # dealt over cp by attention work); given to maybe_context_parallel through the gradient state.
+        self.sequence_plan = sequence_plan
         self.epoch = 0
         self.seed = seed
         self.shard_index = shard_index
@@ -371,13 +375,15 @@ class PreparedDataLoader:
             total = self._window_total(counts)
             if self.local_count is not None and self.even_batches:
                 counts = [self.local_count(b) for b in window]
+            layouts = [self.sequence_plan(b) if self.sequence_plan is not None else None for b in window]
             for i, batch in enumerate(window):
                 last = i == len(window) - 1
                 end = last and pending is _END
                 if self.gradient_state is not None:
                     self.gradient_state.on_batch(self, BatchInfo(
                         local_tokens=counts[i], window_tokens=total, window_batches=len(window), ends_window=last,
-                        end_of_dataloader=end, padding=self._shard.last_padding if end else 0))
+                        end_of_dataloader=end, padding=self._shard.last_padding if end else 0,
+                        sequence_layout=layouts[i]))
                 self._position += self._step  # counted before the yield: the batch is the caller's now
                 yield (move_to_device(batch, self.device, self.non_blocking or self.loader.pin_memory)
                        if self.put_on_device else batch)

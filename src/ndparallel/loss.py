@@ -119,6 +119,7 @@ class BatchInfo:
     ends_window: bool  # last micro-batch before an optimizer step
     end_of_dataloader: bool
     padding: int = 0  # samples repeated at the end of this (final) batch to even it out across ranks
+    sequence_layout: Any = None  # the cp x sp layout chosen for this batch (a document-balanced one), None: default
 
 
 def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps: int,

@@ -318,6 +318,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             window_group=self.mesh.group("batch") if self.mesh.size("batch") > 1 else None,
             gradient_state=self.gradient_state,
             local_count=sharding.count_loss_tokens if sharding is not None else None,
+            sequence_plan=sharding.plan if sharding is not None and sharding.balance_documents else None,
             split_batches=config.split_batches, even_batches=config.even_batches, non_blocking=config.non_blocking,
         )
         self.prepared.dataloaders.append(prepared)
@@ -446,7 +447,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             return
         batch = self.gradient_state.batch
         with self.sequence_sharding.sharded(buffers, buffer_seq_dims, no_restore_buffers,
-                                            expected_tokens=batch.local_tokens if batch is not None else None):
+                                            expected_tokens=batch.local_tokens if batch is not None else None,
+                                            layout=batch.sequence_layout if batch is not None else None):
             yield
 
     @contextlib.contextmanager

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 import weakref
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ...loss import count_loss_tokens
-from .masking import DocumentMask, check_document_lengths, document_ids
+from .masking import DocumentMask, attention_work, check_document_lengths, document_ids
 from .sharding import ShardedSequence, active, context_parallel_attention
 
 ATTN_IMPLEMENTATION = "ndparallel_context_parallel"  # the name registered in transformers' registries
@@ -237,6 +238,8 @@ def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts:
     if doc is not None:
         check_document_lengths(doc, getattr(config, "max_position_embeddings", None), "context parallelism")
     state.set_documents(DocumentMask(doc) if doc is not None else None)
+    if doc is not None:
+        _report_imbalance(state)
     if "attention_mask" in kwargs:
         kwargs["attention_mask"] = None  # attention rebuilds the mask from the documents
     if kwargs.get("position_ids") is None and "position_ids" in accepts:
@@ -258,6 +261,28 @@ def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts:
                 "or exactly as labels[:, 1:] padded with -100"
             )
     return kwargs
+
+
+IMBALANCE_WARNING = 1.3  # the busiest cp rank's attention work over the mean, above which the first batch warns
+_imbalance_reported = False
+
+
+def _report_imbalance(state: ShardedSequence) -> None:
+    """Once per process, on the first padded or packed batch: if its attention work is badly unbalanced over cp
+    (the load-balanced layout evens out whole causal rows only), say so and what evens it out."""
+    global _imbalance_reported
+    sharding = state.sharding
+    if _imbalance_reported or sharding.cp_size == 1 or sharding.balance_documents or state.documents is None:
+        return
+    _imbalance_reported = True
+    cp = state.layout.cp
+    work = [w["visible"] for w in attention_work(state.documents, cp.seq_len, cp.size, cp.chunk_ids)]
+    mean = sum(work) / len(work)
+    if mean and max(work) / mean > IMBALANCE_WARNING and sharding.cp_rank == 0 and sharding.sp_rank == 0:
+        warnings.warn(f"context parallelism: in the first packed/padded batch the busiest of the {cp.size} cp ranks "
+                      f"does {max(work) / mean:.2f}x the mean attention work (visible query-key pairs per rank: "
+                      f"{work}); TorchContextParallelConfig(balance_documents=True) deals each batch's chunks over "
+                      "the ranks by their work instead (exact either way)", stacklevel=2)
 
 
 def _batch_size(kwargs: dict) -> int | None:

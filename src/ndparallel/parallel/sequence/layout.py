@@ -4,7 +4,9 @@ Context parallelism (`SequenceLayout`). A sequence of S tokens is cut into equal
 - load-balanced (default): 2*cp chunks of S/(2*cp); rank r holds chunks r and 2*cp-1-r, in that order. Under a
   causal mask, chunk c attends to c+1 chunks' worth of keys, so every rank gets the same amount of work
   (r+1 + 2*cp-r = 2*cp+1 chunk pairs);
-- contiguous: cp chunks of S/cp; rank r holds chunk r (the last rank does cp times the work of the first).
+- contiguous: cp chunks of S/cp; rank r holds chunk r (the last rank does cp times the work of the first);
+- assigned: any equal number of equal chunks per rank, given as data (`assignment`) -- the document-balanced
+  partition of packed rows (`masking.balanced_assignment`) is one.
 A rank's local rows are its chunks concatenated; `SequenceLayout.positions` gives their global positions.
 
 With Ulysses sequence parallelism as well (cp x sp), `SequenceShards` cuts each cp rank's shard into sp contiguous
@@ -31,13 +33,23 @@ class SequenceLayout:
     size: int
     rank: int
     load_balance: bool = True
+    assignment: tuple[tuple[int, ...], ...] | None = None  # chunk ids of each rank; overrides load_balance
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} is not in a group of {self.size}")
+        if self.assignment is not None:
+            ids = sorted(c for chunks in self.assignment for c in chunks)
+            if len(self.assignment) != self.size or len({len(c) for c in self.assignment}) != 1 or ids != list(
+                    range(len(ids))):
+                raise ValueError(f"a chunk assignment gives each of the {self.size} ranks the same number of the "
+                                 f"chunks 0..n-1, once each; got {self.assignment}")
         if self.seq_len < 1:
             raise ValueError(f"context parallelism needs sequences of at least one token, got length {self.seq_len}")
         if self.seq_len % self.num_chunks:
+            if self.assignment is not None:
+                raise ValueError(f"sequence length {self.seq_len} does not split into the assignment's "
+                                 f"{self.num_chunks} equal chunks")
             if self.load_balance:
                 raise ValueError(
                     f"sequence length {self.seq_len} is not divisible by 2 * cp_size = {self.num_chunks}: the "
@@ -52,6 +64,8 @@ class SequenceLayout:
 
     @property
     def num_chunks(self) -> int:
+        if self.assignment is not None:
+            return sum(len(c) for c in self.assignment)
         return 2 * self.size if self.load_balance else self.size
 
     @property
@@ -65,6 +79,8 @@ class SequenceLayout:
     def chunk_ids(self, rank: int | None = None) -> tuple[int, ...]:
         """Global indices of the chunks `rank` (default: this rank) holds, in local order."""
         r = self.rank if rank is None else rank
+        if self.assignment is not None:
+            return self.assignment[r]
         return (r, self.num_chunks - 1 - r) if self.load_balance else (r,)
 
     def chunks(self, rank: int | None = None) -> list[tuple[int, int]]:
@@ -113,7 +129,7 @@ class SequenceShards:
             raise ValueError(f"rank {self.sp_rank} is not in a group of {self.sp_size}")
         if self.cp.local_len % self.sp_size:
             need = self.cp.size * self.sp_size
-            if self.cp.load_balance and self.cp.size > 1:
+            if (self.cp.load_balance or self.cp.assignment is not None) and self.cp.size > 1:
                 need = math.lcm(need, self.cp.num_chunks)
             raise ValueError(
                 f"sequence length {self.seq_len} does not split over cp_size={self.cp.size} x "

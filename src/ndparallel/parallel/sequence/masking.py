@@ -246,3 +246,39 @@ def attention_work(doc: DocumentMask, seq_len: int, cp_size: int, chunk_ids, cau
                         rows_total if doc.doc is None else 1)
         out.append({"computed": computed, "visible": visible})
     return out
+
+
+def chunk_work(doc: torch.Tensor, num_chunks: int) -> list[int]:
+    """Causal attention work of each of `num_chunks` equal chunks of the rows: the visible (query, key) pairs of
+    its queries -- a query at offset t of its document sees t + 1 keys, a padded one none -- summed over rows."""
+    rows, seq = doc.shape
+    start = torch.zeros_like(doc)
+    new = torch.ones_like(doc, dtype=torch.bool)
+    new[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    index = torch.arange(seq).expand(rows, seq)
+    start = torch.where(new, index, torch.zeros_like(index)).cummax(dim=1).values  # first position of the document
+    keys = torch.where(doc >= 0, index - start + 1, torch.zeros_like(index))
+    return [int(x) for x in keys.sum(0).view(num_chunks, seq // num_chunks).sum(1)]
+
+
+def balanced_assignment(doc: torch.Tensor, cp_size: int, chunks_per_rank: int = 4
+                        ) -> tuple[tuple[int, ...], ...] | None:
+    """A document-aware partition of packed or padded rows over `cp_size` ranks: ``cp_size * chunks_per_rank``
+    equal chunks, each rank the same number, dealt so that the ranks' causal attention work (`chunk_work`) is as
+    even as a greedy deal makes it (heaviest chunk first, to the least loaded rank with room). None when the rows
+    do not split into that many chunks, or when the deal is no more even than the load-balanced layout."""
+    seq = doc.shape[1]
+    n = cp_size * chunks_per_rank
+    if seq % n or seq % (2 * cp_size):
+        return None
+    work = chunk_work(doc, n)
+    load, ranks = [0] * cp_size, [[] for _ in range(cp_size)]
+    for c in sorted(range(n), key=lambda c: (-work[c], c)):
+        r = min((r for r in range(cp_size) if len(ranks[r]) < chunks_per_rank), key=lambda r: (load[r], r))
+        ranks[r].append(c)
+        load[r] += work[c]
+    halves = chunk_work(doc, 2 * cp_size)
+    default = [halves[r] + halves[2 * cp_size - 1 - r] for r in range(cp_size)]
+    if max(load) >= max(default):
+        return None
+    return tuple(tuple(sorted(chunks)) for chunks in ranks)

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from ...loss import count_loss_tokens
 from ...mesh import ParallelMesh
 from .attention import sequence_parallel_attention
-from .layout import SequenceShards
-from .masking import DocumentMask
+from .layout import SequenceLayout, SequenceShards
+from .masking import DocumentMask, balanced_assignment, document_ids
 
 
 def describe_sizes(cp_size: int, sp_size: int) -> str:
@@ -48,6 +48,7 @@ class SequenceSharding:
     strategy: str = "allgather"  # a key of `CP_ATTENTION` (validated by TorchContextParallelConfig)
     cp_group: dist.ProcessGroup | None = None
     sp_group: dist.ProcessGroup | None = None
+    balance_documents: bool = False  # deal packed rows' chunks over cp by attention work (`plan`)
 
     @classmethod
     def from_mesh(cls, mesh: ParallelMesh) -> SequenceSharding | None:
@@ -57,7 +58,8 @@ class SequenceSharding:
             return None
         handler = mesh.config.cp_handler
         return cls(cp, mesh.rank("cp"), sp, mesh.rank("sp"), handler.load_balance, handler.cp_comm_strategy,
-                   mesh.group("cp") if cp > 1 else None, mesh.group("sp") if sp > 1 else None)
+                   mesh.group("cp") if cp > 1 else None, mesh.group("sp") if sp > 1 else None,
+                   handler.balance_documents)
 
     @property
     def sizes(self) -> str:
@@ -67,13 +69,39 @@ class SequenceSharding:
         """Which positions of a `seq_len`-token sequence this rank holds; ValueError when the length does not split."""
         return SequenceShards.of(seq_len, self.cp_size, self.cp_rank, self.load_balance, self.sp_size, self.sp_rank)
 
+    def plan(self, batch: Any) -> SequenceShards | None:
+        """The layout of `batch` when it depends on the batch: with ``balance_documents``, packed or padded rows
+        (``position_ids`` restarting at 0, a 2-D ``attention_mask``) whose chunks deal more evenly over cp by
+        attention work than the load-balanced layout (`masking.balanced_assignment`); else None (the default).
+        The same on every rank of cp and sp: it reads only the whole batch."""
+        if not self.balance_documents or self.cp_size == 1 or not isinstance(batch, Mapping):
+            return None
+        positions, mask = batch.get("position_ids"), batch.get("attention_mask")
+        ids = batch.get("input_ids", batch.get("shift_labels"))
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or (positions is None and mask is None):
+            return None
+        try:
+            doc = document_ids(positions, mask, tuple(ids.shape))
+        except ValueError:
+            return None  # the model's input check says what is wrong, at the first forward
+        if doc is None:
+            return None
+        assignment = balanced_assignment(doc.cpu(), self.cp_size)
+        if assignment is None:
+            return None
+        layout = SequenceLayout(ids.shape[1], self.cp_size, self.cp_rank, assignment=assignment)
+        return SequenceShards(layout, self.sp_size, self.sp_rank)
+
     def count_loss_tokens(self, batch: Any) -> int | None:
         """Loss tokens of this rank's shard of `batch` (`ndparallel.loss.count_loss_tokens`): what its loss averages
         over. None when the batch has no labels, or a length that does not split (such a batch cannot be sharded;
         evaluation may still use it whole, and `sharded` refuses it for training)."""
-        return count_loss_tokens(batch, shard=self._shard_labels)
+        planned = self.plan(batch)
+        return count_loss_tokens(batch, shard=lambda labels: self._shard_labels(labels, planned))
 
-    def _shard_labels(self, labels: torch.Tensor) -> torch.Tensor | None:
+    def _shard_labels(self, labels: torch.Tensor, planned: SequenceShards | None = None) -> torch.Tensor | None:
+        if planned is not None and planned.seq_len == labels.shape[-1]:
+            return planned.shard(labels, -1)
         try:
             layout = self.layout(labels.shape[-1])
         except ValueError:
@@ -87,16 +115,17 @@ class SequenceSharding:
 
     @contextlib.contextmanager
     def sharded(self, buffers: list[torch.Tensor] | None, seq_dims: list[int] | None,
-                no_restore: set[torch.Tensor] | None = None,
-                expected_tokens: int | None = None) -> Iterator[ShardedSequence]:
+                no_restore: set[torch.Tensor] | None = None, expected_tokens: int | None = None,
+                layout: SequenceShards | None = None) -> Iterator[ShardedSequence]:
         """Shard `buffers` in place along their `seq_dims` for the duration of the block; on exit restore those not
         in `no_restore`. `expected_tokens` is this shard's loss-token count as the prepared data loader counted it
-        (checked against the model's ``shift_labels``). Every check comes before anything is changed, and nothing
-        here communicates."""
+        (checked against the model's ``shift_labels``); `layout`, the layout it chose for the batch (`plan`), used
+        when the buffers have its length. Every check comes before anything is changed, and nothing here
+        communicates."""
         global _ACTIVE
         if _ACTIVE is not None:
             raise RuntimeError("maybe_context_parallel blocks cannot be nested")
-        layout = self._check_buffers(buffers, seq_dims)
+        layout = self._check_buffers(buffers, seq_dims, layout)
         unique = list({id(b): (b, d) for b, d in zip(buffers, seq_dims)}.values())
         storages = [b.untyped_storage().data_ptr() for b, _ in unique]
         if len(set(storages)) < len(storages):
@@ -130,7 +159,8 @@ class SequenceSharding:
                     "ndparallel.context_parallel_attention in place of scaled_dot_product_attention"
                 )
 
-    def _check_buffers(self, buffers: list[torch.Tensor] | None, seq_dims: list[int] | None) -> SequenceShards:
+    def _check_buffers(self, buffers: list[torch.Tensor] | None, seq_dims: list[int] | None,
+                       planned: SequenceShards | None = None) -> SequenceShards:
         if not buffers:
             raise ValueError(
                 f"maybe_context_parallel() with {self.sizes} needs the batch's sequence tensors: pass "
@@ -154,7 +184,8 @@ class SequenceSharding:
         if len(lengths) > 1:
             shapes = ", ".join(f"{tuple(b.shape)} (dim {d})" for b, d in zip(buffers, seq_dims))
             raise ValueError(f"maybe_context_parallel: the buffers' sequence lengths differ: {shapes}")
-        return self.layout(lengths.pop())
+        length = lengths.pop()
+        return planned if planned is not None and planned.seq_len == length else self.layout(length)
 
 
 @dataclass
