@@ -3,7 +3,7 @@
     from ndparallel import Accelerator, ParallelismConfig, FullyShardedDataParallelPlugin
 
 Accelerate's module paths work too: `ndparallel.accelerator`, `ndparallel.parallelism_config`, `ndparallel.state`,
-`ndparallel.utils`.
+`ndparallel.utils`, `ndparallel.big_modeling`.
 """
 
 from ._version import __version__
@@ -11,6 +11,7 @@ from .accelerator import Accelerator
 from .checkpoint import CheckpointError, ProjectConfiguration, init_empty_weights
 from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from .helpers import set_seed
+from .memory import find_executable_batch_size
 from .mesh import ParallelMesh
 from .parallel.sequence import context_parallel_attention
 from .plugins import (
@@ -42,6 +43,7 @@ __all__ = [
     "TorchContextParallelConfig",
     "TorchTensorParallelConfig",
     "context_parallel_attention",
+    "find_executable_batch_size",
     "init_empty_weights",
     "set_seed",
     "__version__",

@@ -43,6 +43,58 @@ def parse_bool(value: Any, what: str) -> bool:
     raise TypeError(f"{what} must be a bool (or 'true' / 'false'), got {value!r}")
 
 
+@dataclass(frozen=True)
+class ActivationCheckpointing:
+    """Which blocks to checkpoint and what to keep: ``FullyShardedDataParallelPlugin(activation_checkpointing=...)``
+    takes one of these (or a spelling of it, `parse_activation_checkpointing`).
+
+    every: checkpoint blocks 0, every, 2*every, ... (1: all of them); the others keep their activations.
+    policy: "full" recomputes a checkpointed block's whole forward in backward; "selective" keeps the outputs of its
+        matrix multiplies and attention kernels and recomputes the rest (norms, activations, casts, reshapes: cheap
+        to recompute, as large to keep).
+    """
+
+    every: int = 1
+    policy: str = "full"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"activation_checkpointing every={self.every!r}: an int >= 1 (1: every block)")
+        if self.policy not in CHECKPOINT_POLICIES:
+            raise ValueError(f"activation_checkpointing policy={self.policy!r}: one of {list(CHECKPOINT_POLICIES)}")
+
+
+CHECKPOINT_POLICIES = ("full", "selective")
+
+
+def parse_activation_checkpointing(value: Any) -> bool | ActivationCheckpointing:
+    """False (off), True (every block, full recompute) or an `ActivationCheckpointing`, from: a bool or its string;
+    "full" / "selective"; an int k (every k-th block; also as a string); a dict of `ActivationCheckpointing`'s
+    fields; or one of those."""
+    if value is None:
+        return False
+    if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in TRUE_STRINGS + FALSE_STRINGS):
+        return parse_bool(value, "activation_checkpointing")
+    if isinstance(value, ActivationCheckpointing):
+        spec = value
+    elif isinstance(value, dict):
+        unknown = sorted(set(value) - {"every", "policy"})
+        if unknown:
+            raise ValueError(f"activation_checkpointing: unknown field(s) {unknown}; valid: ['every', 'policy']")
+        spec = ActivationCheckpointing(**value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        spec = ActivationCheckpointing(every=value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        spec = ActivationCheckpointing(every=int(value))
+    elif isinstance(value, str) and value.strip().lower() in CHECKPOINT_POLICIES:
+        spec = ActivationCheckpointing(policy=value.strip().lower())
+    else:
+        raise TypeError(f"activation_checkpointing must be a bool, 'full', 'selective', an int k (every k-th block), "
+                        f"a dict {{'every': k, 'policy': 'full' | 'selective'}} or ActivationCheckpointing, got "
+                        f"{value!r}")
+    return True if spec == ActivationCheckpointing() else spec
+
+
 def _enum_name(value: Any) -> Any:
     """``StateDictType.FULL_STATE_DICT`` -> "FULL_STATE_DICT"; anything else unchanged."""
     return value.name if isinstance(value, enum.Enum) else value
@@ -65,7 +117,9 @@ class FullyShardedDataParallelPlugin:
       name, or None to derive it from the Accelerator's ``mixed_precision`` (compute in it, reduce in fp32).
     - cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU; a bool, "true"/"false",
       ``CPUOffloadPolicy`` (on) or ``OffloadPolicy()`` (off).
-    - activation_checkpointing: recompute each wrapped block's activations in backward.
+    - activation_checkpointing: recompute blocks' activations in backward: True (every block), or which blocks and
+      what to keep -- "selective" (keep matmul and attention outputs), an int k (every k-th block), a dict or an
+      `ActivationCheckpointing` (`parse_activation_checkpointing`).
     - ignored_modules: modules (or a regex over module names) whose parameters FSDP leaves alone.
     - state_dict_type: how `save_state` writes models and optimizers: "SHARDED_STATE_DICT" (each rank its shards,
       with torch.distributed.checkpoint) or "FULL_STATE_DICT" (rank 0 gathers and writes one file each); torch's
@@ -91,7 +145,7 @@ class FullyShardedDataParallelPlugin:
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     sync_module_states: bool | None = None
     forward_prefetch: bool | None = None
-    activation_checkpointing: bool | None = None
+    activation_checkpointing: bool | str | int | dict | ActivationCheckpointing | None = None
     cpu_ram_efficient_loading: bool | None = None
     transformer_cls_names_to_wrap: list[str] | str | None = None
     min_num_params: int | None = None
@@ -131,9 +185,9 @@ class FullyShardedDataParallelPlugin:
         if self.auto_wrap_policy == "size_based_wrap" and not self.min_num_params:
             self.auto_wrap_policy = "no_wrap"  # Accelerate: a size-based policy with min_num_params 0 wraps nothing
         self.cpu_offload = self._parse_offload(self.cpu_offload)
-        for name in ("activation_checkpointing", "cpu_ram_efficient_loading"):
-            value = getattr(self, name)
-            setattr(self, name, parse_bool(False if value is None else value, name))
+        self.activation_checkpointing = parse_activation_checkpointing(self.activation_checkpointing)
+        self.cpu_ram_efficient_loading = parse_bool(False if self.cpu_ram_efficient_loading is None
+                                                    else self.cpu_ram_efficient_loading, "cpu_ram_efficient_loading")
         self.set_state_dict_type(self.state_dict_type)
         if isinstance(self.ignored_modules, str):
             try:

@@ -5,6 +5,7 @@ from .checkpoint import ProjectConfiguration
 from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from .data import move_to_device as send_to_device
 from .helpers import progress_bar, set_seed
+from .memory import find_executable_batch_size
 from .operations import broadcast, broadcast_object_list, pad_across_processes
 from .operations import gather_all as gather
 from .operations import gather_object_all as gather_object
@@ -40,6 +41,7 @@ __all__ = [
     "TorchTensorParallelConfig",
     "broadcast",
     "broadcast_object_list",
+    "find_executable_batch_size",
     "gather",
     "gather_object",
     "pad_across_processes",

@@ -47,7 +47,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--float64", action="store_true", help="the model and its loss in float64 (exactness checks)")
     p.add_argument("--bf16-model", action="store_true", help="load the model in bf16 (as torch_dtype=torch.bfloat16)")
     p.add_argument("--no-fsdp-plugin", action="store_true")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing", nargs="?", const="true", default=None,
+                   help="alone: every block; or 'selective', k (every k-th block), as the plugin takes them")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--return-params", action="store_true")
     p.add_argument("--json-out", default=None)

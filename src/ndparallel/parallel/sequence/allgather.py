@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import gather_pair, reduce_scatter_pair
-from .kernels import acc_dtype, block_backward, block_forward, merge_part
+from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish
 from .layout import SequenceLayout
 from .masking import DocumentMask, plan_block
 
@@ -43,18 +43,17 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
                 group: dist.ProcessGroup, causal: bool, scale: float, doc: DocumentMask | None) -> torch.Tensor:
         full_k, full_v = gather_pair(key, value, layout, group)
-        n, outs, lses, acc = layout.chunk_len, [], [], acc_dtype(query)
+        n, outs, lses = layout.chunk_len, [], []
         for j, blocks in enumerate(_key_blocks(layout, causal, doc, query.device)):
-            out = lse = None
+            state = None
             qj = query[:, :, j * n:(j + 1) * n]
             for s, e, pieces in blocks:
                 kb, vb = full_k[:, :, s:e], full_v[:, :, s:e]
                 for rows, qs, ks, diagonal, mask in pieces:
                     o, l = block_forward(qj[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], scale, diagonal, mask)
-                    out, lse = merge_part(out, lse, rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
-            if out is None:  # this chunk's queries see no key at all (padding only): output 0, lse -inf
-                out = query.new_zeros(*query.shape[:2], n, value.shape[-1], dtype=acc)
-                lse = query.new_full((*query.shape[:2], n), float("-inf"), dtype=acc)
+                    state = accumulate(state, rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
+            # a chunk whose queries see no key at all (padding only): output 0, lse -inf
+            out, lse = finish(state, (*qj.shape[:3], value.shape[-1]), query)
             outs.append(out)
             lses.append(lse)
         result, lse_all = torch.cat(outs, dim=2), torch.cat(lses, dim=2)

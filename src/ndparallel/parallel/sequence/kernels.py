@@ -259,20 +259,44 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return tuple(g.to(acc) for g in grads)  # type: ignore[return-value]
 
 
-def merge_part(out: torch.Tensor | None, lse: torch.Tensor | None, rows: slice, queries: slice,
-               block_out: torch.Tensor, block_lse: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor,
-                                                                                                   torch.Tensor]:
-    """`merge` of a block that covers `rows` x `queries` of a chunk's running (output, lse) of `shape`
-    ([B, H, n, D]); a block covering all of them merges as `merge` does."""
-    if out is None and rows == slice(None) and queries == slice(0, shape[2]):
-        return merge(None, None, block_out, block_lse)
-    acc = acc_dtype(block_out)
-    if out is None or lse is None:  # queries no block reached yet: output 0, lse -inf (merge's identity)
-        out = block_out.new_zeros(shape, dtype=acc)
-        lse = block_out.new_full(shape[:3], float("-inf"), dtype=acc)
-    region_out, region_lse = merge(out[rows, :, queries], lse[rows, :, queries], block_out, block_lse)
-    out[rows, :, queries], lse[rows, :, queries] = region_out, region_lse
-    return out, lse
+class Accumulated:
+    """A chunk's running (output, lse) over the key blocks merged so far (`accumulate`), in the accumulator dtype.
+
+    Blocks covering the whole chunk merge out of place (`merge`); pieces covering some rows and queries (padded and
+    packed rows) merge in place into buffers of its own -- never into a kernel's output, which selective activation
+    checkpointing may have kept for recomputation."""
+
+    __slots__ = ("out", "lse", "owned")
+
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor, owned: bool) -> None:
+        self.out, self.lse, self.owned = out, lse, owned
+
+
+def accumulate(state: Accumulated | None, rows: slice, queries: slice, block_out: torch.Tensor,
+               block_lse: torch.Tensor, shape: tuple[int, ...]) -> Accumulated:
+    """Merge a block covering `rows` x `queries` of a chunk whose output has `shape` ([B, H, n, D])."""
+    if rows == slice(None) and queries == slice(0, shape[2]):
+        out, lse = merge(None if state is None else state.out, None if state is None else state.lse, block_out,
+                         block_lse)
+        return Accumulated(out, lse, owned=out is not block_out)
+    if state is None:  # queries no block reached yet: output 0, lse -inf (merge's identity)
+        acc = acc_dtype(block_out)
+        state = Accumulated(block_out.new_zeros(shape, dtype=acc),
+                            block_out.new_full(shape[:3], float("-inf"), dtype=acc), owned=True)
+    elif not state.owned:
+        state = Accumulated(state.out.clone(), state.lse.clone(), owned=True)
+    region_out, region_lse = merge(state.out[rows, :, queries], state.lse[rows, :, queries], block_out, block_lse)
+    state.out[rows, :, queries], state.lse[rows, :, queries] = region_out, region_lse
+    return state
+
+
+def finish(state: Accumulated | None, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """The chunk's (output, lse); output 0 and lse -inf where no block was merged (queries that see no key)."""
+    if state is None:
+        acc = acc_dtype(like)
+        return like.new_zeros(shape, dtype=acc), like.new_full(shape[:3], float("-inf"), dtype=acc)
+    return state.out, state.lse
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Ring
-from .kernels import acc_dtype, block_backward, block_forward, merge_part
+from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish
 from .layout import SequenceLayout
 from .masking import DocumentMask, plan_block
 
@@ -55,7 +55,6 @@ class _RingAttention(torch.autograd.Function):
         n, chunks = layout.chunk_len, len(layout.chunk_ids())
         ring = Ring(group, layout.size, layout.rank) if layout.size > 1 else None
         out: list[Any] = [None] * chunks
-        lse: list[Any] = [None] * chunks
         block, owner = [key.contiguous(), value.contiguous()], layout.rank
         for t in range(layout.size):
             pending = ring.start(block, _KV_TAG) if t < layout.size - 1 else None
@@ -64,14 +63,11 @@ class _RingAttention(torch.autograd.Function):
                 qj, ki, vi = _chunk(query, j, n), _chunk(k, i, n), _chunk(v, i, n)
                 for rows, qs, ks, diagonal, mask in pieces:
                     o, l = block_forward(qj[rows, :, qs], ki[rows, :, ks], vi[rows, :, ks], scale, diagonal, mask)
-                    out[j], lse[j] = merge_part(out[j], lse[j], rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
+                    out[j] = accumulate(out[j], rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
             if pending is not None:
                 block, owner = Ring.finish(pending), (owner - 1) % layout.size
-        for j in range(chunks):  # a chunk whose queries saw no key at all (padding only): output 0, lse -inf
-            if out[j] is None:
-                shape = (*query.shape[:2], n)
-                out[j] = query.new_zeros(*shape, value.shape[-1], dtype=acc_dtype(query))
-                lse[j] = query.new_full(shape, float("-inf"), dtype=acc_dtype(query))
+        # A chunk whose queries saw no key at all (padding only) gets output 0, lse -inf.
+        out, lse = zip(*(finish(o, (*query.shape[:2], n, value.shape[-1]), query) for o in out))
         result, lse_all = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(query, key, value, result, lse_all)
         ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
