@@ -507,7 +507,8 @@ def _refusals() -> dict:
     return outcomes({
         "deepspeed": lambda: Accelerator(deepspeed_plugin=object()),
         "megatron": lambda: Accelerator(megatron_lm_plugin=object()),
-        "dynamo": lambda: Accelerator(dynamo_backend="inductor"),
+        "dynamo": lambda: Accelerator(dynamo_backend="warp_speed"),
+        "dynamo-twice": lambda: Accelerator(dynamo_backend="inductor", dynamo_plugin=object()),
         "handler": lambda: Accelerator(kwargs_handlers=[object()]),
         "loss_weighting": lambda: Accelerator(loss_weighting="sum"),
     })
@@ -520,7 +521,8 @@ def test_foreign_engines_are_refused_with_what_to_use():
     assert_refused(results, ("ValueError", r"deepspeed_plugin=.*not supported: DeepSpeed is not used: ZeRO-3 is "
                                            r"FSDP2"), "deepspeed")
     assert_refused(results, ("ValueError", r"megatron_lm_plugin=.*tensor parallelism is tp_size"), "megatron")
-    assert_refused(results, ("ValueError", r"compilation is not offered"), "dynamo")
+    assert_refused(results, ("ValueError", r"unknown dynamo backend 'warp_speed'; known: \[.*'inductor'"), "dynamo")
+    assert_refused(results, ("ValueError", r"pass dynamo_plugin or dynamo_backend, not both"), "dynamo-twice")
     assert_refused(results, ("TypeError", r"kwargs_handlers: unsupported handler object"), "handler")
     assert_refused(results, ("ValueError", r"loss_weighting must be one of \['auto', 'tokens', 'mean'\]"),
                    "loss_weighting")

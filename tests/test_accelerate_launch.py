@@ -84,6 +84,14 @@ def test_accelerate_flags_without_a_file(tmp_path):
     assert p.env["OMP_NUM_THREADS"] == "3" and p.env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
+def test_a_dynamo_config_reaches_the_script_as_accelerate_launch_exports_it(tmp_path):
+    dynamo = {"dynamo_backend": "INDUCTOR", "dynamo_mode": "default", "dynamo_use_regional_compilation": True}
+    p = plan("--config_file", write(tmp_path, {**ACCELERATE_FILE, "dynamo_config": dynamo}), SCRIPT)
+    assert p.env["ACCELERATE_DYNAMO_BACKEND"] == "INDUCTOR"
+    assert p.env["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] == "True"
+    assert plan("--dynamo_backend", "aot_eager", SCRIPT).env["ACCELERATE_DYNAMO_BACKEND"] == "aot_eager"
+
+
 def test_other_distributed_types_and_ignored_sections(tmp_path):
     cpu = plan("--config_file", write(tmp_path, {**ACCELERATE_FILE, "distributed_type": "MULTI_CPU",
                                                  "parallelism_config": {}, "num_processes": 2}), SCRIPT)
@@ -101,7 +109,9 @@ def test_other_distributed_types_and_ignored_sections(tmp_path):
     ({}, ["--no_python"], "--no_python is not supported"),
     ({"compute_environment": "AMAZON_SAGEMAKER"}, [], "compute_environment 'AMAZON_SAGEMAKER' is not supported"),
     ({"mixed_precision": "fp8"}, [], "mixed_precision fp8 is not supported; use bf16"),
-    ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, [], "dynamo_backend 'INDUCTOR' is not supported"),
+    ({"dynamo_config": {"dynamo_backend": "WARP_SPEED"}}, [], "dynamo_config: TorchDynamoPlugin: unknown dynamo "
+                                                              "backend 'WARP_SPEED'"),
+    ({"dynamo_config": {"dynamo_backend": "INDUCTOR", "dynamo_cache": 1}}, [], "unknown dynamo_config key(s)"),
     ({"flash": True}, [], "unknown key(s) ['flash']"),
     ({"fsdp_config": {"fsdp_sharding": "FULL"}}, [], "unknown fsdp_config key(s) ['fsdp_sharding']"),
     ({"fsdp_config": {"fsdp_auto_wrap_policy": "EVERYTHING"}}, [], "fsdp_config: auto_wrap_policy='EVERYTHING' is "

@@ -22,6 +22,7 @@ from .plugins import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    TorchDynamoPlugin,
 )
 from .state import DistributedType, PartialState
 
@@ -41,6 +42,7 @@ __all__ = [
     "PartialState",
     "ProjectConfiguration",
     "TorchContextParallelConfig",
+    "TorchDynamoPlugin",
     "TorchTensorParallelConfig",
     "context_parallel_attention",
     "find_executable_batch_size",

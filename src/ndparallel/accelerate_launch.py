@@ -1,16 +1,17 @@
 """What ``accelerate launch`` takes, for ``ndparallel launch``: its config file (written by ``accelerate config``) and
 its flags, translated into ndparallel's launch settings and into the environment variables that ``accelerate
-launch`` exports and the Accelerator reads (``ACCELERATE_USE_FSDP``, ``FSDP_*``, ``PARALLELISM_CONFIG_*``), so a
-script sees the same settings under either launcher.
+launch`` exports and the Accelerator reads (``ACCELERATE_USE_FSDP``, ``FSDP_*``, ``PARALLELISM_CONFIG_*``,
+``ACCELERATE_DYNAMO_*``), so a script sees the same settings under either launcher.
 
 Both arrive as one mapping in the file's shape (`from_flags` turns the flags into it; flags win over the file) and
 `translate` checks it whole before any process starts:
 
 - honoured: ``num_processes`` (over all machines), ``num_machines``, ``machine_rank``, ``main_process_ip`` /
   ``main_process_port``, ``rdzv_backend``, ``mixed_precision``, ``use_cpu``, ``gpu_ids``, ``distributed_type``
-  NO / MULTI_CPU / MULTI_GPU / FSDP with ``fsdp_config``, ``parallelism_config``, ``num_cpu_threads_per_process``;
-- refused, with what to use instead: DeepSpeed, Megatron-LM, TPU / XLA, SageMaker, other devices, fp8, compilation
-  (``dynamo_config``), ``--no_python``, keys Accelerate itself does not know;
+  NO / MULTI_CPU / MULTI_GPU / FSDP with ``fsdp_config``, ``parallelism_config``, ``num_cpu_threads_per_process``,
+  compilation (``dynamo_config``: backend, mode, fullgraph, dynamic, regional compilation);
+- refused, with what to use instead: DeepSpeed, Megatron-LM, TPU / XLA, SageMaker, other devices, fp8,
+  ``--no_python``, keys Accelerate itself does not know;
 - accepted without effect (they tune Accelerate's own launcher or TPU pods): ``same_network``,
   ``main_training_function``, ``downcast_bf16``, ``tpu_*``, ``commands``, ``command_file``, ``monitor_interval``...
   and the sections of an engine not chosen (``deepspeed_config`` when ``distributed_type`` is not DEEPSPEED), as
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ndparallel.config import ACCELERATE_ENV_PREFIX, SIZE_FIELDS, ParallelismConfig
-from ndparallel.plugins import FSDP_ENV_PREFIX, FullyShardedDataParallelPlugin
+from ndparallel.plugins import FSDP_ENV_PREFIX, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 # ``accelerate config``'s keys (Accelerate's BaseConfig and ClusterConfig), as its YAML files hold them.
 FILE_KEYS = frozenset({
@@ -125,10 +126,7 @@ def translate(settings: Mapping[str, Any], source: str) -> Translated:
         precision = "no"
     if precision is not None and str(precision).lower() == "fp8":
         raise ValueError(f"{source}: mixed_precision fp8 is not supported; use bf16")
-    dynamo = dict(given.get("dynamo_config") or {})
-    if _upper(dynamo.get("dynamo_backend", "NO")) != "NO":
-        raise ValueError(f"{source}: dynamo_config.dynamo_backend {dynamo['dynamo_backend']!r} is not supported: "
-                         "compilation is not offered by this version of ndparallel; set it to NO")
+    _translate_dynamo(dict(given.get("dynamo_config") or {}), source, out)
     if given.get("mpirun_config"):
         raise ValueError(f"{source}: mpirun_config is not supported: ndparallel starts its ranks with torchrun")
 
@@ -162,6 +160,29 @@ def translate(settings: Mapping[str, Any], source: str) -> Translated:
     _translate_fsdp(given, kind, source, out)
     _translate_parallelism(given, source, out)
     return out
+
+
+DYNAMO_KEYS = {"dynamo_backend": "BACKEND", "dynamo_mode": "MODE", "dynamo_use_fullgraph": "USE_FULLGRAPH",
+               "dynamo_use_dynamic": "USE_DYNAMIC", "dynamo_use_regional_compilation": "USE_REGIONAL_COMPILATION"}
+
+
+def _translate_dynamo(dynamo: dict[str, Any], source: str, out: Translated) -> None:
+    """``dynamo_config`` into the ``ACCELERATE_DYNAMO_*`` variables `TorchDynamoPlugin`'s settings come from;
+    checked here (an unknown backend is refused before any process starts)."""
+    unknown = sorted(set(dynamo) - set(DYNAMO_KEYS))
+    if unknown:
+        raise ValueError(f"{source}: unknown dynamo_config key(s) {unknown}; valid keys: {sorted(DYNAMO_KEYS)}")
+    if _upper(dynamo.get("dynamo_backend", "NO")) == "NO":
+        return
+    try:
+        TorchDynamoPlugin(backend=dynamo["dynamo_backend"], mode=dynamo.get("dynamo_mode"),
+                          fullgraph=dynamo.get("dynamo_use_fullgraph"),
+                          use_regional_compilation=dynamo.get("dynamo_use_regional_compilation"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: dynamo_config: {exc}") from None
+    for key, suffix in DYNAMO_KEYS.items():
+        if dynamo.get(key) is not None:
+            out.env[f"ACCELERATE_DYNAMO_{suffix}"] = str(dynamo[key])
 
 
 def _translate_fsdp(given: Mapping[str, Any], kind: str, source: str, out: Translated) -> None:
@@ -229,7 +250,7 @@ FLAGS: dict[str, dict[str, Any]] = {
     "use_fsdp": dict(action="store_true", help="FSDP2 (with the --fsdp-* settings below)"),
     **{key: dict(help=f"FSDP plugin field {key.removeprefix('fsdp_')}") for key in sorted(FSDP_KEYS)},
     **{f"parallelism_config_{key}": dict(help=f"ParallelismConfig {key}") for key in sorted(PARALLELISM_KEYS)},
-    "dynamo_backend": dict(help="refused unless 'no': no compilation"),
+    "dynamo_backend": dict(help="torch.compile backend (e.g. inductor; 'no': no compilation)"),
     "use_deepspeed": dict(action="store_true", help="refused: DeepSpeed is not used"),
     "use_megatron_lm": dict(action="store_true", help="refused: Megatron-LM is not used"),
     "tpu": dict(action="store_true", help="refused: no TPUs"),

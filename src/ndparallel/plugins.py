@@ -413,3 +413,56 @@ __all__ = [
     "InitProcessGroupKwargs",
     "KwargsHandler",
 ]
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """Compile the prepared model with ``torch.compile`` (Accelerate's plugin: same fields and meaning).
+
+    backend: a Dynamo backend ("inductor", "aot_eager", ... `torch._dynamo.list_backends()`), or "no" (no
+        compilation, the default); Accelerate's upper-case enum names work too.
+    mode, fullgraph, dynamic, options: ``torch.compile``'s.
+    disable: compile nothing (for tests).
+    use_regional_compilation: compile each transformer block (the classes the FSDP wrap policy uses: the model's
+        ``_no_split_modules`` or ``transformer_cls_names_to_wrap``) on its own, before FSDP wraps it -- the blocks
+        share one compiled graph, so the cold start compiles one block instead of the whole model; the rest of the
+        model runs eagerly. Otherwise the whole prepared model is compiled.
+    """
+
+    backend: Any = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self) -> None:
+        backend = str("no" if self.backend is None else _enum_name(self.backend)).lower()  # Accelerate's enum: upper
+        if backend != "no":
+            import torch._dynamo
+
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if backend not in known:
+                raise ValueError(f"TorchDynamoPlugin: unknown dynamo backend {self.backend!r}; known: {known} (or "
+                                 "'no' for no compilation)")
+        self.backend = backend
+        self.mode = self.mode or "default"
+        self.fullgraph = parse_bool(False if self.fullgraph is None else self.fullgraph, "fullgraph")
+        self.disable = parse_bool(self.disable, "disable")
+        self.use_regional_compilation = parse_bool(
+            False if self.use_regional_compilation is None else self.use_regional_compilation,
+            "use_regional_compilation")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "no" and not self.disable
+
+    def to_compile_kwargs(self) -> dict[str, Any]:
+        """``torch.compile``'s keyword arguments."""
+        kwargs: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.options:  # torch.compile takes mode or options, not both
+            kwargs["options"] = self.options
+        else:
+            kwargs["mode"] = self.mode
+        return kwargs

@@ -19,6 +19,7 @@ from .plugins import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    TorchDynamoPlugin,
 )
 from .state import DistributedType
 from .tracking import GeneralTracker, LoggerType
@@ -38,6 +39,7 @@ __all__ = [
     "ParallelismConfig",
     "ProjectConfiguration",
     "TorchContextParallelConfig",
+    "TorchDynamoPlugin",
     "TorchTensorParallelConfig",
     "broadcast",
     "broadcast_object_list",

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from ndparallel import (Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, TorchContextParallelConfig,
-                        TorchTensorParallelConfig, set_seed)
+                        TorchDynamoPlugin, TorchTensorParallelConfig, set_seed)
 from tiny_models import PLAIN_PLAN, VOCAB, TokenDataset, build_model, make_optimizer
 
 
@@ -50,9 +50,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", nargs="?", const="true", default=None,
                    help="alone: every block; or 'selective', k (every k-th block), as the plugin takes them")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--dynamo-backend", default=None, help="compile: a torch.compile backend (e.g. aot_eager)")
+    p.add_argument("--regional-compilation", action="store_true", help="with --dynamo-backend: each block")
     p.add_argument("--return-params", action="store_true")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
+
+
+def _compiled_graphs() -> int:
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,8 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                                  load_balance=not args.cp_no_load_balance))
     plugin = None if args.no_fsdp_plugin else FullyShardedDataParallelPlugin(
         fsdp_version=2, activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
+    dynamo = TorchDynamoPlugin(backend=args.dynamo_backend, use_regional_compilation=args.regional_compilation) \
+        if args.dynamo_backend else None
     accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=args.mixed_precision,
-                              gradient_accumulation_steps=args.accum)
+                              gradient_accumulation_steps=args.accum, dynamo_plugin=dynamo)
 
     set_seed(0)
     model = build_model(args.model, args.float64, **({"attn_implementation": args.attn_implementation}
@@ -88,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     losses: list[float] = []
     eval_losses: list[float] = []
+    graphs: list[int] = []  # graphs compiled so far, after each step (with --dynamo-backend)
     model.train()
     for batch in dataloader:
         with accelerator.accumulate(model):
@@ -115,8 +126,10 @@ def main(argv: list[str] | None = None) -> dict:
         logged = accelerator.reduce_loss(loss)  # the global token mean of the step so far, on every rank
         if accelerator.sync_gradients:
             losses.append(float(logged))
+            graphs.append(_compiled_graphs())
 
-    result: dict = {"losses": losses, "lr": scheduler.get_last_lr()[0], "eval_losses": eval_losses}
+    result: dict = {"losses": losses, "lr": scheduler.get_last_lr()[0], "eval_losses": eval_losses,
+                    "graphs": graphs}
     if args.return_params:
         result["params"] = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
                             for name, p in accelerator.unwrap_model(model).named_parameters()}

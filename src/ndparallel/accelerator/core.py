@@ -244,7 +244,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         old = dict(model.named_parameters())
         options = parallel.PrepareOptions(self.device, self.fsdp_plugin, self.mixed_precision, tp_plan,
                                           ddp_kwargs=self._settings.ddp_kwargs,
-                                          autocast_kwargs=self._settings.autocast_kwargs)
+                                          autocast_kwargs=self._settings.autocast_kwargs,
+                                          dynamo_plugin=self._settings.dynamo_plugin)
         # A model on the meta device (cpu_ram_efficient_loading) gets its weights after it is parallelised.
         prepared = checkpoint.parallelize_loading_weights(
             model, self.fsdp_plugin, self.device, lambda m: parallel.parallelize(m, self.mesh, options))

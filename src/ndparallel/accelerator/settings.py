@@ -34,6 +34,7 @@ from ..plugins import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    TorchDynamoPlugin,
     parse_bool,
 )
 from ..runtime import CPU_ENV, env_flag
@@ -67,6 +68,27 @@ class Settings:
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     scaler_kwargs: dict[str, Any] = field(default_factory=dict)
     autocast_kwargs: dict[str, Any] = field(default_factory=dict)
+    dynamo_plugin: TorchDynamoPlugin | None = None
+
+
+def _dynamo_plugin(backend: Any, plugin: Any, environ: Mapping[str, str]) -> TorchDynamoPlugin | None:
+    """The compilation settings: a `TorchDynamoPlugin`, a backend name, or (neither given) the environment's
+    ``NDPARALLEL_DYNAMO_*`` / ``ACCELERATE_DYNAMO_*`` (what ``accelerate launch`` exports); None: no compilation."""
+    if plugin is not None and backend is not None:
+        raise ValueError("Accelerator: pass dynamo_plugin or dynamo_backend, not both")
+    _typed("dynamo_plugin", plugin, TorchDynamoPlugin)
+    if plugin is None and backend is not None:
+        plugin = TorchDynamoPlugin(backend=backend)
+    if plugin is None:
+        fields = {"backend": "BACKEND", "mode": "MODE", "fullgraph": "USE_FULLGRAPH", "dynamic": "USE_DYNAMIC",
+                  "use_regional_compilation": "USE_REGIONAL_COMPILATION"}
+        given = {}
+        for name, suffix in fields.items():
+            value, _ = _env_choice(environ, f"NDPARALLEL_DYNAMO_{suffix}", f"ACCELERATE_DYNAMO_{suffix}")
+            if value is not None:
+                given[name] = parse_bool(value, name) if name == "dynamic" else value
+        plugin = TorchDynamoPlugin(**given) if given else None
+    return plugin if plugin is not None and plugin.enabled else None
 
 
 def _typed(name: str, value: Any, kind: type) -> Any:
@@ -92,9 +114,7 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
     for name, value in foreign.items():
         if value is not None:
             raise ValueError(f"Accelerator({name}=...) is not supported: {FOREIGN_PLUGINS[name]}")
-    if dynamo_plugin is not None or (dynamo_backend is not None and str(dynamo_backend).lower() != "no"):
-        raise ValueError("Accelerator(dynamo_backend=/dynamo_plugin=): compilation is not offered by this version of "
-                         "ndparallel; leave them unset")
+    dynamo = _dynamo_plugin(dynamo_backend, dynamo_plugin, environ)
     if rng_types is not None:
         warnings.warn("Accelerator(rng_types=...) is ignored: prepared data loaders seed every random sampler alike "
                       "on all ranks at each pass, and other generators stay per rank", stacklevel=4)
@@ -190,4 +210,5 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
         else {},
         scaler_kwargs=handlers[GradScalerKwargs].to_kwargs() if GradScalerKwargs in handlers else {},
         autocast_kwargs=handlers[AutocastKwargs].to_kwargs() if AutocastKwargs in handlers else {},
+        dynamo_plugin=dynamo,
     )

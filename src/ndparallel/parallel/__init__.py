@@ -12,6 +12,7 @@ from torch import nn
 
 from ..mesh import ParallelMesh
 from .activation_checkpointing import apply_activation_checkpointing
+from .compile import apply_model_compilation, apply_regional_compilation, check_compilation
 from .data_parallel import (
     apply_data_parallel,
     broadcast_module_states,
@@ -34,6 +35,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # Checks only, on every rank, before the first collective: a plan or model the layout cannot split raises here.
     check_tensor_parallel(model, mesh, options)
     check_sequence_parallel(model, mesh, options)
+    check_compilation(model, mesh, options)
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
     # ndparallel.checkpoint.pretrained) stay there.
     model._apply(lambda t: t if t.is_meta else t.to(options.device))
@@ -51,11 +53,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     model = apply_global_load_balancing(model, mesh, options)
     # 4. Activation checkpointing of the transformer blocks.
     model = apply_activation_checkpointing(model, mesh, options)
-    # 5. Compile: not offered yet.
+    # 5. Regional compilation: each block compiled in place, before FSDP2 wraps it.
+    model = apply_regional_compilation(model, mesh, options)
     # 6. Mixed precision outside FSDP2 is autocast; FSDP2 casts through its MixedPrecisionPolicy instead.
     model = apply_autocast(model, mesh, options)
     # 7. Data parallel, outermost.
-    return apply_data_parallel(model, mesh, options)
+    model = apply_data_parallel(model, mesh, options)
+    # 8. Whole-model compilation, last (when not regional).
+    return apply_model_compilation(model, mesh, options)
 
 
 __all__ = ["PrepareOptions", "parallelize", "unwrap", "uses_fsdp"]

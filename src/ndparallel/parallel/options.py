@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..config import compute_dtype
-from ..plugins import FullyShardedDataParallelPlugin
+from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class PrepareOptions:
     tp_plan: Mapping[str, str] | None = None  # prepare(model, tp_plan=...): overrides the plan's other sources
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)  # DistributedDataParallelKwargs, where DDP wraps
     autocast_kwargs: Mapping[str, Any] = field(default_factory=dict)  # AutocastKwargs, where autocast casts
+    dynamo_plugin: TorchDynamoPlugin | None = None  # compile the blocks or the model (`compile`)
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -45,6 +45,7 @@ def _original_implementation(config: Any) -> str:
     return entry[1] if entry is not None and entry[0]() is config else "sdpa"
 
 
+@torch.compiler.disable  # collectives and the per-batch sharding state: kept out of compiled graphs
 def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -88,6 +89,7 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return out.transpose(1, 2).contiguous(), None
 
 
+@torch.compiler.disable
 def _hf_mask(*args: Any, **kwargs: Any) -> Any:
     """The mask function registered beside `_hf_attention`: none while sharded (attention rebuilds it from global
     positions), else the mask the model's own implementation would get."""
@@ -177,6 +179,7 @@ class _InputCheck:
         self.accepts = set(inspect.signature(hf_model.forward).parameters) if hf_model is not None else set()
         self.sizes = sizes  # e.g. "cp_size=2 x sp_size=2", for messages
 
+    @torch.compiler.disable
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         state = active()
         if state is None:

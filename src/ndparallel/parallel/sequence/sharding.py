@@ -224,6 +224,7 @@ def active() -> ShardedSequence | None:
     return _ACTIVE
 
 
+@torch.compiler.disable  # collectives and the per-batch sharding state: kept out of compiled graphs
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                                is_causal: bool = True, scale: float | None = None,
                                sliding_window: int | None = None) -> torch.Tensor:
