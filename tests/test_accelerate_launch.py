@@ -108,7 +108,6 @@ def test_other_distributed_types_and_ignored_sections(tmp_path):
     ({}, ["--use_deepspeed"], "--use_deepspeed is not supported"),
     ({}, ["--no_python"], "--no_python is not supported"),
     ({"compute_environment": "AMAZON_SAGEMAKER"}, [], "compute_environment 'AMAZON_SAGEMAKER' is not supported"),
-    ({"mixed_precision": "fp8"}, [], "mixed_precision fp8 is not supported; use bf16"),
     ({"dynamo_config": {"dynamo_backend": "WARP_SPEED"}}, [], "dynamo_config: TorchDynamoPlugin: unknown dynamo "
                                                               "backend 'WARP_SPEED'"),
     ({"dynamo_config": {"dynamo_backend": "INDUCTOR", "dynamo_cache": 1}}, [], "unknown dynamo_config key(s)"),

@@ -94,7 +94,7 @@ def test_launch_usage_error_exits_2(capsys):
     ({"launch": {"nproc": 2}}, r"unknown key(s) ['nproc'] in 'launch'; valid keys: ['nproc_per_node', 'nnodes'"),
     ({"parallelism": {"tp": 2}}, "unknown parallelism config key(s) ['tp']"),
     ({"parallelsm": {}}, "unknown section(s) ['parallelsm']; valid sections: ['parallelism', 'launch']"),
-    ({"launch": {"mixed_precision": "fp8"}}, "launch.mixed_precision must be one of ['no', 'bf16', 'fp16']"),
+    ({"launch": {"mixed_precision": "fp4"}}, "launch.mixed_precision must be one of ['no', 'bf16', 'fp16', 'fp8']"),
     ({"launch": {"cpu": "maybe"}}, "launch.cpu must be true or false"),
     ({"parallelism": {"tp_size": "2"}}, "tp_size must be an int"),
     ([1, 2], "must hold a mapping at the top level"),
@@ -215,8 +215,8 @@ def test_config_without_flags_or_terminal_writes_defaults(monkeypatch, tmp_path)
 
 def test_config_prompts_on_a_terminal(monkeypatch, tmp_path):
     # dp_replicate, dp_shard, cp, sp, tp (0 and "x" refused), nnodes, nproc (3 refused), mixed precision
-    # ("fp8" refused), gradient accumulation, cpu
-    answers = iter(["", "2", "", "", "0", "x", "2", "", "3", "", "fp8", "bf16", "", "yes"])
+    # ("fp4" refused), gradient accumulation, cpu
+    answers = iter(["", "2", "", "", "0", "x", "2", "", "3", "", "fp4", "bf16", "", "yes"])
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
     monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
     path = tmp_path / "c.yaml"

@@ -167,8 +167,8 @@ def _loader(**kwargs: Any) -> Callable[[], None]:
 
 CASES: list[Case] = [
     # -- Accelerator(...) arguments and the environment variables standing in for them --
-    Case("mixed_precision=fp8", lambda: Accelerator(mixed_precision="fp8"),
-         ValueError, r"^mixed_precision must be one of \['no', 'bf16', 'fp16'\], got 'fp8'$"),
+    Case("mixed_precision=fp4", lambda: Accelerator(mixed_precision="fp4"),
+         ValueError, r"^mixed_precision must be one of \['no', 'bf16', 'fp16', 'fp8'\], got 'fp4'$"),
     Case("gradient_accumulation_steps=0", lambda: Accelerator(gradient_accumulation_steps=0),
          ValueError, r"^gradient_accumulation_steps must be an int >= 1, got 0$"),
     Case("gradient_accumulation_steps=1.5", lambda: Accelerator(gradient_accumulation_steps=1.5),
@@ -185,8 +185,8 @@ CASES: list[Case] = [
     Case("env-NDPARALLEL_GRADIENT_ACCUMULATION_STEPS=0",
          lambda: _launched_with(NDPARALLEL_GRADIENT_ACCUMULATION_STEPS="0"),
          ValueError, r"^\$NDPARALLEL_GRADIENT_ACCUMULATION_STEPS must be an int >= 1, got 0$"),
-    Case("env-NDPARALLEL_MIXED_PRECISION=fp8", lambda: _launched_with(NDPARALLEL_MIXED_PRECISION="fp8"),
-         ValueError, r"^\$NDPARALLEL_MIXED_PRECISION must be one of \['no', 'bf16', 'fp16'\], got 'fp8'$"),
+    Case("env-NDPARALLEL_MIXED_PRECISION=fp4", lambda: _launched_with(NDPARALLEL_MIXED_PRECISION="fp4"),
+         ValueError, r"^\$NDPARALLEL_MIXED_PRECISION must be one of \['no', 'bf16', 'fp16', 'fp8'\], got 'fp4'$"),
     # -- prepare(): what it accepts --
     Case("prepare(str)", lambda: Accelerator().prepare("a string"),
          TypeError, rf"prepare\(\): argument 0 is a builtins\.str; {ACCEPTED}"),

@@ -10,7 +10,7 @@ Both arrive as one mapping in the file's shape (`from_flags` turns the flags int
   ``main_process_port``, ``rdzv_backend``, ``mixed_precision``, ``use_cpu``, ``gpu_ids``, ``distributed_type``
   NO / MULTI_CPU / MULTI_GPU / FSDP with ``fsdp_config``, ``parallelism_config``, ``num_cpu_threads_per_process``,
   compilation (``dynamo_config``: backend, mode, fullgraph, dynamic, regional compilation);
-- refused, with what to use instead: DeepSpeed, Megatron-LM, TPU / XLA, SageMaker, other devices, fp8,
+- refused, with what to use instead: DeepSpeed, Megatron-LM, TPU / XLA, SageMaker, other devices,
   ``--no_python``, keys Accelerate itself does not know;
 - accepted without effect (they tune Accelerate's own launcher or TPU pods): ``same_network``,
   ``main_training_function``, ``downcast_bf16``, ``tpu_*``, ``commands``, ``command_file``, ``monitor_interval``...
@@ -124,8 +124,6 @@ def translate(settings: Mapping[str, Any], source: str) -> Translated:
     precision = given.get("mixed_precision")
     if precision is False:  # YAML 1.1 reads an unquoted `no` as false
         precision = "no"
-    if precision is not None and str(precision).lower() == "fp8":
-        raise ValueError(f"{source}: mixed_precision fp8 is not supported; use bf16")
     _translate_dynamo(dict(given.get("dynamo_config") or {}), source, out)
     if given.get("mpirun_config"):
         raise ValueError(f"{source}: mpirun_config is not supported: ndparallel starts its ranks with torchrun")

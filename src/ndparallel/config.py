@@ -38,11 +38,14 @@ ACCUMULATION_ENV = ENV_PREFIX + "GRADIENT_ACCUMULATION_STEPS"
 # parameters' own dtype, the others in that dtype (`compute_dtype`).
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                                   "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
 
 
 def compute_dtype(mixed_precision: str) -> torch.dtype | None:
-    """The dtype a `mixed_precision` setting computes in; None for "no"."""
+    """The dtype a `mixed_precision` setting computes in; None for "no". fp8 computes its eligible linear layers'
+    matmuls in fp8 (`ndparallel.parallel.fp8`) and the rest in bf16, as Accelerate does."""
+    if mixed_precision == "fp8":
+        return torch.bfloat16
     return None if mixed_precision == "no" else DTYPES[mixed_precision]
 
 

@@ -466,3 +466,29 @@ class TorchDynamoPlugin(KwargsHandler):
         else:
             kwargs["mode"] = self.mode
         return kwargs
+
+
+@dataclass
+class AORecipeKwargs(KwargsHandler):
+    """FP8 training through torchao (``mixed_precision="fp8"``), Accelerate's handler: `config` is a torchao
+    ``Float8LinearConfig`` (default: dynamic tensorwise scaling; under FSDP2 the float8 all-gather of weights);
+    `module_filter_func(module, fqn) -> bool` picks the linear layers to convert (default: every ``nn.Linear``
+    whose dimensions are multiples of 16, but the model's first and last, which stay in high precision)."""
+
+    config: Any = None
+    module_filter_func: Callable[[torch.nn.Module, str], bool] | None = None
+
+
+@dataclass
+class TERecipeKwargs(KwargsHandler):
+    """Accelerate's handler for FP8 through NVIDIA Transformer Engine. ndparallel does not drive Transformer Engine:
+    passing it is refused with what to use instead (`AORecipeKwargs`, torchao)."""
+
+    use_autocast_during_eval: bool | None = None
+    margin: int | None = None
+    interval: int | None = None
+    fp8_format: str | None = None
+    amax_history_len: int | None = None
+    amax_compute_algo: str | None = None
+    override_linear_precision: Any = None
+    use_mxfp8_block_scaling: bool | None = None

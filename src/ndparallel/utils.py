@@ -11,6 +11,7 @@ from .operations import gather_all as gather
 from .operations import gather_object_all as gather_object
 from .operations import reduce_all as reduce
 from .plugins import (
+    AORecipeKwargs,
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -19,12 +20,14 @@ from .plugins import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    TERecipeKwargs,
     TorchDynamoPlugin,
 )
 from .state import DistributedType
 from .tracking import GeneralTracker, LoggerType
 
 __all__ = [
+    "AORecipeKwargs",
     "AutocastKwargs",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
@@ -38,6 +41,7 @@ __all__ = [
     "LoggerType",
     "ParallelismConfig",
     "ProjectConfiguration",
+    "TERecipeKwargs",
     "TorchContextParallelConfig",
     "TorchDynamoPlugin",
     "TorchTensorParallelConfig",

@@ -71,9 +71,10 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
     Accelerate's arguments, in Accelerate's order:
         device_placement: move batches of prepared data loaders to this rank's device.
         split_batches: shorthand for ``dataloader_config=DataLoaderConfiguration(split_batches=...)``.
-        mixed_precision: "no", "bf16" or "fp16" (None: ``$NDPARALLEL_MIXED_PRECISION``, then
+        mixed_precision: "no", "bf16", "fp16" or "fp8" (None: ``$NDPARALLEL_MIXED_PRECISION``, then
             ``$ACCELERATE_MIXED_PRECISION``, then "no"). Low-precision trainable parameters are upcast to fp32
-            master weights when it is not "no".
+            master weights when it is not "no". "fp8": torchao float8 linear layers (`AORecipeKwargs` in
+            `kwargs_handlers`; `ndparallel.parallel.fp8`), bf16 elsewhere.
         gradient_accumulation_steps: micro-steps per optimizer step (None: the launchers' variables, then 1).
         cpu: train on the CPU with gloo even where CUDA is available.
         dataloader_config: a `DataLoaderConfiguration` (split_batches, even_batches, non_blocking, data_seed).
@@ -245,7 +246,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         options = parallel.PrepareOptions(self.device, self.fsdp_plugin, self.mixed_precision, tp_plan,
                                           ddp_kwargs=self._settings.ddp_kwargs,
                                           autocast_kwargs=self._settings.autocast_kwargs,
-                                          dynamo_plugin=self._settings.dynamo_plugin)
+                                          dynamo_plugin=self._settings.dynamo_plugin,
+                                          fp8_recipe=self._settings.fp8_recipe)
         # A model on the meta device (cpu_ram_efficient_loading) gets its weights after it is parallelised.
         prepared = checkpoint.parallelize_loading_weights(
             model, self.fsdp_plugin, self.device, lambda m: parallel.parallelize(m, self.mesh, options))

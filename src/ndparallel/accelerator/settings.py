@@ -33,14 +33,16 @@ from ..plugins import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    AORecipeKwargs,
     KwargsHandler,
+    TERecipeKwargs,
     TorchDynamoPlugin,
     parse_bool,
 )
 from ..runtime import CPU_ENV, env_flag
 
 HANDLERS = (InitProcessGroupKwargs, DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs,
-            GradientAccumulationPlugin)
+            GradientAccumulationPlugin, AORecipeKwargs, TERecipeKwargs)
 # Accelerate's arguments for engines ndparallel does not use: refused when given, with what to use instead.
 FOREIGN_PLUGINS = {
     "deepspeed_plugin": "DeepSpeed is not used: ZeRO-3 is FSDP2 (dp_shard_size), Ulysses is sp_size",
@@ -69,6 +71,7 @@ class Settings:
     scaler_kwargs: dict[str, Any] = field(default_factory=dict)
     autocast_kwargs: dict[str, Any] = field(default_factory=dict)
     dynamo_plugin: TorchDynamoPlugin | None = None
+    fp8_recipe: AORecipeKwargs | None = None  # mixed_precision="fp8": how torchao converts the linear layers
 
 
 def _dynamo_plugin(backend: Any, plugin: Any, environ: Mapping[str, str]) -> TorchDynamoPlugin | None:
@@ -89,6 +92,28 @@ def _dynamo_plugin(backend: Any, plugin: Any, environ: Mapping[str, str]) -> Tor
                 given[name] = parse_bool(value, name) if name == "dynamic" else value
         plugin = TorchDynamoPlugin(**given) if given else None
     return plugin if plugin is not None and plugin.enabled else None
+
+
+def _fp8_recipe(mixed_precision: Any, handlers: Mapping[type, KwargsHandler],
+                environ: Mapping[str, str]) -> AORecipeKwargs | None:
+    """The torchao recipe of ``mixed_precision="fp8"`` (None otherwise); refuses Transformer Engine and a missing
+    torchao with what to do."""
+    if TERecipeKwargs in handlers:
+        raise ValueError("kwargs_handlers: TERecipeKwargs (Transformer Engine) is not supported by ndparallel; FP8 "
+                         "training runs through torchao: pass AORecipeKwargs() (pip install torchao)")
+    if mixed_precision is None:
+        mixed_precision = environ.get(MIXED_PRECISION_ENV) or environ.get("ACCELERATE_MIXED_PRECISION")
+    if str(getattr(mixed_precision, "value", mixed_precision)).lower() != "fp8":
+        if AORecipeKwargs in handlers:
+            raise ValueError("kwargs_handlers: AORecipeKwargs configures FP8 training; it needs mixed_precision='fp8'")
+        return None
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ImportError("mixed_precision='fp8' trains the linear layers in FP8 through torchao, which is not "
+                          "installed: pip install torchao") from None
+    recipe = handlers.get(AORecipeKwargs)
+    return recipe if isinstance(recipe, AORecipeKwargs) else AORecipeKwargs()
 
 
 def _typed(name: str, value: Any, kind: type) -> Any:
@@ -136,6 +161,7 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
         if kind in handlers:
             raise ValueError(f"kwargs_handlers: more than one {kind.__name__}")
         handlers[kind] = handler
+    fp8_recipe = _fp8_recipe(mixed_precision, handlers, environ)
     if gradient_accumulation_plugin is not None:
         if GradientAccumulationPlugin in handlers:
             raise ValueError("pass the GradientAccumulationPlugin once: as gradient_accumulation_plugin= or in "
@@ -211,4 +237,5 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
         scaler_kwargs=handlers[GradScalerKwargs].to_kwargs() if GradScalerKwargs in handlers else {},
         autocast_kwargs=handlers[AutocastKwargs].to_kwargs() if AutocastKwargs in handlers else {},
         dynamo_plugin=dynamo,
+        fp8_recipe=fp8_recipe,
     )

@@ -13,6 +13,7 @@ from torch import nn
 from ..mesh import ParallelMesh
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import apply_model_compilation, apply_regional_compilation, check_compilation
+from .fp8 import apply_fp8, check_fp8
 from .data_parallel import (
     apply_data_parallel,
     broadcast_module_states,
@@ -36,6 +37,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     check_tensor_parallel(model, mesh, options)
     check_sequence_parallel(model, mesh, options)
     check_compilation(model, mesh, options)
+    check_fp8(model, mesh, options)
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
     # ndparallel.checkpoint.pretrained) stay there.
     model._apply(lambda t: t if t.is_meta else t.to(options.device))
@@ -44,6 +46,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     broadcast_module_states(model)
     # 0. Mixed precision keeps fp32 master weights: low-precision trainable parameters are upcast before sharding.
     model = apply_master_weights(model, mesh, options)
+    # 0b. FP8: the eligible linear layers become torchao's float8 layers (names unchanged).
+    model = apply_fp8(model, mesh, options)
     # 1. Pipeline stages: not yet.
     # 2. Tensor parallel over ``tp``, from the plan (parameters it covers become DTensors sharded over tp).
     model = apply_tensor_parallel(model, mesh, options)

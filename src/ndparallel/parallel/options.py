@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..config import compute_dtype
-from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from ..plugins import AORecipeKwargs, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class PrepareOptions:
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)  # DistributedDataParallelKwargs, where DDP wraps
     autocast_kwargs: Mapping[str, Any] = field(default_factory=dict)  # AutocastKwargs, where autocast casts
     dynamo_plugin: TorchDynamoPlugin | None = None  # compile the blocks or the model (`compile`)
+    fp8_recipe: AORecipeKwargs | None = None  # mixed_precision="fp8": torchao's conversion (`fp8`)
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -1,0 +1,63 @@
+"""FP8 training (``mixed_precision="fp8"``): the eligible linear layers compute their matmuls in float8 through
+torchao (``convert_to_float8_training``), the rest of the model in bf16, master weights in fp32 -- Accelerate's
+``AORecipeKwargs`` meaning.
+
+Eligible by default: every ``nn.Linear`` whose input and output sizes are multiples of 16 (float8 matmuls need
+them), except the model's first and last linear layers, which stay in high precision as Accelerate keeps them (the
+LM head's logits are sensitive to it); `AORecipeKwargs.module_filter_func` chooses otherwise. Under FSDP2 the
+default recipe all-gathers the weights in float8 (half the bytes of bf16). Layers are swapped in place, so
+parameter names and checkpoints stay the model's own. Tensor parallelism over float8 layers needs torchao's own
+float8 parallel styles, not applied here: ``tp_size > 1`` with fp8 is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from ..mesh import ParallelMesh
+from .data_parallel import uses_fsdp
+from .options import PrepareOptions
+
+
+def default_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """Accelerate's rule: linear layers with both dimensions multiples of 16, except the first and the last."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    ends = {linears[0], linears[-1]} if linears else set()
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        return (isinstance(module, nn.Linear) and fqn not in ends and module.in_features % 16 == 0
+                and module.out_features % 16 == 0)
+
+    return eligible
+
+
+def check_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> None:
+    """Refuse what FP8 cannot run here, before any collective."""
+    if options.mixed_precision != "fp8":
+        return
+    if mesh.size("tp") > 1:
+        raise ValueError("mixed_precision='fp8' with tp_size > 1 is not supported: tensor parallelism over float8 "
+                         "layers needs torchao's float8 parallel styles; use fp8 with DDP/FSDP2/HSDP/CP/SP, or bf16 "
+                         "with TP")
+    recipe = options.fp8_recipe
+    keep = recipe.module_filter_func if recipe is not None and recipe.module_filter_func else default_filter(model)
+    if not any(keep(m, name) for name, m in model.named_modules() if isinstance(m, nn.Linear)):
+        raise ValueError(f"mixed_precision='fp8': no linear layer of {type(model).__name__} is eligible for float8 "
+                         "(input and output sizes multiples of 16; the first and last linear layers stay in high "
+                         "precision); use mixed_precision='bf16', or pass AORecipeKwargs(module_filter_func=...)")
+
+
+def apply_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
+    """Swap the eligible linear layers for torchao's float8 ones (a no-op unless mixed_precision is fp8)."""
+    if options.mixed_precision != "fp8":
+        return model
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # optional dependency
+
+    recipe = options.fp8_recipe
+    config = recipe.config if recipe is not None and recipe.config is not None else Float8LinearConfig(
+        enable_fsdp_float8_all_gather=uses_fsdp(mesh.config, options.fsdp_plugin))
+    keep = recipe.module_filter_func if recipe is not None and recipe.module_filter_func else default_filter(model)
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    return model
