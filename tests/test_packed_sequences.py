@@ -11,7 +11,6 @@ as its own sequence in one process; padded rows against the Hugging Face model's
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
