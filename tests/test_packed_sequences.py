@@ -158,7 +158,7 @@ def training_rows(kind: str, seq: int = TRAIN_SEQ) -> list[dict[str, torch.Tenso
             row["position_ids"] = torch.cat([torch.arange(n) for n in lengths])
             labels[row["position_ids"] == 0] = -100
         else:
-            real = [32, 12, 4, 4, 31, 17][r % 6]  # step 1: under cp 2, rank 1's whole shard is padding
+            real = seq * [32, 12, 4, 4, 31, 17][r % 6] // 32  # step 1: under cp 2, rank 1's whole shard is padding
             mask = torch.zeros(seq, dtype=torch.long)
             if r % 2:
                 mask[seq - real:] = 1
@@ -173,20 +173,20 @@ def training_rows(kind: str, seq: int = TRAIN_SEQ) -> list[dict[str, torch.Tenso
     return rows
 
 
-def _reference_losses(kind: str, model_name: str, overrides: dict) -> list[float]:
+def _reference_losses(kind: str, model_name: str, overrides: dict, seq: int = TRAIN_SEQ) -> list[float]:
     """One process, no library: packed rows as one sequence per document; padded rows with the model's own mask."""
     from tiny_models import build_model
 
     torch.manual_seed(0)
     model = build_model(model_name, **overrides)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    rows, losses = training_rows(kind), []
+    rows, losses = training_rows(kind, seq), []
     for step in range(STEPS):
         batch = rows[step * ROWS:(step + 1) * ROWS]
         if kind == "packed":
             total, count = 0.0, 0
             for row in batch:
-                starts = (row["position_ids"] == 0).nonzero().flatten().tolist() + [TRAIN_SEQ]
+                starts = (row["position_ids"] == 0).nonzero().flatten().tolist() + [seq]
                 for a, b in zip(starts, starts[1:]):
                     if b - a < 2:
                         continue  # a one-token document predicts nothing
@@ -207,7 +207,8 @@ def _reference_losses(kind: str, model_name: str, overrides: dict) -> list[float
     return losses
 
 
-def _train(kind: str, flags: dict, strategy: str, model_name: str, overrides: dict) -> tuple[list[float], int]:
+def _train(kind: str, flags: dict, strategy: str, model_name: str, overrides: dict,
+           seq: int = TRAIN_SEQ) -> tuple[list[float], int]:
     """Losses of the run, and how many batches the prepared loader dealt by attention work."""
     from ndparallel import Accelerator, ParallelismConfig, TorchContextParallelConfig
     from tiny_models import build_model
@@ -220,7 +221,7 @@ def _train(kind: str, flags: dict, strategy: str, model_name: str, overrides: di
     model = build_model(model_name, **overrides)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     data_ranks = flags.get("dp_shard_size", 1) * flags.get("dp_replicate_size", 1)
-    loader = torch.utils.data.DataLoader(training_rows(kind), batch_size=ROWS // data_ranks)
+    loader = torch.utils.data.DataLoader(training_rows(kind, seq), batch_size=ROWS // data_ranks)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     losses, dealt = [], 0
     for batch in loader:
@@ -239,17 +240,21 @@ def _train(kind: str, flags: dict, strategy: str, model_name: str, overrides: di
     return losses, dealt
 
 
-TRAINING = {  # id -> (rows, world, sizes, strategy, model, model overrides)
+TRAINING = {  # id -> (rows, world, sizes, strategy, model, model overrides[, row length])
     "packed-cp2-ring": ("packed", 2, {"cp_size": 2}, "ring", "llama", {}),
     "packed-cp2-allgather": ("packed", 2, {"cp_size": 2}, "allgather", "llama", {}),
     "packed-cp4-ring": ("packed", 4, {"cp_size": 4}, "ring", "llama", {}),
+    "packed-cp4-allgather": ("packed", 4, {"cp_size": 4}, "allgather", "llama", {}),
     "packed-sp2": ("packed", 2, {"sp_size": 2}, "allgather", "llama", {}),
     "packed-cp2xsp2-allgather": ("packed", 4, {"cp_size": 2, "sp_size": 2}, "allgather", "llama", {}),
+    "packed-cp2xsp2-ring": ("packed", 4, {"cp_size": 2, "sp_size": 2}, "ring", "llama", {}),
     "packed-fsdp2xcp2xtp2-ring": ("packed", 8, {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2}, "ring", "llama",
                                   {}),
     "padded-cp2-ring": ("padded", 2, {"cp_size": 2}, "ring", "llama", {}),
     "padded-sp2": ("padded", 2, {"sp_size": 2}, "allgather", "llama", {}),
     "mistral-window16-cp2": ("padded", 2, {"cp_size": 2}, "ring", "mistral", {"sliding_window": 16}),
+    "mistral-window16-64-tokens-cp2": ("padded", 2, {"cp_size": 2}, "allgather", "mistral", {"sliding_window": 16},
+                                       64),
     # the chunks of each batch dealt over cp by attention work (TorchContextParallelConfig(balance_documents=True))
     "packed-cp4-ring-balanced": ("packed", 4, {"cp_size": 4, "balance_documents": True}, "ring", "llama", {}),
     "packed-cp2xsp2-allgather-balanced": ("packed", 4, {"cp_size": 2, "sp_size": 2, "balance_documents": True},
@@ -259,9 +264,10 @@ TRAINING = {  # id -> (rows, world, sizes, strategy, model, model overrides)
 
 @pytest.mark.parametrize("case", list(TRAINING))
 def test_training_matches_the_single_process_reference(case):
-    kind, world, flags, strategy, model_name, overrides = TRAINING[case]
-    expected = _reference_losses(kind, model_name, overrides)
-    results = run_ranks(_train, world, kind, flags, strategy, model_name, overrides, timeout=180)
+    kind, world, flags, strategy, model_name, overrides, *seq = TRAINING[case]
+    seq = seq[0] if seq else TRAIN_SEQ
+    expected = _reference_losses(kind, model_name, overrides, seq)
+    results = run_ranks(_train, world, kind, flags, strategy, model_name, overrides, seq, timeout=180)
     losses, dealt = results[0]
     assert all(r == results[0] for r in results), "ranks logged different losses"
     gaps = [abs(a - b) for a, b in zip(losses, expected)]
