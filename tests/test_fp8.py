@@ -1,5 +1,5 @@
 """FP8 training through torchao (``mixed_precision="fp8"``, `AORecipeKwargs`): which layers convert, the loss curve
-against bf16's under several layouts, and what is refused.
+against bf16's under several layouts (TP through torchao's float8 parallel styles), and what is refused.
 
 Tolerance: over 20 AdamW steps of the tiny Llama the fp8 losses stay within 2e-2 of the bf16 run's (measured here:
 about 7e-3 under FSDP2 2); a run whose fp8 layers were wrong (say, weights not updated) leaves that band at once.
@@ -45,7 +45,8 @@ def test_eligible_layers_convert_and_the_first_and_last_stay():
 
 @pytest.mark.parametrize("layout,world,flags", [
     ("one process", 1, []), ("fsdp2", 2, ["--dp-shard-size", "2"]),
-    ("ddp2", 2, ["--dp-replicate-size", "2", "--no-fsdp-plugin"]), ("cp2", 2, ["--cp-size", "2"])])
+    ("ddp2", 2, ["--dp-replicate-size", "2", "--no-fsdp-plugin"]), ("cp2", 2, ["--cp-size", "2"]),
+    ("tp2", 2, ["--tp-size", "2"]), ("fsdp2_tp2", 4, ["--dp-shard-size", "2", "--tp-size", "2"])])
 def test_fp8_follows_the_bf16_loss_curve(layout, world, flags):
     runs = {mp: run_layout("llama", world, flags, 1, "--mixed-precision", mp, "--steps", "20")[0]["losses"]
             for mp in ("bf16", "fp8")}
@@ -89,15 +90,17 @@ def _refusals() -> dict:
     from ndparallel.utils import AORecipeKwargs, TERecipeKwargs
     from tiny_models import build_model
 
-    def tp():
-        Accelerator(mixed_precision="fp8", parallelism_config=ParallelismConfig(tp_size=2)).prepare(
-            build_model("llama"))
+    def tp_sequence_parallel_on_gloo():
+        from ndparallel import TorchTensorParallelConfig
+
+        Accelerator(mixed_precision="fp8", parallelism_config=ParallelismConfig(
+            tp_size=2, tp_handler=TorchTensorParallelConfig(sequence_parallel=True))).prepare(build_model("llama"))
 
     def no_eligible_layer():
         Accelerator(mixed_precision="fp8").prepare(nn.Sequential(nn.Linear(10, 12), nn.ReLU(), nn.Linear(12, 3)))
 
     return outcomes({
-        "tp": tp, "no-eligible-layer": no_eligible_layer,
+        "tp-sequence-parallel-gloo": tp_sequence_parallel_on_gloo, "no-eligible-layer": no_eligible_layer,
         "transformer-engine": lambda: Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs()]),
         "recipe-without-fp8": lambda: Accelerator(mixed_precision="bf16", kwargs_handlers=[AORecipeKwargs()]),
     })
@@ -105,7 +108,8 @@ def _refusals() -> dict:
 
 def test_what_fp8_cannot_do_is_refused():
     results = run_ranks(_refusals, 2)
-    assert_refused(results, ("ValueError", r"fp8' with tp_size > 1 is not supported"), "tp")
+    assert_refused(results, ("ValueError", r"sequence_parallel all-gathers float8 activations, which gloo"),
+                   "tp-sequence-parallel-gloo")
     assert_refused(results, ("ValueError", r"no linear layer of Sequential is eligible for float8"),
                    "no-eligible-layer")
     assert_refused(results, ("ValueError", r"TERecipeKwargs \(Transformer Engine\) is not supported.*AORecipeKwargs"),

@@ -6,8 +6,9 @@ Eligible by default: every ``nn.Linear`` whose input and output sizes are multip
 them), except the model's first and last linear layers, which stay in high precision as Accelerate keeps them (the
 LM head's logits are sensitive to it); `AORecipeKwargs.module_filter_func` chooses otherwise. Under FSDP2 the
 default recipe all-gathers the weights in float8 (half the bytes of bf16). Layers are swapped in place, so
-parameter names and checkpoints stay the model's own. Tensor parallelism over float8 layers needs torchao's own
-float8 parallel styles, not applied here: ``tp_size > 1`` with fp8 is refused.
+parameter names and checkpoints stay the model's own. Under tensor parallelism the float8 layers' colwise and
+rowwise styles are torchao's float8 ones (`tensor_styles.build_style`); with Megatron-style sequence parallelism
+they all-gather float8 activations, which gloo cannot send: refused on CPU.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def check_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
     """Refuse what FP8 cannot run here, before any collective."""
     if options.mixed_precision != "fp8":
         return
-    if mesh.size("tp") > 1:
-        raise ValueError("mixed_precision='fp8' with tp_size > 1 is not supported: tensor parallelism over float8 "
-                         "layers needs torchao's float8 parallel styles; use fp8 with DDP/FSDP2/HSDP/CP/SP, or bf16 "
-                         "with TP")
+    if mesh.size("tp") > 1 and mesh.config.tp_handler.sequence_parallel and options.device.type == "cpu":
+        raise ValueError("mixed_precision='fp8' with tensor parallelism's sequence_parallel all-gathers float8 "
+                         "activations, which gloo (the CPU backend) cannot send; use sequence_parallel=False on CPU, "
+                         "or NCCL on GPUs")
     recipe = options.fp8_recipe
     keep = recipe.module_filter_func if recipe is not None and recipe.module_filter_func else default_filter(model)
     if not any(keep(m, name) for name, m in model.named_modules() if isinstance(m, nn.Linear)):

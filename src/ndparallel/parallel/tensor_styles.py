@@ -119,6 +119,15 @@ def build_style(style: str, module: nn.Module, sequence_parallel: bool, gathered
     seq_in = Shard(_SEQ) if sequence_parallel and not gathered else Replicate()
     seq_out = Shard(_SEQ) if sequence_parallel else Replicate()
     conv = is_conv1d(module)
+    if type(module).__name__ == "Float8Linear" and style in ("colwise", "rowwise"):
+        # mixed_precision="fp8" swapped it for torchao's float8 linear (`fp8`): torchao's styles cast its DTensor
+        # inputs and weights to float8 the same way it does unsplit.
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        if style == "colwise":
+            return Float8ColwiseParallel(input_layouts=seq_in)
+        return Float8RowwiseParallel(input_layouts=Shard(-1), output_layouts=seq_out,
+                                     use_local_output=not sequence_parallel)
     if style == "colwise":
         return (_Conv1DColwise if conv else ColwiseParallel)(input_layouts=seq_in)
     if style == "colwise_gather_output" and loss_parallel:  # logits stay split over the vocabulary
