@@ -167,6 +167,12 @@ def _add_planner_parsers(sub: Any) -> None:
                            "dp_shard=4,tp=2")
     plan.add_argument(*_spellings("write-config"), dest="write_config", default=None, metavar="PATH",
                       help="also write the best layout's config file here")
+    plan.add_argument(*_spellings("measure-top"), dest="measure_top", type=int, default=3, metavar="K",
+                      help="with --measure: how many of the best fitting layouts to run (default 3)")
+    plan.add_argument("--measure", nargs=argparse.REMAINDER, default=None, metavar="SCRIPT [ARGS]",
+                      help="last: run the top layouts of the table on this machine with SCRIPT (through "
+                           "ndparallel launch; it must time its steps with accelerator.step_timer) and print "
+                           "predicted next to measured tokens/s and peak memory")
 
     memory = sub.add_parser("estimate-memory", help="memory per GPU of one layout (params, grads, optimizer, "
                                                     "activations, buffers, peak)",
@@ -415,10 +421,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _error("plan", exc)
     best = result.best
     config = _plan_config_file(best, request.nodes, request.gpus_per_node) if best is not None else None
+    measured = None
+    if args.measure is not None and best is not None:
+        try:
+            measured = _plan_measure(args, request, result)
+        except ValueError as exc:
+            return _error("plan", exc)
     if args.json:
         out = report.plan_json(result, args.top, config)
         if row is not None:
             out["explain"] = report.row_json(row)
+        if measured is not None:
+            out["measured"] = [{k: v for k, v in r.items() if k != "row"} for r in measured]
         print(json.dumps(out, indent=1))
     elif row is not None:
         print(report.explain_text(row, request))
@@ -427,6 +441,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         report.print_table(result, args.top)
         if config is not None:
             print("\n" + report.recommendation(best, yaml.safe_dump(config, sort_keys=False)))
+        if measured is not None:
+            from ndparallel.planner import measure
+
+            print("\nmeasured on this machine (ranked by measured tokens/s per GPU):\n" + measure.table(measured))
+    if measured is not None and not any("error" not in r for r in measured):
+        return _error("plan", "no layout could be measured (see the failures above)")
     if config is not None and args.write_config:
         path = Path(args.write_config)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -435,6 +455,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if best is None:
         return _error("plan", result.no_fit_message())
     return 0
+
+
+def _plan_measure(args: argparse.Namespace, request: Any, result: Any) -> list[dict[str, Any]]:
+    """Run the best fitting layouts with the --measure script (`ndparallel.planner.measure`)."""
+    from ndparallel.planner import measure
+
+    if not args.measure:
+        raise ValueError("--measure needs a script: --measure SCRIPT [ARGS] (last on the command line)")
+    if request.nodes != 1:
+        raise ValueError(f"--measure runs the layouts on this machine: use --nodes 1 (got {request.nodes})")
+    if args.measure_top < 1:
+        raise ValueError(f"--measure-top must be >= 1, got {args.measure_top}")
+    rows = [row for row in result.rows if row.fits][:args.measure_top]
+    return measure.measure(rows, request.gpus_per_node, args.measure, request.mixed_precision,
+                           lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:

@@ -506,7 +506,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
                    peak_flops: float | None = None) -> metrics.StepTimer:
         """A `ndparallel.metrics.StepTimer` for this job: step time, tokens/s and MFU over all processes (FLOPs per
         token from ``model.config`` at `seq_len`; peak FLOP/s given, from a table, or estimated on CPU)."""
-        return metrics.timer_for(self, model, seq_len, peak_flops)
+        timer = metrics.timer_for(self, model, seq_len, peak_flops)
+        self._step_timer = timer  # its figures go to `ndparallel plan --measure` at end_training
+        return timer
 
     # ---- models and the end ---------------------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
@@ -530,7 +532,11 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
     clear = free_memory
 
     def end_training(self) -> None:
-        """Close the trackers and release the process group (call once, at the end of the script)."""
+        """Close the trackers and release the process group (call once, at the end of the script). Under
+        ``ndparallel plan --measure`` each rank first writes its step metrics and peak memory
+        (`metrics.write_run_metrics`)."""
+        metrics.write_run_metrics(getattr(self, "_step_timer", None), self.process_index, self.num_processes,
+                                  self.device)
         self.trackers.finish()
         if dist.is_initialized():
             self.wait_for_everyone()
