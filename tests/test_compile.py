@@ -17,6 +17,7 @@ from test_parity import reference, run_layout
 
 LAYOUTS = {
     "ddp2": (2, ["--dp-replicate-size", "2", "--no-fsdp-plugin"]), "fsdp2": (2, ["--dp-shard-size", "2"]),
+    "hsdp2x2": (4, ["--dp-replicate-size", "2", "--dp-shard-size", "2"]),
     "tp2": (2, ["--tp-size", "2"]), "cp2_ring": (2, ["--cp-size", "2", "--cp-strategy", "ring"]),
     "sp2": (2, ["--sp-size", "2"]), "cp2_sp2": (4, ["--cp-size", "2", "--sp-size", "2"]),
 }
