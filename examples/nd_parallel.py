@@ -36,6 +36,7 @@ from ndparallel import (  # noqa: E402
     TorchTensorParallelConfig,
     set_seed,
 )
+from ndparallel.metrics import peak_memory  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 MODEL_DEFAULTS = {"model": "llama", "hidden_size": 64, "layers": 2, "heads": 4, "kv_heads": 2, "seq_len": 128}
@@ -132,16 +133,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seq_len <= 0 or args.seq_len % 8:
         p.error(f"--seq-len must be a positive multiple of 8, got {args.seq_len}")
     return args
-
-
-def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """This process's peak memory: allocated CUDA memory on a GPU, else the peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-    import resource  # Unix only
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return (rss if sys.platform == "darwin" else rss * 1024), "peak RSS"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -260,7 +251,7 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.perf_counter() - t_start
 
     # 4. Peak memory of every rank, gathered to all of them and printed by the main process.
-    peak, kind = peak_memory_bytes(accelerator.device)
+    peak, kind = peak_memory(accelerator.device)
     mine = {"rank": accelerator.process_index, "device": str(accelerator.device), "bytes": peak, "kind": kind}
     per_rank = [mine]
     if dist.is_available() and dist.is_initialized() and accelerator.num_processes > 1:

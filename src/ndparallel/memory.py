@@ -44,9 +44,9 @@ def should_reduce_batch_size(exception: BaseException) -> bool:
 
 
 def release_memory() -> None:
-    """Collect garbage and give cached accelerator memory back, between tries."""
+    """Collect garbage and give cached accelerator memory back (between tries; `Accelerator.free_memory`)."""
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         torch.xpu.empty_cache()

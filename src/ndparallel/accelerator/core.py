@@ -41,6 +41,7 @@ from ..config import ParallelismConfig, compute_dtype
 from ..data import PreparedDataLoader
 from ..helpers import progress_bar
 from ..loss import GradientState, is_causal_lm
+from ..memory import release_memory
 from ..mesh import ParallelMesh
 from ..optim import AcceleratedOptimizer, AcceleratedScheduler
 from ..parallel.sequence import SequenceSharding
@@ -524,9 +525,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             kept.clear()
         self._param_map.clear()
         self._taken.clear()
-        gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        release_memory()
         return [None] * len(objects)
 
     clear = free_memory

@@ -23,13 +23,18 @@ def _enabled(options: PrepareOptions):
     return plugin if plugin is not None and plugin.enabled else None
 
 
+def _blocks(model: nn.Module, options: PrepareOptions) -> list[nn.Module]:
+    """The transformer blocks regional compilation compiles: those the FSDP wrap policy would wrap."""
+    names = options.fsdp_plugin.transformer_cls_names_to_wrap if options.fsdp_plugin is not None else None
+    return blocks_of(model, block_classes(model, names))
+
+
 def check_compilation(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> None:
     """Refuse regional compilation of a model without repeated blocks, before any collective."""
     plugin = _enabled(options)
     if plugin is None or not plugin.use_regional_compilation:
         return
-    names = options.fsdp_plugin.transformer_cls_names_to_wrap if options.fsdp_plugin is not None else None
-    if not blocks_of(model, block_classes(model, names)):
+    if not _blocks(model, options):
         raise ValueError(
             f"TorchDynamoPlugin(use_regional_compilation=True): {type(model).__name__} has no repeated blocks to "
             "compile (no _no_split_modules); name them with FullyShardedDataParallelPlugin("
@@ -41,8 +46,7 @@ def apply_regional_compilation(model: nn.Module, mesh: ParallelMesh, options: Pr
     plugin = _enabled(options)
     if plugin is None or not plugin.use_regional_compilation:
         return model
-    names = options.fsdp_plugin.transformer_cls_names_to_wrap if options.fsdp_plugin is not None else None
-    for block in blocks_of(model, block_classes(model, names)):
+    for block in _blocks(model, options):
         block.compile(**plugin.to_compile_kwargs())
     return model
 

@@ -34,6 +34,12 @@ def default_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
     return eligible
 
 
+def _filter(model: nn.Module, options: PrepareOptions) -> Callable[[nn.Module, str], bool]:
+    """The recipe's `module_filter_func`, else `default_filter`."""
+    recipe = options.fp8_recipe
+    return recipe.module_filter_func if recipe is not None and recipe.module_filter_func else default_filter(model)
+
+
 def check_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> None:
     """Refuse what FP8 cannot run here, before any collective."""
     if options.mixed_precision != "fp8":
@@ -42,8 +48,7 @@ def check_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
         raise ValueError("mixed_precision='fp8' with tensor parallelism's sequence_parallel all-gathers float8 "
                          "activations, which gloo (the CPU backend) cannot send; use sequence_parallel=False on CPU, "
                          "or NCCL on GPUs")
-    recipe = options.fp8_recipe
-    keep = recipe.module_filter_func if recipe is not None and recipe.module_filter_func else default_filter(model)
+    keep = _filter(model, options)
     if not any(keep(m, name) for name, m in model.named_modules() if isinstance(m, nn.Linear)):
         raise ValueError(f"mixed_precision='fp8': no linear layer of {type(model).__name__} is eligible for float8 "
                          "(input and output sizes multiples of 16; the first and last linear layers stay in high "
@@ -59,6 +64,5 @@ def apply_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
     recipe = options.fp8_recipe
     config = recipe.config if recipe is not None and recipe.config is not None else Float8LinearConfig(
         enable_fsdp_float8_all_gather=uses_fsdp(mesh.config, options.fsdp_plugin))
-    keep = recipe.module_filter_func if recipe is not None and recipe.module_filter_func else default_filter(model)
-    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    convert_to_float8_training(model, config=config, module_filter_fn=_filter(model, options))
     return model
