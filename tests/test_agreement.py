@@ -275,7 +275,9 @@ def test_a_gather_and_a_reduce_that_do_not_meet_name_each_rank_and_its_call():
     (kind, message), seconds = (first := run_ranks(_mismatched_collectives, 2, "gather", timeout=60))[0]
     assert kind == "CollectiveTimeoutError", message
     assert message.startswith("reduce: the collective over ranks 0-1 failed after 1.5 s (RuntimeError: "), message
-    assert "Timed out" in message and "): rank 0 in 'reduce'; rank 1 in 'gather'.\n  rank 0 (" in message, message
+    # gloo's own words depend on which rank's timer fires first: its timeout, or the peer closing the pair.
+    assert "Timed out" in message or "Connection closed by peer" in message, message
+    assert "): rank 0 in 'reduce'; rank 1 in 'gather'.\n  rank 0 (" in message, message
     assert "): in 'reduce' (its collective call #1, for " in message and "): in 'gather' (its collective call #1, " \
         in message, message
     assert "\nThe ranks called different collectives: call gather / reduce in the same order on every rank" in message
