@@ -14,12 +14,12 @@ from tiny_models import VOCAB, TokenDataset, build_model, make_optimizer
 
 def reference_run(model_name: str = "llama", global_batch: int = 4, seq_len: int = 16, steps: int = 6,
                   lr: float = 1e-2, uneven_labels: bool = False, optimizer: str = "adamw",
-                  mean_of_chunks: int = 1, float64: bool = False) -> dict:
+                  mean_of_chunks: int = 1, float64: bool = False, layers: int | None = None) -> dict:
     """Train on the global batch; `mean_of_chunks=k` instead averages the mean losses of k equal chunks of
     each batch (what naive data parallelism over k ranks computes) -- used to show the tests can fail.
-    `float64` runs the model and its loss in float64."""
+    `float64` runs the model and its loss in float64; `layers`: decoder layers of the tiny model."""
     torch.manual_seed(0)
-    model = build_model(model_name, float64)
+    model = build_model(model_name, float64, **({} if layers is None else {"num_hidden_layers": layers}))
     optimizer = make_optimizer(optimizer, model.parameters(), lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     dataset = TokenDataset(steps * global_batch, seq_len, VOCAB, uneven_labels)

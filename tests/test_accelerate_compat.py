@@ -108,7 +108,7 @@ def test_from_env_reads_accelerates_variables(sizes):
     config = ParallelismConfig.from_env(environ=env)
     assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size) == sizes
     # Deliberately different: the constructor itself reads no environment (see the module docstring).
-    assert ParallelismConfig().sizes() == dict.fromkeys(("dp_replicate", "dp_shard", "cp", "sp", "tp"), 1)
+    assert ParallelismConfig().sizes() == dict.fromkeys(("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp"), 1)
     # ndparallel's own variables come first
     ours = ParallelismConfig.from_env(environ={**env, "NDPARALLEL_TP_SIZE": "16"})
     assert ours.tp_size == 16

@@ -46,7 +46,7 @@ def plan(*args: str):
 def test_an_accelerate_config_file_becomes_the_same_launch(tmp_path):
     p = plan("--config_file", write(tmp_path, ACCELERATE_FILE), SCRIPT)
     assert (p.nproc_per_node, p.nnodes) == (8, 1)
-    assert p.parallelism.sizes() == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 2}
+    assert p.parallelism.sizes() == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 2}
     assert p.env["NDPARALLEL_MIXED_PRECISION"] == "bf16"
     # the FSDP plugin's fields, as `accelerate launch` exports them
     assert {k: v for k, v in p.env.items() if k.startswith(("FSDP_", "ACCELERATE_"))} == {
@@ -115,7 +115,7 @@ def test_other_distributed_types_and_ignored_sections(tmp_path):
     ({"fsdp_config": {"fsdp_sharding": "FULL"}}, [], "unknown fsdp_config key(s) ['fsdp_sharding']"),
     ({"fsdp_config": {"fsdp_auto_wrap_policy": "EVERYTHING"}}, [], "fsdp_config: auto_wrap_policy='EVERYTHING' is "
                                                                    "not supported"),
-    ({"parallelism_config": {"parallelism_config_pp_size": 2}}, [], "unknown parallelism_config key(s)"),
+    ({"parallelism_config": {"parallelism_config_ep_size": 2}}, [], "unknown parallelism_config key(s)"),
     ({"parallelism_config": {"parallelism_config_sp_size": 2, "parallelism_config_dp_shard_size": 4,
                              "parallelism_config_sp_backend": "deepspeed"}}, [],
      "parallelism_config: sp_size=2 with sp_backend='deepspeed': ndparallel runs Ulysses sequence parallelism itself"),
@@ -158,7 +158,7 @@ def test_ndparallel_config_writes_an_accelerate_file_that_launch_reads_back(caps
     assert (data["distributed_type"], data["num_processes"], data["use_cpu"]) == ("FSDP", 4, True)
     p = plan("--config-file", path, SCRIPT)
     assert (p.nproc_per_node, p.cpu, p.env["NDPARALLEL_MIXED_PRECISION"]) == (4, True, "bf16")
-    assert p.parallelism.sizes() == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 2}
+    assert p.parallelism.sizes() == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 2}
     assert p.env["ACCELERATE_USE_FSDP"] == "true" and p.env["FSDP_VERSION"] == "2"
     # data parallel only: no FSDP, no sizes
     assert main(["config", "--format", "accelerate", "--config-file", path, "--nproc-per-node", "2"]) == 0

@@ -174,7 +174,8 @@ def test_end_to_end_launch_passes_sizes_to_every_rank():
     assert sorted(r["rank"] for r in records) == [0, 1]
     for r in records:
         assert r["world_size"] == 2
-        assert r["sizes"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 1, "sp_size": 1, "tp_size": 1}
+        assert r["sizes"] == {"pp_size": 1, "dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 1, "sp_size": 1,
+                              "tp_size": 1}
         assert r["env"]["NDPARALLEL_GRADIENT_ACCUMULATION_STEPS"] == "2"
         if not torch.cuda.is_available():
             assert r["env"]["NDPARALLEL_CPU"] == "1"
@@ -214,9 +215,9 @@ def test_config_without_flags_or_terminal_writes_defaults(monkeypatch, tmp_path)
 
 
 def test_config_prompts_on_a_terminal(monkeypatch, tmp_path):
-    # dp_replicate, dp_shard, cp, sp, tp (0 and "x" refused), nnodes, nproc (3 refused), mixed precision
+    # pp, dp_replicate, dp_shard, cp, sp, tp (0 and "x" refused), nnodes, nproc (3 refused), mixed precision
     # ("fp4" refused), gradient accumulation, cpu
-    answers = iter(["", "2", "", "", "0", "x", "2", "", "3", "", "fp4", "bf16", "", "yes"])
+    answers = iter(["", "", "2", "", "", "0", "x", "2", "", "3", "", "fp4", "bf16", "", "yes"])
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
     monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
     path = tmp_path / "c.yaml"

@@ -12,17 +12,23 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ndparallel.config import CP_STRATEGIES, ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from ndparallel.config import (
+    CP_STRATEGIES,
+    ParallelismConfig,
+    PipelineParallelConfig,
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
+)
 from ndparallel.parallel.sequence import CP_ATTENTION
 from ndparallel.plugins import FullyShardedDataParallelPlugin
 
-SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size")
+SIZE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size")
 
 
 # ---- ParallelismConfig: construction and resolve ------------------------------------------------------
 def test_defaults_are_all_one():
     pc = ParallelismConfig()
-    assert pc.sizes() == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 1, "tp": 1}
+    assert pc.sizes() == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "sp": 1, "tp": 1}
     assert isinstance(pc.tp_handler, TorchTensorParallelConfig)
     assert isinstance(pc.cp_handler, TorchContextParallelConfig)
     assert pc.resolve(1) == pc
@@ -161,6 +167,7 @@ def test_to_env_round_trip():
     pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=-1, sp_size=2, tp_size=2)
     env = pc.to_env()
     assert env == {
+        "NDPARALLEL_PP_SIZE": "1",
         "NDPARALLEL_DP_REPLICATE_SIZE": "2",
         "NDPARALLEL_DP_SHARD_SIZE": "-1",
         "NDPARALLEL_CP_SIZE": "1",
@@ -211,19 +218,22 @@ ROUND_TRIP_CONFIGS = [
         tp_handler=TorchTensorParallelConfig(plan={"layers.*.mlp.down_proj": "rowwise"}, sequence_parallel=True),
         cp_handler=TorchContextParallelConfig(cp_comm_strategy="ring", load_balance=False),
     ),
+    lambda: ParallelismConfig(pp_size=2, dp_shard_size=2, pp_handler=PipelineParallelConfig(
+        schedule="interleaved_1f1b", microbatches=8, split=[1, 2, 3])),
 ]
 
 
-@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=["defaults", "minus_one", "handlers"])
+@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=["defaults", "minus_one", "handlers", "pipeline"])
 def test_dict_round_trip(make):
     pc = make()
     data = pc.to_dict()
-    assert set(data) == set(SIZE_FIELDS) | {"tp_handler", "cp_handler"}
+    # pp_handler only when pipeline stages are configured (a file without them stays readable by older versions)
+    assert set(data) == set(SIZE_FIELDS) | {"tp_handler", "cp_handler"} | ({"pp_handler"} if pc.pp_size > 1 else set())
     assert isinstance(data["tp_handler"], dict) and isinstance(data["cp_handler"], dict)
     assert ParallelismConfig.from_dict(data) == pc
 
 
-@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=["defaults", "minus_one", "handlers"])
+@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=["defaults", "minus_one", "handlers", "pipeline"])
 def test_yaml_round_trip(make, tmp_path):
     pc = make()
     path = tmp_path / "config.yaml"
@@ -250,8 +260,8 @@ def test_from_yaml_without_parallelism_section(tmp_path):
 @pytest.mark.parametrize(
     "data, error, match",
     [
-        ({"tp_size": 2, "pp_size": 2}, ValueError,
-         r"unknown parallelism config key\(s\) \['pp_size'\]; valid keys: \[.*'tp_size'.*\]"),
+        ({"tp_size": 2, "ep_size": 2}, ValueError,
+         r"unknown parallelism config key\(s\) \['ep_size'\]; valid keys: \[.*'tp_size'.*\]"),
         ({"tp": 2, "dp_shard": 2}, ValueError, r"unknown parallelism config key\(s\) \['dp_shard', 'tp'\]"),
         ([("tp_size", 2)], TypeError, r"a parallelism config must be a mapping, got list"),
         ({"cp_handler": {"cp_comm_strategy": "all_to_all"}}, ValueError, r"Invalid cp_comm_strategy: all_to_all"),

@@ -254,7 +254,8 @@ CASES: list[Case] = [
     Case("reduce-avg", lambda: Accelerator().reduce(torch.ones(2), "avg"),
          ValueError, r"^reduction must be one of \['sum', 'mean', 'none'\], got 'avg'$"),
     Case("mesh[nope]", lambda: Accelerator().mesh["nope"],
-         KeyError, r"no mesh view named 'nope'; valid names: dp_replicate, dp_shard, cp, sp, tp, batch, fsdp, loss"),
+         KeyError, r"no mesh view named 'nope'; valid names: pp, dp_replicate, dp_shard, cp, sp, tp, batch, fsdp, "
+                   "loss"),
     Case("maybe_context_parallel-2-buffers-1-seq-dim",
          lambda: Accelerator().maybe_context_parallel(buffers=[torch.ones(1, 4), torch.ones(1, 4)],
                                                       buffer_seq_dims=[1]).__enter__(),

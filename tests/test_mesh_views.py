@@ -9,7 +9,8 @@ number of times, and there is no global mesh cache to clear: the old `_mesh_reso
 flatten maps are gone (`_mesh_resources` only keeps the `with mesh:` stack), and flattened meshes are cached
 on their own root mesh, which is rebuilt every time.
 
-Every rank of every shape is checked (3,826 builds, ~15 s on 2 cores).
+Every rank of every shape is checked (3,826 builds, ~15 s on 2 cores), with pp 1; shapes with pipeline stages (pp
+outermost, every other view inside one stage) up to 8 ranks.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ def test_views(shape):
     for rank in range(n):
         with fake_world(rank, n):
             mesh = build(shape, fsdp=True)  # FSDP2 will wrap: the data-parallel mesh exists for every shape
-            assert set(mesh.names) == set(ALL_VIEWS)
-            assert mesh.config.sizes() == sizes
+            assert set(mesh.names) == set(ALL_VIEWS) | {"pp"}
+            assert mesh.config.sizes() == {"pp": 1, **sizes}
             for name, axes in ALL_VIEWS.items():
                 want = expected_ranks(rank, shape, axes)
                 where = f"view {name!r}, shape {shape}, rank {rank}"
@@ -137,6 +138,43 @@ def test_views(shape):
             else:
                 assert dp.mesh.flatten().tolist() == expected_ranks(rank, shape, EXPECTED_VIEWS["fsdp"])
                 assert dp.get_local_rank() == mesh.rank("fsdp")
+
+
+# ---- pipeline stages: the pp axis, outermost --------------------------------------------------------------
+PP_AXES = ("pp", *AXES)
+PP_SHAPES = [s for n in range(2, 9) for s in itertools.product(
+    *[[d for d in range(1, n + 1) if n % d == 0]] * len(PP_AXES)) if math.prod(s) == n and s[0] > 1]
+
+
+def expected_ranks_pp(rank: int, shape: tuple[int, ...], axes: tuple[str, ...]) -> list[int]:
+    """As `expected_ranks`, over the six axes."""
+    mine = unravel(rank, shape)
+    idx = [PP_AXES.index(a) for a in axes]
+    out = []
+    for sub in itertools.product(*(range(shape[i]) for i in idx)):
+        coords = list(mine)
+        for i, c in zip(idx, sub):
+            coords[i] = c
+        out.append(ravel(tuple(coords), shape))
+    return out
+
+
+@pytest.mark.parametrize("shape", PP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_views_with_pipeline_stages(shape):
+    """``pp`` is outermost; every other view lies inside one stage (its ranks share this rank's pp coordinate), and
+    `within_stage` spans every rank of the stage."""
+    n = math.prod(shape)
+    sizes = dict(zip(PP_AXES, shape))
+    for rank in range(n):
+        with fake_world(rank, n):
+            mesh = ParallelMesh(ParallelismConfig(**{f"{a}_size": s for a, s in sizes.items()}), "cpu", fsdp=True)
+            for name, axes in {"pp": ("pp",), **ALL_VIEWS}.items():
+                want = expected_ranks_pp(rank, shape, axes)
+                assert mesh.ranks(name) == want, (name, shape, rank)
+                assert mesh.rank(name) == want.index(rank), (name, shape, rank)
+            stage = mesh.within_stage()
+            want = expected_ranks_pp(rank, shape, AXES)
+            assert (stage is None and want == [rank]) or stage.mesh.flatten().tolist() == want, (shape, rank)
 
 
 def test_minus_one_is_resolved_against_the_world():
@@ -158,12 +196,12 @@ def test_unknown_view_lists_valid_names():
         mesh = build((1, 2, 1, 1, 2))
         valid = ", ".join(mesh.names)
         for call in (mesh.__getitem__, mesh.size, mesh.rank, mesh.ranks, mesh.group):
-            with pytest.raises(KeyError, match=r"no mesh view named 'pp'; valid names: " + re.escape(valid)):
-                call("pp")
+            with pytest.raises(KeyError, match=r"no mesh view named 'ep'; valid names: " + re.escape(valid)):
+                call("ep")
         with pytest.raises(KeyError) as info:
             mesh["dp_shard_tp"]
         message = str(info.value)
-        assert all(name in message for name in ALL_VIEWS)
+        assert all(name in message for name in [*ALL_VIEWS, "pp"])
 
 
 def _new_groups(shape: tuple[int, ...], fsdp: bool) -> int:

@@ -156,7 +156,8 @@ def test_plan_prints_a_ranked_table_and_a_config_that_launch_reads(capsys, tmp_p
     assert best["fits"] and best["memory_bytes"]["peak"] <= data["request"]["budget_bytes"]
     # The file is what `ndparallel config` writes for the same settings, and `launch --config-file` accepts it.
     translated = read_config_file(tmp_path / "plan.yaml")
-    assert translated.sizes == {f"{axis}_size": size for axis, size in best["layout"].items()}
+    # (the planner does not model pipeline stages yet: its layouts have pp_size 1)
+    assert translated.sizes == {"pp_size": 1, **{f"{axis}_size": size for axis, size in best["layout"].items()}}
     sizes = [arg for axis, size in best["layout"].items() for arg in (f"--{axis.replace('_', '-')}-size", str(size))]
     assert main(["config", "--config-file", str(tmp_path / "config.yaml"), *sizes, "--nproc-per-node", "8",
                  "--mixed-precision", "bf16", "--gradient-accumulation-steps",
@@ -164,7 +165,7 @@ def test_plan_prints_a_ranked_table_and_a_config_that_launch_reads(capsys, tmp_p
     capsys.readouterr()
     planned, written = ((tmp_path / name).read_text() for name in ("plan.yaml", "config.yaml"))
     assert yaml.safe_load(planned) == yaml.safe_load(written)
-    assert ParallelismConfig.from_yaml(tmp_path / "plan.yaml").sizes() == best["layout"]
+    assert ParallelismConfig.from_yaml(tmp_path / "plan.yaml").sizes() == {"pp": 1, **best["layout"]}
 
 
 def test_explain_breaks_a_row_down(capsys):

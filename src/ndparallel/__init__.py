@@ -9,7 +9,12 @@ Accelerate's module paths work too: `ndparallel.accelerator`, `ndparallel.parall
 from ._version import __version__
 from .accelerator import Accelerator
 from .checkpoint import CheckpointError, ProjectConfiguration, init_empty_weights
-from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from .config import (
+    ParallelismConfig,
+    PipelineParallelConfig,
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
+)
 from .helpers import set_seed
 from .memory import find_executable_batch_size
 from .mesh import ParallelMesh
@@ -40,6 +45,7 @@ __all__ = [
     "ParallelMesh",
     "ParallelismConfig",
     "PartialState",
+    "PipelineParallelConfig",
     "ProjectConfiguration",
     "TorchContextParallelConfig",
     "TorchDynamoPlugin",

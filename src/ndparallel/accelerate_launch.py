@@ -329,5 +329,7 @@ def to_file(config: ParallelismConfig | None, launch: Mapping[str, Any]) -> dict
     if fsdp:
         out["fsdp_config"] = {"fsdp_version": 2}
     if config is not None:
-        out["parallelism_config"] = {f"parallelism_config_{name}": getattr(config, name) for name in SIZE_FIELDS}
+        # Accelerate's ParallelismConfig has no pipeline axis: pp_size is written only where it is used
+        out["parallelism_config"] = {f"parallelism_config_{name}": getattr(config, name) for name in SIZE_FIELDS
+                                     if name != "pp_size" or config.pp_size != 1}
     return out

@@ -30,7 +30,10 @@ def _local_and_key(grad: torch.Tensor) -> tuple[torch.Tensor, tuple]:
 
 
 @torch.no_grad()
-def total_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+def total_grad_norm(grads: list[torch.Tensor], norm_type: float,
+                    across: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The total norm of `grads`; with `across` (pipeline stages, which hold different parameters), the parts of
+    every rank of that group add up too. A rank may hold no gradients (its part is then 0)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local, key = _local_and_key(g)
@@ -48,22 +51,27 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor
         for dim in sharded:
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
         parts.append(part)
+    if not parts:
+        parts = [torch.zeros((), device=grads[0].device if grads else "cpu")]
     device, dtype = parts[0].device, max((p.dtype for p in parts), key=lambda d: torch.finfo(d).bits)
     stacked = torch.stack([p.to(device, dtype) for p in parts])
     total = stacked.max() if inf else stacked.sum()
+    if across is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=across)
     return total if inf else total ** (1.0 / norm_type)
 
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
-    """Scale gradients in place so their total `norm_type` norm is at most `max_norm`; return the total norm."""
+                    norm_type: float = 2.0, across: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale gradients in place so their total `norm_type` norm is at most `max_norm`; return the total norm.
+    `across`: a group whose ranks hold other parameters of the same model (pipeline stages; `total_grad_norm`)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads and across is None:
         return torch.tensor(0.0)
-    norm = total_grad_norm(grads, float(norm_type))
+    norm = total_grad_norm(grads, float(norm_type), across)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g

@@ -133,6 +133,69 @@ class TorchContextParallelConfig:
             raise TypeError(f"balance_documents must be a bool, got {self.balance_documents!r}")
 
 
+# Pipeline schedules by name -> (torch.distributed.pipelining class, stages per rank it takes: 1, or "2+", or 2).
+PP_SCHEDULES: dict[str, tuple[str, str]] = {
+    "gpipe": ("ScheduleGPipe", "1"),
+    "1f1b": ("Schedule1F1B", "1"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "2+"),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", "2+"),
+    "zbv": ("ScheduleZBVZeroBubble", "2"),
+}
+
+
+@dataclass
+class PipelineParallelConfig:
+    """How pipeline parallelism (pp_size > 1) splits the model and schedules its micro-batches
+    (`ndparallel.parallel.pipeline`).
+
+    schedule: "1f1b" (default), "gpipe", "interleaved_1f1b", "zero_bubble" (interleaved, backward split into input
+        and weight gradients) or "zbv" (zero bubble over two stages per rank in a V), torch's schedules.
+    microbatches: micro-batches each rank's batch is cut into (its rows must divide by it); None: one per stage
+        of the pipeline (pp_size * stages_per_rank), the fewest that keep every stage busy.
+    stages_per_rank: model chunks each rank holds (virtual stages); None: 1, or 2 for the interleaved schedules.
+    split: where stages begin -- None: balanced by parameter count; a list of decoder-layer indices (a Hugging
+        Face causal LM: stage s > 0 begins at layer ``split[s-1]``); or a list of module names (any model whose
+        forward runs its top-level children in order, such as an ``nn.Sequential``: stage s > 0 begins at child
+        ``split[s-1]``). One entry fewer than the pipeline's stages.
+    loss_fn: ``loss_fn(output, labels) -> mean loss`` for models that compute no loss of their own (not needed for
+        Hugging Face causal LMs, whose own loss function is used).
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int | None = None
+    split: list[int] | list[str] | None = None
+    loss_fn: Any = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PP_SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {self.schedule!r}; use one of {list(PP_SCHEDULES)}")
+        takes = PP_SCHEDULES[self.schedule][1]
+        if self.stages_per_rank is None:
+            self.stages_per_rank = 1 if takes == "1" else 2
+        if isinstance(self.stages_per_rank, bool) or not isinstance(self.stages_per_rank, int) or (
+                self.stages_per_rank < 1):
+            raise ValueError(f"stages_per_rank must be an int >= 1, got {self.stages_per_rank!r}")
+        ok = {"1": self.stages_per_rank == 1, "2": self.stages_per_rank == 2, "2+": self.stages_per_rank >= 2}[takes]
+        if not ok:
+            want = {"1": "1", "2": "2", "2+": "2 or more"}[takes]
+            raise ValueError(f"schedule {self.schedule!r} runs {want} stage(s) per rank, got stages_per_rank="
+                             f"{self.stages_per_rank}; single-stage schedules: gpipe, 1f1b; interleaved: "
+                             "interleaved_1f1b, zero_bubble (2 or more), zbv (2)")
+        if self.microbatches is not None and (isinstance(self.microbatches, bool) or not isinstance(
+                self.microbatches, int) or self.microbatches < 1):
+            raise ValueError(f"microbatches must be an int >= 1 (or None: one per stage), got {self.microbatches!r}")
+        if self.split is not None:
+            if not isinstance(self.split, (list, tuple)) or not (
+                    all(isinstance(x, int) and not isinstance(x, bool) for x in self.split)
+                    or all(isinstance(x, str) for x in self.split)):
+                raise TypeError("split must be a list of layer indices or a list of module names, got "
+                                f"{self.split!r}")
+            self.split = list(self.split)
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, labels), got {type(self.loss_fn).__name__}")
+
+
 CP_BACKENDS = ("torch",)  # Accelerate's name for torch-native context parallelism: here, ndparallel's own
 SP_BACKENDS = ("ndparallel", "deepspeed")  # "deepspeed": Accelerate's default, refused when sp_size > 1
 # Accelerate's environment variables (`accelerate launch` exports them), read by `ParallelismConfig.from_env`
@@ -144,7 +207,7 @@ ACCELERATE_ENV_PREFIX = "PARALLELISM_CONFIG_"
 class ParallelismConfig:
     """Sizes of each parallelism; their product must equal the world size.
 
-    Mesh axes, outermost first: dp_replicate, dp_shard, cp, sp, tp.
+    Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, sp, tp.
     - dp_replicate_size: replicas that each hold full (or HSDP-sharded) parameters (DDP / the replicate
       dimension of HSDP).
     - dp_shard_size: ranks across which FSDP2 shards parameters and which see different samples.
@@ -154,6 +217,8 @@ class ParallelismConfig:
     - sp_backend: "ndparallel" (default: Ulysses built in) or Accelerate's "deepspeed", refused when sp_size > 1;
       sp_handler (Accelerate's DeepSpeed settings) likewise.
     - tp_handler / cp_handler: `TorchTensorParallelConfig` / `TorchContextParallelConfig`.
+    - pp_size: pipeline stages (ndparallel's; Accelerate has no pipeline axis); pp_handler: a
+      `PipelineParallelConfig` (schedule, micro-batches, split).
     """
 
     dp_replicate_size: int | None = None
@@ -166,6 +231,8 @@ class ParallelismConfig:
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
     sp_handler: Any = None
+    pp_size: int | None = None
+    pp_handler: PipelineParallelConfig | None = None
     # Fields left unset (None): sizes 1 and default handlers, or what `from_env` reads for them.
     unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
@@ -186,6 +253,10 @@ class ParallelismConfig:
             raise TypeError(f"tp_handler must be a TorchTensorParallelConfig, got {type(self.tp_handler).__name__}")
         if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
             raise TypeError(f"cp_handler must be a TorchContextParallelConfig, got {type(self.cp_handler).__name__}")
+        if self.pp_handler is not None and not isinstance(self.pp_handler, PipelineParallelConfig):
+            raise TypeError(f"pp_handler must be a PipelineParallelConfig, got {type(self.pp_handler).__name__}")
+        if self.pp_handler is None:
+            self.pp_handler = PipelineParallelConfig()
         if self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()
         if self.cp_handler is None:
@@ -279,6 +350,7 @@ class ParallelismConfig:
     def non_data_parallel_size(self) -> int:
         return self.cp_size * self.sp_size * self.tp_size
 
+    pp_enabled = property(lambda self: self.pp_size != 1)
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size != 1)
     dp_shard_enabled = property(lambda self: self.dp_shard_size != 1)
     tp_enabled = property(lambda self: self.tp_size != 1)
@@ -350,6 +422,10 @@ class ParallelismConfig:
         out: dict[str, Any] = {name: getattr(self, name) for name in SIZE_FIELDS}
         out["tp_handler"] = dataclasses.asdict(self.tp_handler)
         out["cp_handler"] = dataclasses.asdict(self.cp_handler)
+        if self.pp_size != 1 or self.pp_handler != PipelineParallelConfig():
+            # A loss function is code, not data: it is not written (the script passes it)
+            out["pp_handler"] = {f.name: getattr(self.pp_handler, f.name) for f in dataclasses.fields(
+                self.pp_handler) if f.name != "loss_fn"}
         return out
 
     def to_json(self) -> str:
@@ -359,7 +435,7 @@ class ParallelismConfig:
     def from_dict(cls, data: dict[str, Any]) -> ParallelismConfig:
         if not isinstance(data, dict):
             raise TypeError(f"a parallelism config must be a mapping, got {type(data).__name__}")
-        allowed = set(SIZE_FIELDS) | {"tp_handler", "cp_handler", "cp_backend", "sp_backend"}
+        allowed = set(SIZE_FIELDS) | {"tp_handler", "cp_handler", "pp_handler", "cp_backend", "sp_backend"}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ValueError(f"unknown parallelism config key(s) {unknown}; valid keys: {sorted(allowed)}")
@@ -368,6 +444,8 @@ class ParallelismConfig:
             kwargs["tp_handler"] = TorchTensorParallelConfig(**kwargs["tp_handler"])
         if isinstance(kwargs.get("cp_handler"), dict):
             kwargs["cp_handler"] = TorchContextParallelConfig(**kwargs["cp_handler"])
+        if isinstance(kwargs.get("pp_handler"), dict):
+            kwargs["pp_handler"] = PipelineParallelConfig(**kwargs["pp_handler"])
         return cls(**kwargs)
 
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:
@@ -410,6 +488,7 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 __all__ = [
     "AXES",
     "ParallelismConfig",
+    "PipelineParallelConfig",
     "TorchContextParallelConfig",
     "TorchTensorParallelConfig",
 ]

@@ -1,6 +1,7 @@
 """The one world `DeviceMesh` and the named views derived from it.
 
-Axes, outermost first: ``dp_replicate, dp_shard, cp, sp, tp``. Code asks the mesh for a group *by purpose*, never
+Axes, outermost first: ``pp, dp_replicate, dp_shard, cp, sp, tp`` (pipeline stages outermost: they span the
+slowest links with the least traffic; TP innermost). Code asks the mesh for a group *by purpose*, never
 by rank arithmetic:
 
 - ``batch`` = dp_replicate x dp_shard: ranks that receive different samples;
@@ -8,7 +9,9 @@ by rank arithmetic:
   tokens of the same samples, so their gradients are reduced anyway and sharding across them is free);
 - ``loss``  = dp_replicate x dp_shard x cp x sp: ranks whose token losses add up to the global loss, and the
   ranks over which the data-parallel wrapper averages gradients;
-- the single axes ``dp_replicate``, ``dp_shard``, ``cp``, ``sp``, ``tp``;
+- the single axes ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``sp``, ``tp``;
+
+Every view but ``pp`` lies inside one pipeline stage: its group holds the ranks of this rank's stage only.
 - Accelerate's flattened names, kept for compatibility: ``dp`` (= batch), ``dp_shard_cp``, ``dp_cp``.
 
 Process groups exist only where they are needed. The world mesh has a dimension for each axis of more than one
@@ -17,7 +20,7 @@ flattened once, under the first name that spans them (``loss`` and ``dp_cp`` sha
 other name of a view of more than one rank is registered in the world mesh as an alias of that group (no new group),
 so ``world["dp_cp"]`` works wherever Accelerate's mesh has it. A view of one rank has no group: `size` and `rank`
 answer 1 and 0 without one, and asking for its group raises. (One process
-keeps all five axes: there every group is the default one and costs nothing.) The one exception: when FSDP2 will wrap
+keeps all six axes: there every group is the default one and costs nothing.) The one exception: when FSDP2 will wrap
 models but shards over one rank (replication only, as under DDP x TP), ``dp_shard`` keeps its dimension so that
 `data_parallel` can give FSDP2 a mesh on the same root as the tensor-parallel one.
 """
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
     from .config import ParallelismConfig
 
 # Mesh axes, outermost first. TP is innermost: it needs the fastest links.
-AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
 # Flattened views: name -> the axes they span (contiguous, outermost first).
 VIEWS: dict[str, tuple[str, ...]] = {
     "batch": ("dp_replicate", "dp_shard"),
@@ -84,6 +87,7 @@ class ParallelMesh:
         if replicate_only:
             self._views["fsdp"] = self.world["dp_shard"]
         self._data_parallel: DeviceMesh | None = None
+        self._stage: DeviceMesh | None = None
         # Creating a gloo group is not a synchronisation point: a rank that raced ahead and exited (say, on a
         # bad-input error raised right after) would reset connections other ranks are still opening.
         if world_size > 1 and dist.get_backend() != "fake":
@@ -127,6 +131,18 @@ class ParallelMesh:
         self._axes_of(name)
         view = self._views[name]
         return [dist.get_rank()] if view is None else view.mesh.flatten().tolist()
+
+    def within_stage(self) -> DeviceMesh | None:
+        """Every rank of this rank's pipeline stage (all axes but ``pp``) as one 1-D mesh; None when the stage is this
+        rank alone. Built on first use (pipeline layouts only)."""
+        dims = tuple(a for a in (self.world.mesh_dim_names or ()) if a != "pp" and self._sizes[a] > 1)
+        if not dims:
+            return None
+        if len(dims) == 1:
+            return self.world[dims[0]]
+        if self._stage is None:
+            self._stage = self.world[dims]._flatten("stage")
+        return self._stage
 
     def data_parallel(self) -> DeviceMesh:
         """The mesh FSDP2 wraps over: 2-D (dp_replicate, fsdp) for HSDP when dp_replicate > 1 (replicate outside,

@@ -3,6 +3,7 @@
 With Accelerate the imports would read:
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, set_seed
+(pipeline stages, --pp-size, are ndparallel's own: Accelerate has no PipelineParallelConfig.)
 
 Run it under `ndparallel launch` or the test harness; `main(argv)` returns the per-step losses (and, with
 --return-params, the trained parameters gathered in full) so tests can compare them with `reference.py`.
@@ -19,16 +20,20 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from ndparallel import (Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, TorchContextParallelConfig,
-                        TorchDynamoPlugin, TorchTensorParallelConfig, set_seed)
+from ndparallel import (Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, PipelineParallelConfig,
+                        TorchContextParallelConfig, TorchDynamoPlugin, TorchTensorParallelConfig, set_seed)
 from tiny_models import PLAIN_PLAN, VOCAB, TokenDataset, build_model, make_optimizer
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama")
-    for axis in ("dp_replicate", "dp_shard", "tp", "cp", "sp"):
+    for axis in ("pp", "dp_replicate", "dp_shard", "tp", "cp", "sp"):
         p.add_argument(f"--{axis.replace('_', '-')}-size", type=int, default=None)
+    p.add_argument("--pp-schedule", default="1f1b")
+    p.add_argument("--pp-microbatches", type=int, default=None)
+    p.add_argument("--pp-stages-per-rank", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the tiny model (default: its own)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron-style SP with tensor parallelism")
     p.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary-split logits")
     p.add_argument("--cp-strategy", choices=("allgather", "ring"), default="allgather")
@@ -65,8 +70,10 @@ def _compiled_graphs() -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    pp = {} if args.pp_size is None else dict(pp_size=args.pp_size, pp_handler=PipelineParallelConfig(
+        schedule=args.pp_schedule, microbatches=args.pp_microbatches, stages_per_rank=args.pp_stages_per_rank))
     pc = ParallelismConfig(dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size,
-                           tp_size=args.tp_size, cp_size=args.cp_size, sp_size=args.sp_size,
+                           tp_size=args.tp_size, cp_size=args.cp_size, sp_size=args.sp_size, **pp,
                            tp_handler=TorchTensorParallelConfig(
                                plan=PLAIN_PLAN if args.model == "plain" else None,
                                sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel),
@@ -80,8 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
                               gradient_accumulation_steps=args.accum, dynamo_plugin=dynamo)
 
     set_seed(0)
-    model = build_model(args.model, args.float64, **({"attn_implementation": args.attn_implementation}
-                                                     if args.attn_implementation else {}))
+    overrides = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
+    if args.layers is not None:
+        overrides["num_hidden_layers"] = args.layers
+    model = build_model(args.model, args.float64, **overrides)
     if args.bf16_model:
         model = model.to(torch.bfloat16)
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)

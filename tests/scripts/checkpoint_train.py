@@ -53,7 +53,7 @@ def pause_after_models(marker: str) -> None:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    for axis in ("dp_replicate", "dp_shard", "tp", "cp"):
+    for axis in ("pp", "dp_replicate", "dp_shard", "tp", "cp"):
         p.add_argument(f"--{axis.replace('_', '-')}-size", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--accum", type=int, default=1)
@@ -80,8 +80,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace) -> tuple:
     """The Accelerator and the prepared model, optimizer, data loader, scheduler, plus the registered counter."""
-    pc = ParallelismConfig(dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size,
-                           tp_size=args.tp_size, cp_size=args.cp_size)
+    pc = ParallelismConfig(pp_size=args.pp_size, dp_replicate_size=args.dp_replicate_size,
+                           dp_shard_size=args.dp_shard_size, tp_size=args.tp_size, cp_size=args.cp_size)
     plugin = None if args.no_fsdp_plugin else FullyShardedDataParallelPlugin(
         state_dict_type="FULL_STATE_DICT" if args.full_state else "SHARDED_STATE_DICT")
     project = ProjectConfiguration(project_dir=args.project_dir, total_limit=args.total_limit,

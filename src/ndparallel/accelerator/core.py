@@ -254,8 +254,12 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             model, self.fsdp_plugin, self.device, lambda m: parallel.parallelize(m, self.mesh, options))
         new = dict(self.unwrap_model(prepared).named_parameters())
         for name, param in old.items():
-            if new.get(name) is not None and new[name] is not param:
+            if new.get(name) is None and isinstance(prepared, parallel.PipelineModel):  # another stage's: dropped
+                self._param_map[id(param)] = (weakref.ref(param), None)
+            elif new.get(name) is not None and new[name] is not param:
                 self._param_map[id(param)] = (weakref.ref(param), new[name])
+        if isinstance(prepared, parallel.PipelineModel):
+            prepared.loss_factor = self.gradient_state.loss_factor  # the schedule's backward weighs the loss
         install_save_pretrained(prepared, self.unwrap_model(prepared))  # full weights from any layout (collective)
         self.prepared.models.append(prepared)
         for opt in self.prepared.optimizers:  # optimizers prepared before this model follow its new parameters too
@@ -289,7 +293,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
                 entry = self._param_map.get(id(p))
                 if entry is not None and entry[0]() is p:
                     p, remapped = entry[1], True
-                params.append(p)
+                if p is not None:  # None: a parameter of a pipeline stage another rank holds
+                    params.append(p)
             group["params"] = params
         if remapped and optimizer.state:
             raise ValueError(
@@ -360,6 +365,11 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         """
         heartbeat("backward")  # progress that `ndparallel launch --stall-timeout` watches
         kwargs.pop("learning_rate", None)  # Accelerate's LOMO argument: no LOMO optimizers here
+        pipelines = [m for m in self.prepared.models if isinstance(m, parallel.PipelineModel) and m.gradients_ready]
+        if pipelines:  # the schedule ran this step's backward in the model's call (ndparallel.parallel.pipeline)
+            for model in pipelines:
+                model.gradients_ready = False
+            return
         loss = loss * self.gradient_state.loss_factor()
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
@@ -480,7 +490,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the total gradient norm, computed correctly over sharded (DTensor) and plain gradients."""
         self.unscale_gradients()
-        return clip.clip_grad_norm_(parameters, max_norm, norm_type)
+        # Pipeline stages hold different parameters: their parts of the norm add up over ``pp``.
+        stages = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
+        return clip.clip_grad_norm_(parameters, max_norm, norm_type, across=stages)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] (elementwise: exact on shards)."""

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ..helpers import progress_bar
+from ..parallel import PipelineModel
 from . import storage
 from .manifest import read_metadata, tied_names
 from .storage import CheckpointError, on_main, rank
@@ -97,14 +98,32 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-    """The full state dict: on the main process when parameters are sharded (an empty dict elsewhere), on every
-    rank otherwise. Collective when sharded. Keys are the unwrapped model's names (unless ``unwrap=False``)."""
+    """The full state dict: on the main process when parameters are sharded or split into pipeline stages (an empty
+    dict elsewhere), on every rank otherwise. Collective when sharded. Keys are the unwrapped model's names (unless
+    ``unwrap=False``)."""
+    if isinstance(model, PipelineModel):
+        return _pipeline_state_dict(model)
     sharded = any(isinstance(t, DTensor) for t in model.state_dict().values())
     if sharded:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if unwrap:
         return get_model_state_dict(model)
     return model.state_dict()
+
+
+def _pipeline_state_dict(model: PipelineModel) -> dict[str, torch.Tensor]:
+    """Collective: the full weights of every stage, on rank 0 (an empty dict elsewhere). Each stage's ranks gather
+    their stage's tensors in full; the first rank of each stage -- the pipeline group of rank 0 -- sends them to rank 0
+    (which therefore holds the whole model in CPU memory once)."""
+    import torch.distributed as dist
+
+    state = {name: _full(t).detach().cpu() for name, t in get_model_state_dict(model.module).items()}
+    members = dist.get_process_group_ranks(model.group)
+    if 0 not in members:
+        return {}
+    parts: list[Any] | None = [None] * len(members) if rank() == 0 else None
+    dist.gather_object(state, parts, dst=0, group=model.group)
+    return {name: t for part in parts for name, t in part.items()} if parts is not None else {}
 
 
 def _progress(total: int, desc: str) -> Any:
@@ -116,7 +135,9 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
     """Collective: write `model`'s full weights (any layout) as a Hugging Face directory; see the module doc."""
     max_bytes = parse_size(max_shard_size)
     final = Path(save_directory)
-    state = get_model_state_dict(model)  # this rank's shards, named as in the unwrapped model
+    # This rank's shards, named as in the unwrapped model; under pipeline stages the stages' full weights gathered
+    # on rank 0 (plain tensors: the loop below then gathers nothing and only rank 0 has names to write).
+    state = get_state_dict(model) if isinstance(model, PipelineModel) else get_model_state_dict(model)
     tied = tied_names(unwrapped)
     names = [n for n in state if n not in tied]
     sizes = [(n, state[n].numel() * state[n].element_size()) for n in names]

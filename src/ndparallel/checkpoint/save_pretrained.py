@@ -1,12 +1,12 @@
 """``model.save_pretrained(dir)`` on a prepared Hugging Face model: full weights, whatever the layout.
 
 transformers' own ``save_pretrained`` reads the parameters of this process, which are shards (DTensors) under FSDP2
-or TP: it fails, or would write a shard. `prepare` replaces it on such a model with one that first gathers the full
-weights (`export.get_state_dict`: collective, the full state on the main process) and hands them to transformers'
-writer (``state_dict=``, ``is_main_process=``), so config.json, the safetensors shards and their index are what
-transformers writes and ``from_pretrained`` loads. Like `Accelerator.save_model` it is collective: call it on every
-process, as Accelerate's example does. A ``state_dict`` given by the caller (Accelerate's idiom:
-``state_dict=accelerator.get_state_dict(model)``) is written as it is.
+or TP, or one pipeline stage's: it fails, or would write a part. `prepare` replaces it on such a model with one that
+first gathers the full weights (`export.get_state_dict`: collective, the full state on the main process) and hands
+them to transformers' writer (``state_dict=``, ``is_main_process=``), so config.json, the safetensors shards and
+their index are what transformers writes and ``from_pretrained`` loads. Like `Accelerator.save_model` it is
+collective: call it on every process, as Accelerate's example does. A ``state_dict`` given by the caller
+(Accelerate's idiom: ``state_dict=accelerator.get_state_dict(model)``) is written as it is.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..parallel import PipelineModel
 from .export import get_state_dict
 
 
 def install_save_pretrained(model: nn.Module, unwrapped: nn.Module) -> None:
     """Give `unwrapped` (a Hugging Face model whose parameters `model` shards) a collective ``save_pretrained``."""
     original = getattr(unwrapped, "save_pretrained", None)
-    if original is None or not any(isinstance(p, DTensor) for p in unwrapped.parameters()):
+    split = isinstance(model, PipelineModel)  # the model cut to this rank's stages: the rest is elsewhere
+    if original is None or not (split or any(isinstance(p, DTensor) for p in unwrapped.parameters())):
         return
 
     @functools.wraps(original)

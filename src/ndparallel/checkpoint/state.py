@@ -56,7 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .._version import __version__
 from ..config import ParallelismConfig
-from ..parallel import unwrap
+from ..parallel import PipelineModel, state_module, unwrap
 from ..record import PreparedObjects
 from ..runtime import heartbeat
 from . import storage, validate
@@ -236,6 +236,7 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
         warnings.warn("save_state() in the middle of a gradient-accumulation window: the gradients accumulated so far "
                       "are not saved; save after the optimizer step", stacklevel=3)
     owners = _optimizer_owners(prepared)
+    _check_layout(prepared, run.state_dict_type == FULL)
 
     def make_staging() -> tuple[Path, Path]:
         if automatic:  # the next number above every checkpoint_<i> already there: never an old run's name
@@ -263,9 +264,10 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     started = time.perf_counter()
     models = []
+    shapes = _model_tensors(prepared)
     for i, model in enumerate(prepared.models):
-        state = get_model_state_dict(model, options=options)
-        models.append({"tensors": tensor_shapes(state)})
+        state = get_model_state_dict(state_module(model), options=options)
+        models.append({"tensors": shapes[i]})
 
         def write_model(i: int = i, model: torch.nn.Module = model, state: dict[str, Any] = state) -> None:
             _write_state(state, staging / f"model_{i}", full)
@@ -274,7 +276,7 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
         _written(f"model {i}", final.parent, write_model)
         del state
     for j, opt in enumerate(prepared.optimizers):
-        state = get_optimizer_state_dict(prepared.models[owners[j]], opt.optimizer, options=options)
+        state = get_optimizer_state_dict(state_module(prepared.models[owners[j]]), opt.optimizer, options=options)
         _written(f"optimizer {j}", final.parent,
                  lambda j=j, state=state: _write_state(state, staging / f"optimizer_{j}", full))
         del state
@@ -322,8 +324,31 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
-def _validate(prepared: PreparedObjects, path: Path) -> dict[str, Any]:
-    """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem."""
+def _model_tensors(prepared: PreparedObjects) -> list[dict[str, list[int]]]:
+    """Collective where a model has pipeline stages: name -> global shape of every tensor of each model's state
+    dict. Each pipeline rank holds its stages' tensors only, so theirs are gathered into one table (every rank
+    calls this, with the same models)."""
+    tables = []
+    for model in prepared.models:
+        shapes = tensor_shapes(get_model_state_dict(state_module(model)))
+        if isinstance(model, PipelineModel):
+            parts: list[Any] = [None] * world_size()
+            torch.distributed.all_gather_object(parts, shapes)
+            shapes = {name: shape for part in parts for name, shape in part.items()}
+        tables.append(shapes)
+    return tables
+
+
+def _check_layout(prepared: PreparedObjects, full: bool) -> None:
+    if full and any(isinstance(m, PipelineModel) for m in prepared.models):
+        raise ValueError("FULL_STATE_DICT checkpoints are written and read by rank 0, which holds only the first "
+                         "pipeline stage: with pipeline stages use SHARDED_STATE_DICT (the default), which any "
+                         "layout loads; `ndparallel merge-weights` makes full weights of it")
+
+
+def _validate(prepared: PreparedObjects, path: Path, model_tensors: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem.
+    `model_tensors`: the prepared models' tensors (`_model_tensors`)."""
     meta = read_metadata(path)
     mine = _components(prepared)
     keys = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects", "scaler")
@@ -340,8 +365,7 @@ def _validate(prepared: PreparedObjects, path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: the optimizers had {meta.get('param_groups')} parameter groups, "
                               f"these have {mine['param_groups']}")
     validate.check_metadata(meta, path, len(prepared.models), len(prepared.optimizers))
-    for i, model in enumerate(prepared.models):
-        expected = tensor_shapes(get_model_state_dict(model))
+    for i, expected in enumerate(model_tensors):
         problem = compare_tensors(meta["model_tensors"][i], expected, f"checkpoint {path}: model {i}")
         if problem:
             raise CheckpointError(problem)
@@ -382,7 +406,8 @@ def _check(prepared: PreparedObjects, path: Path) -> tuple[dict[str, Any], dict[
     """Collective: everything about `path` that can be checked without touching `prepared` -- metadata, every
     file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states)."""
     heartbeat(f"load_state: checking {path.name}")
-    meta = on_main(lambda: _validate(prepared, path))
+    model_tensors = _model_tensors(prepared)
+    meta = on_main(lambda: _validate(prepared, path, model_tensors))
     storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
     on_main(lambda: _check_dcp_metadata(prepared, path, meta))
     error, small = None, {}
@@ -433,8 +458,10 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
     if input_dir is not None:
         path = Path(input_dir)
         meta, small = _check(prepared, path)
+        _check_layout(prepared, meta["state_dict_type"] == FULL)
     else:
         path, meta, small = _check_newest(prepared, project)
+        _check_layout(prepared, meta["state_dict_type"] == FULL)
 
     # Objects whose load_state_dict may still refuse a state (a data loader under another kind of batching, a
     # user's object) go first, and are all put back if one refuses: then nothing has been touched.
@@ -461,12 +488,13 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
     read_options = StateDictOptions(full_state_dict=full, cpu_offload=full, broadcast_from_rank0=full)
     for i, model in enumerate(prepared.models):
         heartbeat(f"load_state: reading model {i}")
+        model = state_module(model)
         state = {} if full else get_model_state_dict(model)
         state = _read_state(state, path / f"model_{i}", full, f"model {i}")
         set_model_state_dict(model, state, options=read_options)
         del state
     for j, opt in enumerate(prepared.optimizers):
-        model = prepared.models[meta["optimizer_models"][j]]
+        model = state_module(prepared.models[meta["optimizer_models"][j]])
         state = {} if full else get_optimizer_state_dict(model, opt.optimizer)
         state = _read_state(state, path / f"optimizer_{j}", full, f"optimizer {j}")
         set_optimizer_state_dict(model, opt.optimizer, state, options=read_options)

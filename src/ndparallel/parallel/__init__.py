@@ -17,11 +17,13 @@ from .fp8 import apply_fp8, check_fp8
 from .data_parallel import (
     apply_data_parallel,
     broadcast_module_states,
+    state_module,
     unwrap,
     uses_fsdp,
 )
 from .moe import apply_global_load_balancing
 from .options import PrepareOptions
+from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
 from .precision import apply_autocast, apply_master_weights
 from .presharded import gather_presharded
 from .sequence import apply_sequence_parallel, check_sequence_parallel
@@ -34,21 +36,28 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # gathered back to full weights: the layout below applies to it as to any model (`presharded`).
     model = gather_presharded(model)
     # Checks only, on every rank, before the first collective: a plan or model the layout cannot split raises here.
+    stages = plan_pipeline(model, mesh, options)  # None without pipeline stages
     check_tensor_parallel(model, mesh, options)
     check_sequence_parallel(model, mesh, options)
     check_compilation(model, mesh, options)
     check_fp8(model, mesh, options)
+    # 1. Pipeline stages: this rank keeps only what its stages run (names unchanged); the rest of the layout applies
+    # to that part. Before the move to the device, so nothing else is ever placed there.
+    if stages is not None:
+        model = cut_to_rank(model, stages, mesh.rank("pp"))
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
     # ndparallel.checkpoint.pretrained) stay there.
     model._apply(lambda t: t if t.is_meta else t.to(options.device))
-    # Every rank starts from rank 0's weights, so ranks that were initialised differently still train one model
-    # (each tensor-parallel rank then slices its own shard of the same full weights, without communicating).
-    broadcast_module_states(model)
+    # Every rank starts from its stage's first rank's weights (rank 0's without stages), so ranks that were
+    # initialised differently still train one model (each tensor-parallel rank then slices its own shard of the
+    # same full weights, without communicating).
+    within = mesh.within_stage() if stages is not None else None
+    if stages is None or within is not None:
+        broadcast_module_states(model, within.get_group() if within is not None else None)
     # 0. Mixed precision keeps fp32 master weights: low-precision trainable parameters are upcast before sharding.
     model = apply_master_weights(model, mesh, options)
     # 0b. FP8: the eligible linear layers become torchao's float8 layers (names unchanged).
     model = apply_fp8(model, mesh, options)
-    # 1. Pipeline stages: not yet.
     # 2. Tensor parallel over ``tp``, from the plan (parameters it covers become DTensors sharded over tp).
     model = apply_tensor_parallel(model, mesh, options)
     # 3. Context / Ulysses sequence parallel: attention over sequences sharded on ``cp x sp``.
@@ -59,6 +68,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     model = apply_activation_checkpointing(model, mesh, options)
     # 5. Regional compilation: each block compiled in place, before FSDP2 wraps it.
     model = apply_regional_compilation(model, mesh, options)
+    if stages is not None:
+        # 6-7 per stage: each stage module is its own autocast and FSDP2 / DDP root; the pipeline runs them.
+        return apply_pipeline(model, stages, mesh, options, lambda stage: apply_data_parallel(
+            apply_autocast(stage, mesh, options), mesh, options))
     # 6. Mixed precision outside FSDP2 is autocast; FSDP2 casts through its MixedPrecisionPolicy instead.
     model = apply_autocast(model, mesh, options)
     # 7. Data parallel, outermost.
@@ -67,4 +80,4 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     return apply_model_compilation(model, mesh, options)
 
 
-__all__ = ["PrepareOptions", "parallelize", "unwrap", "uses_fsdp"]
+__all__ = ["PipelineModel", "PrepareOptions", "parallelize", "state_module", "unwrap", "uses_fsdp"]

@@ -6,7 +6,8 @@
 - DDP over the ``loss`` view when nothing is sharded but several ranks see different data. With tensor
   parallelism, torch's `DistributedDataParallel` does not take DTensor parameters, so replication is done by
   FSDP2 over a shard group of one rank (HSDP with dp_shard = 1): gradients are all-reduced over dp_replicate as
-  DDP would, and the parameters stay DTensors for the optimizer, clipping and checkpoints.
+  DDP would, and the parameters stay DTensors for the optimizer, clipping and checkpoints. Pipeline stages
+  replicate the same way: DDP's reducer cannot follow a schedule's many backward passes per step.
 - Nothing on a world of one rank without an FSDP plugin.
 
 Either way gradients end up *averaged* over the ``loss`` view; `ndparallel.loss` relies on that.
@@ -33,13 +34,15 @@ from ..mesh import ParallelMesh
 from ..plugins import FullyShardedDataParallelPlugin
 from .blocks import block_classes, modules_to_wrap
 from .options import PrepareOptions
+from .pipeline.runner import PipelineModel
 
 
 def uses_fsdp(config: ParallelismConfig, plugin: FullyShardedDataParallelPlugin | None) -> bool:
     """Whether FSDP2 wraps the model under the resolved `config`: parameters are sharded (fsdp > 1), a plugin asks
-    for it, or DDP meets TP (above)."""
+    for it, or DDP meets TP or pipeline stages (above)."""
     fsdp = config.dp_shard_size * config.cp_size * config.sp_size
-    return plugin is not None or fsdp > 1 or (config.tp_size > 1 and config.dp_replicate_size * fsdp > 1)
+    replicated = config.dp_replicate_size * fsdp > 1
+    return plugin is not None or fsdp > 1 or (replicated and (config.tp_size > 1 or config.pp_size > 1))
 
 
 def _ignored_params(model: nn.Module, ignored) -> set[nn.Parameter]:
@@ -70,18 +73,19 @@ def mixed_precision_policy(plugin: FullyShardedDataParallelPlugin | None,
 
 
 @torch.no_grad()
-def broadcast_module_states(model: nn.Module, src: int = 0) -> None:
-    """Make every rank hold rank `src`'s parameters and buffers (as DDP does when it is built).
+def broadcast_module_states(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Make every rank of `group` (default: the world) hold its first rank's parameters and buffers (as DDP does
+    when it is built). Under pipeline stages the group is the stage's ranks, which hold the same part of the model.
 
     FSDP2 shards whatever each rank holds, so ranks that were initialised differently would otherwise train
     replicas (HSDP) or shards that never agreed.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     for tensor in list(model.parameters()) + list(model.buffers()):
         if tensor.is_meta:  # nothing to send: the weights arrive later (a checkpoint load)
             continue
-        dist.broadcast(tensor.data, src=src)
+        dist.broadcast(tensor.data, group_src=0, group=group)
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
@@ -137,6 +141,14 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOp
     return model
 
 
+def state_module(model: nn.Module) -> nn.Module:
+    """The module whose state dict a checkpoint holds, under the model's own names: the prepared model itself
+    (torch's state-dict functions see through DDP and FSDP2), or under pipeline stages the model cut to this rank's
+    stages -- each rank then holds only its stages' part, and the parts together make the model."""
+    return model.module if isinstance(model, PipelineModel) else model
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model without its DDP wrapper (FSDP2 and activation checkpointing change no parameter names)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The model without its DDP or pipeline wrapper (FSDP2 and activation checkpointing change no parameter
+    names; under pipeline stages, the model cut to this rank's stages)."""
+    return model.module if isinstance(model, (DistributedDataParallel, PipelineModel)) else model

@@ -302,21 +302,22 @@ def check_not_sharded(model: nn.Module, tp_mesh) -> None:
 
 
 def plan_styles(model: nn.Module, tp: int, config: TorchTensorParallelConfig,
-                plan: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
+                plan: Mapping[str, str] | None = None, strict: bool = True) -> tuple[dict[str, str], str]:
     """Module name -> style name for `model` split `tp` ways (the chosen plan resolved, ties completed, checked),
-    and where the plan came from."""
+    and where the plan came from. `strict` False: a plan a user wrote may name modules `model` lacks (a model cut to
+    its pipeline stages; the whole model was checked first)."""
     chosen, source = choose_plan(model, plan, config.plan)
-    resolved = resolve_plan(model, chosen, source, strict=source in USER_SOURCES)
+    resolved = resolve_plan(model, chosen, source, strict=strict and source in USER_SOURCES)
     resolved = tie_styles(model, resolved, config.sequence_parallel)
     check_plan(model, resolved, tp)
     return resolved, source
 
 
 def tensor_parallel_styles(model: nn.Module, tp: int, config: TorchTensorParallelConfig,
-                           plan: Mapping[str, str] | None = None) -> dict[str, ParallelStyle]:
+                           plan: Mapping[str, str] | None = None, strict: bool = True) -> dict[str, ParallelStyle]:
     """Module name -> torch ParallelStyle for `model` split `tp` ways. Checks everything, communicates nothing,
     so bad plans and sizes fail on every rank before any collective."""
-    resolved, source = plan_styles(model, tp, config, plan)
+    resolved, source = plan_styles(model, tp, config, plan, strict)
     if config.sequence_parallel:
         resolved = with_sequence_parallel(model, resolved)
         _check_sequence_parallel_coverage(model, resolved)
@@ -354,7 +355,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
     if mesh.size("tp") == 1:
         return model
     handler = mesh.config.tp_handler
-    styles = tensor_parallel_styles(model, mesh.size("tp"), handler, options.tp_plan)
+    styles = tensor_parallel_styles(model, mesh.size("tp"), handler, options.tp_plan, strict=mesh.size("pp") == 1)
     groups = tied_groups(model)
     model = parallelize_module(model, mesh["tp"], styles)
     _retie(model, groups)

@@ -1,0 +1,59 @@
+"""Pipeline parallelism over the ``pp`` axis: the model split into stages, run by torch's schedules.
+
+`plan_pipeline` decides the stages (`split`: by parameter count or the user's split) and checks everything a
+pipeline needs before any collective; `cut_to_rank` drops what this rank's stages do not run, keeping names; after
+every other parallelism has been applied to what is left, `apply_pipeline` builds one module per local stage
+(`stages`), lets the caller wrap each (mixed precision, FSDP2 / DDP: every stage is its own root), and returns the
+`PipelineModel` whose call runs the schedule (`runner`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from ...mesh import ParallelMesh
+from ..options import PrepareOptions
+from .runner import PipelineModel, check_schedule
+from .split import StageLayers, StagePlan, cut_to_rank, plan_stages
+from .stages import build_stage
+
+
+def plan_pipeline(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> StagePlan | None:
+    """The stage plan of `model` (None without pipeline stages); raises for what a pipeline cannot run."""
+    pp = mesh.size("pp")
+    if pp == 1:
+        return None
+    config = mesh.config
+    handler = config.pp_handler
+    others = [f"{a}_size={config.sizes()[a]}" for a in ("cp", "sp") if config.sizes()[a] > 1]
+    if others:
+        raise ValueError(f"pp_size={pp} with {' and '.join(others)}: context and sequence parallelism inside "
+                         "pipeline stages are not supported yet; combine pp with dp_replicate, dp_shard and tp, or "
+                         "use cp/sp without pp")
+    if config.tp_handler.loss_parallel:
+        raise ValueError(f"pp_size={pp}: loss_parallel is not supported with pipeline stages (the last stage "
+                         "computes the loss from whole logits); set TorchTensorParallelConfig(loss_parallel=False)")
+    if options.mixed_precision == "fp16":
+        raise ValueError(f"pp_size={pp}: fp16 mixed precision (a gradient scaler) is not supported with pipeline "
+                         "stages, whose backward runs inside the schedule; use mixed_precision='bf16'")
+    dynamo = options.dynamo_plugin
+    if dynamo is not None and dynamo.backend not in (None, "no", "NO") and not dynamo.use_regional_compilation:
+        raise ValueError(f"pp_size={pp}: whole-model compilation is not supported with pipeline stages; use "
+                         "regional compilation (TorchDynamoPlugin(use_regional_compilation=True))")
+    plan = plan_stages(model, pp, handler)
+    check_schedule(handler, plan)
+    return plan
+
+
+def apply_pipeline(model: nn.Module, plan: StagePlan, mesh: ParallelMesh, options: PrepareOptions,
+                   wrap: Callable[[nn.Module], nn.Module]) -> PipelineModel:
+    """Build this rank's stage modules from `model` (already cut to them), ``wrap`` each, and return the model that
+    runs the schedule."""
+    pp_rank = mesh.rank("pp")
+    stages = {s: wrap(build_stage(model, plan, s)) for s in plan.stages_of(pp_rank)}
+    return PipelineModel(model, stages, plan, mesh.config.pp_handler, mesh.group("pp"), options.device)
+
+
+__all__ = ["PipelineModel", "StageLayers", "StagePlan", "apply_pipeline", "cut_to_rank", "plan_pipeline"]

@@ -1,0 +1,239 @@
+"""The prepared model under pipeline parallelism: one call runs the whole schedule.
+
+The training loop stays the loop. ``outputs = model(**batch)`` in training mode (with gradients enabled) cuts the
+rank's batch into micro-batches and runs the schedule -- every micro-batch's forward *and* backward -- through
+torch's `torch.distributed.pipelining`; gradients are in the parameters when it returns. ``outputs.loss`` is this
+data rank's mean loss over its whole batch (as ``model(**batch).loss`` is without stages), the same tensor on every
+stage, so logging, ``accelerator.reduce_loss`` and ``accelerator.gather`` work unchanged. ``accelerator.backward``
+knows the gradients are there and does nothing more. Without gradients (``torch.no_grad()`` or ``model.eval()``)
+the call runs a forward-only schedule and returns the loss (when labels are given) and the logits on every stage.
+
+The loss is made right here, as `ndparallel.loss` makes it elsewhere. Each micro-batch j of the last stage gives the
+sum S_j of its token losses (the model's own loss function, summed); what flows into backward is
+``S_j * f / n`` -- f the factor `backward` would have scaled this rank's mean loss by (`GradientState.loss_factor`),
+n the rank's loss tokens -- so the gradients are exactly those of ``f * (sum_j S_j) / n``, the rank's mean loss
+weighted as without stages, whatever the micro-batches' shares of tokens. A model without a loss of its own (an
+nn.Sequential) uses ``PipelineParallelConfig(loss_fn=...)``, a mean over the micro-batch; its micro-batches weigh
+alike (``f / m`` each), which is the rank's mean when micro-batches are equal in size, as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+
+from ...config import PP_SCHEDULES, PipelineParallelConfig
+from ...loss import IGNORE_INDEX, loss_labels
+from .split import StagePlan
+
+# Batch keys a decoder stage takes besides the token ids and the labels.
+_DECODER_INPUTS = ("attention_mask", "position_ids")
+
+
+class PipelineModel(nn.Module):
+    """This rank's stages of a model and the schedule that runs them (see the module docstring). ``module`` is the
+    model cut to this rank's stages, under its own parameter names (`unwrap` returns it)."""
+
+    def __init__(self, module: nn.Module, stages: dict[int, nn.Module], plan: StagePlan,
+                 handler: PipelineParallelConfig, group: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__()
+        self.module = module
+        self._stage_modules = stages  # stage index -> its module (FSDP2 / DDP roots); not registered twice
+        self.plan = plan
+        self.handler = handler
+        self.group = group
+        self.device = device
+        self.microbatches = handler.microbatches or plan.num_stages
+        self.loss_factor: Callable[[], float] = lambda: 1.0  # the Accelerator's GradientState.loss_factor
+        self.gradients_ready = False  # the last call ran backward: accelerator.backward has nothing left to do
+        self._schedules: dict[Any, Any] = {}
+        self.config = getattr(module, "config", None)
+
+    # ---- the stage modules ------------------------------------------------------------------------------------
+    @property
+    def stage_modules(self) -> list[nn.Module]:
+        return [self._stage_modules[s] for s in sorted(self._stage_modules)]
+
+    def _stage_rank(self, stage: int) -> int:
+        """The global rank that holds `stage` in this rank's pipeline."""
+        return dist.get_global_rank(self.group, self.plan.rank_of(stage))
+
+    # ---- one call ----------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None = None, *args: Any, labels: torch.Tensor | None = None,
+                **kwargs: Any) -> Any:
+        if args:
+            raise TypeError("a model with pipeline stages takes its inputs by name (model(**batch)), plus at most "
+                            "the first stage's input positionally")
+        shift_labels = kwargs.pop("shift_labels", None)
+        decoder = self.plan.kind == "decoder"
+        extra = sorted(k for k, v in kwargs.items() if v is not None and (not decoder or k not in _DECODER_INPUTS))
+        if extra:
+            accepted = "input_ids, labels, shift_labels, " + ", ".join(_DECODER_INPUTS) if decoder else \
+                "the input (positionally or as input_ids) and labels"
+            raise ValueError(f"pipeline stages: unexpected model input(s) {extra}; a model with pp_size > 1 takes "
+                             f"{accepted}")
+        if input_ids is None:
+            raise ValueError("pipeline stages: the model needs input_ids (the first stage's input)")
+        rows = input_ids.shape[0]
+        if rows % self.microbatches:
+            raise ValueError(
+                f"pipeline stages: this rank's batch has {rows} rows, which do not split into "
+                f"{self.microbatches} micro-batches; use a per-rank batch size that is a multiple of "
+                f"{self.microbatches} or set PipelineParallelConfig(microbatches=...) to a divisor of it")
+        inputs = {k: v for k, v in kwargs.items() if v is not None}
+        if decoder and inputs.get("position_ids") is not None and inputs["position_ids"].shape[0] != rows:
+            inputs["position_ids"] = inputs["position_ids"].expand(rows, -1)  # a shared row, for every micro-batch
+        target = shift_labels if shift_labels is not None else labels
+        train = self.training and torch.is_grad_enabled()
+        if train and target is None:
+            raise ValueError("pipeline stages: training runs the loss inside the schedule, so the batch needs labels "
+                             "(or shift_labels)")
+        if train:
+            return self._train(input_ids, inputs, target, shifted=shift_labels is not None)
+        return self._evaluate(input_ids, inputs, target, shifted=shift_labels is not None)
+
+    def _train(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor, shifted: bool) -> Any:
+        sums: list[torch.Tensor] = []
+        if self.plan.kind == "decoder":
+            tokens = int((loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum())
+            scale = self.loss_factor() / tokens if tokens else 0.0
+
+            def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                total = self._token_loss_sum(logits, labels, shifted)
+                sums.append(total.detach())
+                return total * scale
+        else:
+            user_loss, scale = self._user_loss(), self.loss_factor() / self.microbatches
+
+            def loss_fn(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                loss = user_loss(output, labels)
+                sums.append(loss.detach())
+                return loss * scale
+        schedule = self._schedule(input_ids, inputs, loss_fn, train=True)
+        schedule.step(input_ids, target=target, return_outputs=False, **inputs)
+        self.gradients_ready = True
+        if sums:  # the last stage: this rank's mean loss over its batch
+            # A new schedule's first step also runs the loss once while it learns the stages' shapes: the step's
+            # own micro-batches are the last m calls.
+            total = torch.stack(sums[-self.microbatches:]).sum()
+            loss = total / tokens if self.plan.kind == "decoder" else total / self.microbatches
+        else:
+            loss = torch.zeros((), device=self.device)
+        return self._output(self._broadcast(loss.float().reshape(1)).reshape(()), None)
+
+    @torch.no_grad()
+    def _evaluate(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor | None, shifted: bool) -> Any:
+        schedule = self._schedule(input_ids, inputs, None, train=False)
+        logits = schedule.step(input_ids, **inputs)
+        last = self._stage_rank(self.plan.num_stages - 1) == dist.get_rank()
+        logits = self._broadcast_tensor(logits if last else None)
+        loss = None
+        if target is not None:
+            if self.plan.kind == "decoder":
+                tokens = int((loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum())
+                loss = self._token_loss_sum(logits, target, shifted) / tokens if tokens else \
+                    logits.new_tensor(float("nan"))
+            else:
+                loss = self._user_loss()(logits, target)
+        return self._output(loss, logits)
+
+    # ---- losses ---------------------------------------------------------------------------------------------------
+    def _token_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+        """The sum of a micro-batch's token losses, by the model's own loss function (its mean times 1 item)."""
+        model = self.module
+        vocab = logits.shape[-1]
+        one = torch.ones((), device=logits.device)
+        if shifted:
+            return model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=vocab,
+                                       num_items_in_batch=one)
+        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab, num_items_in_batch=one)
+
+    def _user_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        if self.handler.loss_fn is None:
+            raise ValueError("pipeline stages: this model computes no loss of its own; give "
+                             "PipelineParallelConfig(loss_fn=lambda output, labels: ...) (a mean over the micro-batch)")
+        return self.handler.loss_fn
+
+    def _output(self, loss: torch.Tensor | None, logits: torch.Tensor | None) -> Any:
+        if self.plan.kind != "decoder":
+            return _Output(loss=loss, logits=logits)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    # ---- between stages -------------------------------------------------------------------------------------------
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's `tensor` (same shape and dtype on every rank) on every rank of the pipeline."""
+        tensor = tensor.to(self.device)
+        dist.broadcast(tensor, src=self._stage_rank(self.plan.num_stages - 1), group=self.group)
+        return tensor
+
+    def _broadcast_tensor(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's `tensor`, whatever its shape and dtype, on every rank of the pipeline."""
+        dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+        header = torch.zeros(9, dtype=torch.long, device=self.device)
+        if tensor is not None:
+            tensor = tensor.detach()
+            header[0], header[1] = dtypes.index(tensor.dtype), tensor.dim()
+            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        header = self._broadcast(header)
+        shape = tuple(header[2:2 + int(header[1])].tolist())
+        out = tensor.contiguous() if tensor is not None else torch.empty(shape, dtype=dtypes[int(header[0])],
+                                                                           device=self.device)
+        return self._broadcast(out)
+
+    # ---- schedules -------------------------------------------------------------------------------------------------
+    def _schedule(self, input_ids: torch.Tensor, inputs: dict, loss_fn: Callable | None, train: bool) -> Any:
+        """torch's schedule over this rank's stages, built again when the micro-batches' shapes change (a stage
+        learns the shapes it sends and receives on its first step)."""
+        key = (train, tuple(input_ids.shape), tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items())))
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            if len(self._schedules) >= 4:  # a few shapes at a time (training and evaluation, a last short batch)
+                self._schedules.pop(next(iter(self._schedules)))
+            schedule = self._schedules[key] = self._build()
+        schedule._loss_fn = loss_fn  # per call: the scale depends on this batch's tokens
+        schedule._has_backward = train
+        return schedule
+
+    def _build(self) -> Any:
+        stages = [pipelining.PipelineStage(self._stage_modules[s], s, self.plan.num_stages, self.device,
+                                           group=self.group) for s in sorted(self._stage_modules)]
+        name = PP_SCHEDULES[self.handler.schedule][0]
+        cls = getattr(pipelining.schedules, name)
+        placeholder = _placeholder_loss  # replaced per call (`_schedule`); with a loss the schedule runs backward
+        if len(stages) == 1:
+            return cls(stages[0], self.microbatches, loss_fn=placeholder, scale_grads=False)
+        return cls(stages, self.microbatches, loss_fn=placeholder, scale_grads=False)
+
+
+def _placeholder_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("internal: the pipeline's loss function was not set for this step")
+
+
+class _Output(dict):
+    """``output.loss`` / ``output.logits`` of a model without outputs of its own (an nn.Sequential)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def check_schedule(handler: PipelineParallelConfig, plan: StagePlan) -> None:
+    """Raise, before any collective, for micro-batch counts torch's schedules refuse."""
+    m = handler.microbatches or plan.num_stages
+    if handler.schedule in ("1f1b", "zbv") and m < plan.num_stages:
+        raise ValueError(f"schedule {handler.schedule!r} needs at least as many micro-batches as stages: "
+                         f"microbatches={m} < {plan.num_stages} stages; raise microbatches or use 'gpipe'")
+    if handler.schedule in ("interleaved_1f1b", "zero_bubble"):
+        rounds = max(1, m // plan.pp)
+        if m % rounds:
+            raise ValueError(f"schedule {handler.schedule!r} needs micro-batches in whole rounds of pp_size="
+                             f"{plan.pp}: microbatches={m}; use a multiple of {plan.pp}")
