@@ -3,6 +3,7 @@ plain PyTorch (and Hugging Face Accelerate when installed). See docs/benchmarks.
 
     pip install -e .[bench]
     python benchmarks/run.py [--layouts fsdp2 hsdp tp fsdp2_tp cp sp cp_sp] [--out bench_out] [--hidden 512 ...]
+                             [--pipeline [pipeline.py's arguments]]   # pipeline stages: benchmarks/pipeline.py
 
 Each layout forks its ranks (one OpenMP thread each, as torchrun gives ranks that share a node; gloo on CPU in
 fp32; NCCL on CUDA in bf16, one GPU per rank -- the command is unchanged), builds the same Llama for the library
@@ -253,7 +254,9 @@ def plots(plt, results: list[dict], out: Path) -> list[str]:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--pipeline", nargs=argparse.REMAINDER, default=None, metavar="ARGS",
+                   help="then the pipeline layouts: benchmarks/pipeline.py with ARGS (last on the line)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -306,6 +309,12 @@ def main(argv=None) -> list[dict]:
         text += f"\n**{name} failed:**\n\n```\n{error.strip()[-2000:]}\n```\n"
     (args.out / "results.md").write_text(text)
     print(text)
+    if args.pipeline is not None:  # pipeline stages: their own comparison (benchmarks/pipeline.py, docs/pipeline.md)
+        import pipeline
+
+        pipeline_rows = pipeline.main(args.pipeline)
+        (args.out / "pipeline.md").write_text(pipeline.markdown(pipeline_rows, "python benchmarks/pipeline.py " +
+                                                               " ".join(args.pipeline)))
     if failures:
         raise SystemExit(f"{len(failures)} layout(s) failed: {', '.join(failures)}; the others' results are in "
                          f"{args.out}")

@@ -105,7 +105,7 @@ def build_model(args: argparse.Namespace | Mapping[str, Any] | None = None, **ov
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for axis in ("dp-replicate", "dp-shard", "tp", "cp", "sp"):
+    for axis in ("pp", "dp-replicate", "dp-shard", "tp", "cp", "sp"):
         p.add_argument(f"--{axis}-size", type=int, default=None,
                        help="default: the launcher's, else 1; -1: the ranks that are left")
     p.add_argument("--model", choices=["llama", "qwen2"], default="llama")
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 1. The layout and the Accelerator. Sizes left as None come from `ndparallel launch` (or are 1).
     parallelism_config = ParallelismConfig(
+        pp_size=args.pp_size,
         dp_replicate_size=args.dp_replicate_size,
         dp_shard_size=args.dp_shard_size,
         tp_size=args.tp_size,
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
     """Build the model and data, train for `args.steps` optimizer steps, and return a summary."""
     pc = accelerator.parallelism_config  # resolved against the world size
-    layout = {axis: getattr(pc, f"{axis}_size") for axis in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    layout = {axis: getattr(pc, f"{axis}_size") for axis in ("pp", "dp_replicate", "dp_shard", "tp", "cp", "sp")}
     accelerator.print(
         f"layout: {' x '.join(f'{k}={v}' for k, v in layout.items())} = {accelerator.num_processes} process(es) "
         f"on {accelerator.device.type}, mixed_precision={accelerator.mixed_precision}, "

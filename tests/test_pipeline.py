@@ -170,12 +170,24 @@ LAYOUTS = [
     ("pp2_zbv", 2, ["--pp-size", "2", "--pp-schedule", "zbv"], 1),
     ("pp2_accum2", 2, ["--pp-size", "2"], 2),
     ("pp2_8_microbatches", 2, ["--pp-size", "2", "--pp-microbatches", "8"], 1),
+    ("pp2_cp2", 4, ["--pp-size", "2", "--cp-size", "2"], 1),
+    ("pp2_cp2_ring", 4, ["--pp-size", "2", "--cp-size", "2", "--cp-strategy", "ring"], 1),
+    ("pp2_sp2", 4, ["--pp-size", "2", "--sp-size", "2"], 1),
+    ("pp2_activation_checkpointing", 2, ["--pp-size", "2", "--activation-checkpointing"], 1),
 ]
 
 
 @pytest.mark.parametrize("name,world,flags,accum", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_pipeline_layouts_match_single_process(name, world, flags, accum):
     assert_losses_match(run(world, flags, accum), reference(), name)
+
+
+def test_the_launchers_pp_size_reaches_a_script_that_leaves_it_unset():
+    """`ndparallel launch --pp-size 2` exports NDPARALLEL_PP_SIZE; a script building ParallelismConfig() without
+    pp_size gets its pipeline from it."""
+    argv = ["--model", "llama", "--layers", str(LAYERS), "--micro-batch", str(GLOBAL_BATCH)]
+    results = run_ranks(accelerate_style.main, 2, argv, env={"NDPARALLEL_PP_SIZE": "2"})
+    assert_losses_match(results, reference(), "pp2 from the environment")
 
 
 def test_qwen2_under_pipeline_stages_matches_single_process():
@@ -185,6 +197,21 @@ def test_qwen2_under_pipeline_stages_matches_single_process():
 def test_eight_ranks_pp_fsdp_tp():
     assert_losses_match(run(8, ["--pp-size", "2", "--dp-shard-size", "2", "--tp-size", "2"]), reference(),
                         "pp2 x dp_shard2 x tp2")
+
+
+def test_eight_ranks_pp_cp_sp():
+    assert_losses_match(run(8, ["--pp-size", "2", "--cp-size", "2", "--sp-size", "2"]), reference(),
+                        "pp2 x cp2 x sp2")
+
+
+@pytest.mark.parametrize("flags", [["--pp-size", "2"], ["--pp-size", "2", "--dp-shard-size", "2"]],
+                         ids=["pp2", "pp2_fsdp2"])
+def test_bf16_under_pipeline_stages_follows_the_fp32_trajectory(flags):
+    results = run(2 if len(flags) == 2 else 4, flags, 1, "llama", "--mixed-precision", "bf16")
+    ref = reference()
+    for res in results:
+        diff = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"]))
+        assert 0 < diff < 5e-2, f"bf16: {diff:.2e} from the fp32 run"  # rounding, not another trajectory
 
 
 def test_sixteen_ranks_pp_hsdp_tp():
@@ -368,6 +395,35 @@ def test_bad_batches_are_refused_before_the_schedule_runs():
         assert_refused(per_rank, ("ValueError", re.escape(message)), case)
 
 
+def _padded_under_context_parallelism() -> dict:
+    import torch.nn.functional as F
+
+    from ndparallel import Accelerator, ParallelismConfig
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, cp_size=2))
+    torch.manual_seed(0)
+    model = accelerator.prepare(build_model("llama", num_hidden_layers=LAYERS))
+    ids = torch.randint(0, VOCAB, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    shift = F.pad(ids[:, 1:], (0, 1), value=-100)
+
+    def step() -> None:
+        buffers = [ids, shift, mask]
+        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                                no_restore_buffers=set(buffers)):
+            model(input_ids=ids, shift_labels=shift, attention_mask=mask)
+    result = outcomes({"padded": step})
+    accelerator.end_training()
+    return result
+
+
+def test_padded_batches_under_pipeline_and_context_parallelism_are_refused():
+    assert_refused(run_ranks(_padded_under_context_parallelism, 4), ("ValueError", re.escape(
+        "pipeline stages with context/sequence parallelism take whole causal rows only: padded or packed batches")),
+        "padded")
+
+
 def _refused_layout(sizes: dict, model_name: str, overrides: dict) -> dict:
     from ndparallel import Accelerator, ParallelismConfig
 
@@ -379,10 +435,10 @@ def _refused_layout(sizes: dict, model_name: str, overrides: dict) -> dict:
 
 
 @pytest.mark.parametrize("sizes,model_name,overrides,message", [
-    (dict(pp_size=2, cp_size=2), "llama", {"num_hidden_layers": LAYERS},
-     "pp_size=2 with cp_size=2: context and sequence parallelism inside pipeline stages are not supported yet"),
     (dict(pp_size=4), "llama", {}, "pp_size=4 x stages_per_rank=1 = 4 stages, but LlamaForCausalLM has only 2"),
-], ids=["cp", "too_many_stages"])
+    (dict(pp_size=2), "llama", {"num_hidden_layers": LAYERS, "tie_word_embeddings": True},
+     "pp_size=2: LlamaForCausalLM ties its input embedding to its LM head"),
+], ids=["too_many_stages", "tied"])
 def test_layouts_a_pipeline_cannot_run_are_refused_on_every_rank(sizes, model_name, overrides, message):
     world = 1
     for size in sizes.values():

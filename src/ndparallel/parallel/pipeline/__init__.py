@@ -27,11 +27,6 @@ def plan_pipeline(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions)
         return None
     config = mesh.config
     handler = config.pp_handler
-    others = [f"{a}_size={config.sizes()[a]}" for a in ("cp", "sp") if config.sizes()[a] > 1]
-    if others:
-        raise ValueError(f"pp_size={pp} with {' and '.join(others)}: context and sequence parallelism inside "
-                         "pipeline stages are not supported yet; combine pp with dp_replicate, dp_shard and tp, or "
-                         "use cp/sp without pp")
     if config.tp_handler.loss_parallel:
         raise ValueError(f"pp_size={pp}: loss_parallel is not supported with pipeline stages (the last stage "
                          "computes the loss from whole logits); set TorchTensorParallelConfig(loss_parallel=False)")

@@ -29,6 +29,7 @@ from torch.distributed import pipelining
 
 from ...config import PP_SCHEDULES, PipelineParallelConfig
 from ...loss import IGNORE_INDEX, loss_labels
+from ..sequence import active
 from .split import StagePlan
 
 # Batch keys a decoder stage takes besides the token ids and the labels.
@@ -69,6 +70,9 @@ class PipelineModel(nn.Module):
         if args:
             raise TypeError("a model with pipeline stages takes its inputs by name (model(**batch)), plus at most "
                             "the first stage's input positionally")
+        check = getattr(self.module, "sequence_input_check", None)  # context / sequence parallelism in the stages
+        if check is not None and active() is not None:
+            input_ids, labels, kwargs = self._sequence_inputs(check, input_ids, labels, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
         decoder = self.plan.kind == "decoder"
         extra = sorted(k for k, v in kwargs.items() if v is not None and (not decoder or k not in _DECODER_INPUTS))
@@ -96,6 +100,19 @@ class PipelineModel(nn.Module):
         if train:
             return self._train(input_ids, inputs, target, shifted=shift_labels is not None)
         return self._evaluate(input_ids, inputs, target, shifted=shift_labels is not None)
+
+    def _sequence_inputs(self, check: Callable, input_ids: torch.Tensor | None, labels: torch.Tensor | None,
+                         kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+        """The model's context-parallel input check (`ndparallel.parallel.sequence.hooks`), as its forward would
+        run it: global position_ids, shift_labels as the labels, the batch's documents described once."""
+        _, checked = check(self.module, (), {"input_ids": input_ids, "labels": labels, **kwargs})
+        if active().documents is not None:
+            raise ValueError("pipeline stages with context/sequence parallelism take whole causal rows only: padded or "
+                             "packed batches (attention_mask with padding, position_ids restarting) are not supported "
+                             "with pp yet; use cp/sp without pp for them, or pp without cp/sp")
+        for unused in ("use_cache", "num_items_in_batch"):  # the stages run without a cache and sum their losses
+            checked.pop(unused, None)
+        return checked.pop("input_ids"), checked.pop("labels", None), checked
 
     def _train(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor, shifted: bool) -> Any:
         sums: list[torch.Tensor] = []

@@ -167,7 +167,10 @@ def prepare_model(model: nn.Module, sizes: str) -> None:
                 f"{sizes}: {type(model).__name__} does not dispatch attention through transformers' "
                 "AttentionInterface, so ndparallel cannot make it context-parallel"
             )
-    model.register_forward_pre_hook(_InputCheck(model if is_hf else None, sizes), with_kwargs=True, prepend=True)
+    check = _InputCheck(model if is_hf else None, sizes)
+    model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
+    # Under pipeline stages the model's own forward never runs (its stages do): the pipeline calls the check itself.
+    model.sequence_input_check = check
 
 
 class _InputCheck:
