@@ -243,7 +243,7 @@ def test_uneven_ignored_labels_give_single_process_parameters():
 
 
 # ---- evaluation, checkpoints, export ------------------------------------------------------------------------------
-def _evaluate(extra: dict) -> tuple[float, float]:
+def _evaluate(extra: dict) -> tuple[float, float, bool]:
     from ndparallel import Accelerator, ParallelismConfig
 
     accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, **extra))
@@ -256,16 +256,18 @@ def _evaluate(extra: dict) -> tuple[float, float]:
         expected = model(input_ids=ids, labels=labels)
     model = accelerator.prepare(model)
     model.eval()
+    all_eval = not any(m.training for stage in model.stage_modules for m in stage.modules())
     with torch.no_grad():
         out = model(input_ids=ids, labels=labels)
     accelerator.end_training()
-    return (out.logits - expected.logits).abs().max().item(), (out.loss - expected.loss).abs().item()
+    return (out.logits - expected.logits).abs().max().item(), (out.loss - expected.loss).abs().item(), all_eval
 
 
 @pytest.mark.parametrize("world,extra", [(2, {}), (4, {"dp_shard_size": 2})], ids=["pp2", "pp2_fsdp2"])
 def test_evaluation_returns_logits_and_loss_on_every_stage(world, extra):
-    for logits_diff, loss_diff in run_ranks(_evaluate, world, extra):
+    for logits_diff, loss_diff, all_eval in run_ranks(_evaluate, world, extra):
         assert logits_diff <= 1e-6 and loss_diff <= 1e-6
+        assert all_eval  # model.eval() reached the stage modules (views of the model, not its children)
 
 
 def test_checkpoints_move_between_pipeline_and_other_layouts(tmp_path):
@@ -445,3 +447,36 @@ def test_layouts_a_pipeline_cannot_run_are_refused_on_every_rank(sizes, model_na
         world *= size
     assert_refused(run_ranks(_refused_layout, world, sizes, model_name, overrides), ("ValueError", re.escape(message)),
                    "prepare")
+
+
+def _pretrained_after_split(directory: str, mode: str) -> float | None:
+    import transformers
+
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, init_empty_weights
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, dp_shard_size=2),
+                              fsdp_plugin=FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True))
+    if mode == "broadcast" and accelerator.is_main_process:  # rank 0 holds the weights, the others a meta model
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    else:  # every rank a meta model; each reads its stage's slices of the files
+        with init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+        model.config.name_or_path = directory
+    model = accelerator.prepare(model)
+    state = accelerator.get_state_dict(model)
+    accelerator.end_training()
+    if not state:
+        return None
+    expected = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    assert state.keys() == expected.keys()
+    return max((state[k] - expected[k]).abs().max().item() for k in expected)
+
+
+@pytest.mark.parametrize("mode", ["files", "broadcast"])
+def test_pretrained_weights_load_into_pipeline_stages_after_splitting(tmp_path, mode):
+    """cpu_ram_efficient_loading under pp2 x dp_shard2: every stage's weights arrive (read by each rank from the
+    files, or broadcast from rank 0), and the gathered model equals the saved one."""
+    torch.manual_seed(0)
+    build_model("llama", num_hidden_layers=LAYERS).save_pretrained(tmp_path)
+    results = run_ranks(_pretrained_after_split, 4, str(tmp_path), mode)
+    assert results[0] == 0.0 and results[1:] == [None] * 3

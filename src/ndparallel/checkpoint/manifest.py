@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from ..parallel import PipelineModel, state_module
 from . import storage
 from .storage import CheckpointError, CheckpointNotFoundError
 
@@ -17,6 +20,18 @@ from .storage import CheckpointError, CheckpointNotFoundError
 def tensor_shapes(state: dict[str, Any]) -> dict[str, list[int]]:
     """Name -> global shape of every tensor of a state dict."""
     return {name: list(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
+
+
+def model_tensors(model: nn.Module) -> dict[str, list[int]]:
+    """Name -> global shape of every tensor of a prepared model's state dict, under the model's own names.
+    Collective for a model with pipeline stages: each rank holds its stages' tensors, gathered here into the whole
+    model's table (every rank calls it)."""
+    shapes = tensor_shapes(get_model_state_dict(state_module(model)))
+    if isinstance(model, PipelineModel) and dist.is_initialized():
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, shapes)
+        shapes = {name: shape for part in parts for name, shape in part.items()}
+    return shapes
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:

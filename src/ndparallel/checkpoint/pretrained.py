@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from .manifest import compare_tensors
+from ..parallel import PipelineModel, state_module
+from .manifest import compare_tensors, model_tensors
 from .storage import CheckpointError, agree, is_distributed, on_main, rank
 
 # What transformers' from_pretrained reads to build real weights on local rank 0 only (as under Accelerate).
@@ -154,8 +155,9 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
 
-def _check_files(model: nn.Module, path: Path) -> dict[str, Any]:
-    """Rank 0: the model's state dict names/shapes against the safetensors headers; raise listing mismatches."""
+def _check_files(model: nn.Module, path: Path, expected: dict[str, list[int]]) -> dict[str, Any]:
+    """Rank 0: the model's state dict names/shapes (`expected`, the whole model's) against the safetensors headers;
+    raise listing mismatches."""
     from safetensors import (
         safe_open,  # installed with transformers, which pretrained weights come from
     )
@@ -165,7 +167,6 @@ def _check_files(model: nn.Module, path: Path) -> dict[str, Any]:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 saved[key] = list(f.get_slice(key).get_shape())
-    expected = {n: list(t.shape) for n, t in get_model_state_dict(model).items()}
     tied = [n for n in expected if n not in saved and _tied_source(model, n) in saved]
     problem = compare_tensors({**saved, **{n: expected[n] for n in tied}}, expected, f"pretrained weights in {path}")
     if problem:
@@ -189,7 +190,9 @@ def _load_files(model: nn.Module, path: Path) -> None:
     except ImportError as exc:  # torch < 2.9
         raise CheckpointError(f"reading only each rank's slices of safetensors files needs torch >= 2.9 ({exc}); "
                               "load the real weights on rank 0 instead (from_pretrained)") from None
-    tied = on_main(lambda: _check_files(model, path))["tied"]
+    expected = model_tensors(model)  # collective under pipeline stages
+    model = state_module(model)  # under pipeline stages: this rank's stages, which read only their own tensors
+    tied = on_main(lambda: _check_files(model, path, expected))["tied"]
     state = {n: t for n, t in get_model_state_dict(model).items() if n not in tied}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
@@ -205,8 +208,10 @@ def parallelize_loading_weights(model: nn.Module, plugin: Any, device: torch.dev
     prepared = parallelize(model)  # meta tensors stay on the meta device through it
     _materialize(prepared, device)
     if plan.mode == "broadcast":
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(prepared, plan.source, options=options)
+        # Under pipeline stages rank 0's full weights hold other stages' tensors too: each rank keeps its own.
+        split = isinstance(prepared, PipelineModel)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not split)
+        set_model_state_dict(state_module(prepared), plan.source, options=options)
         plan.source.clear()
     else:
         _load_files(prepared, plan.path)

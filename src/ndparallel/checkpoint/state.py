@@ -60,7 +60,7 @@ from ..parallel import PipelineModel, state_module, unwrap
 from ..record import PreparedObjects
 from ..runtime import heartbeat
 from . import storage, validate
-from .manifest import compare_tensors, read_metadata, tensor_shapes, tied_names
+from .manifest import compare_tensors, model_tensors, read_metadata, tied_names
 from .project import ProjectConfiguration, checkpoint_number, complete_checkpoints, next_number, prune
 from .storage import (
     CheckpointError,
@@ -264,7 +264,7 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     started = time.perf_counter()
     models = []
-    shapes = _model_tensors(prepared)
+    shapes = [model_tensors(m) for m in prepared.models]
     for i, model in enumerate(prepared.models):
         state = get_model_state_dict(state_module(model), options=options)
         models.append({"tensors": shapes[i]})
@@ -324,21 +324,6 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
-def _model_tensors(prepared: PreparedObjects) -> list[dict[str, list[int]]]:
-    """Collective where a model has pipeline stages: name -> global shape of every tensor of each model's state
-    dict. Each pipeline rank holds its stages' tensors only, so theirs are gathered into one table (every rank
-    calls this, with the same models)."""
-    tables = []
-    for model in prepared.models:
-        shapes = tensor_shapes(get_model_state_dict(state_module(model)))
-        if isinstance(model, PipelineModel):
-            parts: list[Any] = [None] * world_size()
-            torch.distributed.all_gather_object(parts, shapes)
-            shapes = {name: shape for part in parts for name, shape in part.items()}
-        tables.append(shapes)
-    return tables
-
-
 def _check_layout(prepared: PreparedObjects, full: bool) -> None:
     if full and any(isinstance(m, PipelineModel) for m in prepared.models):
         raise ValueError("FULL_STATE_DICT checkpoints are written and read by rank 0, which holds only the first "
@@ -348,7 +333,7 @@ def _check_layout(prepared: PreparedObjects, full: bool) -> None:
 
 def _validate(prepared: PreparedObjects, path: Path, model_tensors: list[dict[str, list[int]]]) -> dict[str, Any]:
     """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem.
-    `model_tensors`: the prepared models' tensors (`_model_tensors`)."""
+    `model_tensors`: the prepared models' tensors (`manifest.model_tensors`, collective)."""
     meta = read_metadata(path)
     mine = _components(prepared)
     keys = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects", "scaler")
@@ -406,7 +391,7 @@ def _check(prepared: PreparedObjects, path: Path) -> tuple[dict[str, Any], dict[
     """Collective: everything about `path` that can be checked without touching `prepared` -- metadata, every
     file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states)."""
     heartbeat(f"load_state: checking {path.name}")
-    model_tensors = _model_tensors(prepared)
+    model_tensors = [model_tensors(m) for m in prepared.models]
     meta = on_main(lambda: _validate(prepared, path, model_tensors))
     storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
     on_main(lambda: _check_dcp_metadata(prepared, path, meta))

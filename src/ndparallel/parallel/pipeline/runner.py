@@ -60,6 +60,13 @@ class PipelineModel(nn.Module):
     def stage_modules(self) -> list[nn.Module]:
         return [self._stage_modules[s] for s in sorted(self._stage_modules)]
 
+    def train(self, mode: bool = True) -> PipelineModel:
+        """Train / eval mode for the model and for the stage modules (views of it, not registered as children)."""
+        super().train(mode)
+        for stage in self._stage_modules.values():
+            stage.train(mode)
+        return self
+
     def _stage_rank(self, stage: int) -> int:
         """The global rank that holds `stage` in this rank's pipeline."""
         return dist.get_global_rank(self.group, self.plan.rank_of(stage))
