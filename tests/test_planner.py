@@ -106,6 +106,27 @@ def test_hsdp_over_two_nodes_sends_the_replica_all_reduce_across_nodes():
     assert links["inter"] == pytest.approx(shard * 4 + 15)
 
 
+def test_a_pipeline_stage_holds_its_layers_and_the_larger_end_and_pays_the_bubble():
+    """pp 2 of Llama 3.1 8B (32 layers, untied): the busiest stage holds 16 layers and the head with the final norm
+    (the larger end); its micro-step's activations cross to the next stage and come back as gradients; with the
+    default one micro-batch per stage its compute is 1.5x that of two replicas."""
+    model = load_model("llama-3.1-8b")
+    h, inter, vocab = 4096, 14336, 128256
+    layer = 2 * h * 4096 + 2 * h * 1024 + 3 * h * inter + 2 * h  # attention, MLP, two norms
+    held = 16 * layer + vocab * h + h  # + head and final norm
+    setting = Setting(4096, 2, 1, "bf16")
+    memory = estimate(model, Layout(pp=2), setting)
+    assert (memory["params"], memory["optimizer"]) == (4 * held, 8 * held)
+    items = transfers(model, Layout(pp=2), setting, gpus_per_node=8)
+    assert by_kind(items)["send_recv"] == 2 * (2 * 4096) * h * 2  # both directions, 2 samples x 4096 tokens, bf16
+    hw = get_hardware("h100")
+    free = dataclasses.replace(hw, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, intra_node_latency_s=0.0,
+                               inter_node_latency_s=0.0)
+    request = Request(model, free, 1, 2, 4096, 4096 * 4, checkpointing="off")
+    stages, replicas = (evaluate(request, layout, setting) for layout in (Layout(pp=2), Layout(dp_replicate=2)))
+    assert stages.timing.compute_s == pytest.approx(1.5 * replicas.timing.compute_s, rel=1e-12)
+
+
 def test_compute_time_is_flops_over_achievable_peak():
     """With links that cost nothing, the step is the documented compute term plus the optimizer's memory traffic."""
     model = load_model("llama-3.1-8b")
@@ -124,7 +145,7 @@ def test_compute_time_is_flops_over_achievable_peak():
 
 
 def test_every_factorisation_is_enumerated_and_refusals_name_the_reason():
-    assert len(all_layouts(8)) == math.comb(3 + 4, 4)  # 2^3 over 5 axes: compositions of 3 into 5 parts
+    assert len(all_layouts(8)) == math.comb(3 + 5, 5)  # 2^3 over 6 axes: compositions of 3 into 6 parts
     qwen = load_model("qwen2.5-7b")  # 28 heads, 4 KV heads
     ok, refused = valid_layouts(8, Constraints(qwen, 4096, 16, gpus_per_node=8))
     assert {layout.tp for layout in ok} == {1, 2, 4}
@@ -132,6 +153,15 @@ def test_every_factorisation_is_enumerated_and_refusals_name_the_reason():
     assert any("sp=8 does not divide num_attention_heads=28" in why for why in refused[Layout(sp=8)])
     _, refused = valid_layouts(16, Constraints(load_model("llama-3.1-8b"), 4096, 16, gpus_per_node=8))
     assert any("span nodes" in why for why in refused[Layout(tp=16)])
+    # pipeline stages: every stage needs a layer; tied embeddings are refused; rows split into pp micro-batches
+    tiny = dataclasses.replace(qwen, layers=2)
+    _, refused = valid_layouts(4, Constraints(tiny, 4096, 16, gpus_per_node=8))
+    assert refused[Layout(pp=4)] == ["pp=4 stages for 2 decoder layers (every stage needs one)"]
+    _, refused = valid_layouts(2, Constraints(dataclasses.replace(qwen, tied=True), 4096, 16, gpus_per_node=8))
+    assert refused[Layout(pp=2)] == ["pp=2: the tied embedding and LM head would live on the first and the last stage"]
+    _, refused = valid_layouts(8, Constraints(qwen, 4096, 6, gpus_per_node=8))
+    assert "pp=4: 3 samples per data-parallel rank do not split into 4 micro-batches" in refused[Layout(pp=4,
+                                                                                                      dp_shard=2)]
 
 
 # ---- the command --------------------------------------------------------------------------------------------

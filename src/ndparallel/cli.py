@@ -479,10 +479,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
 
     try:
         model = load_model(args.model)
-        if (getattr(args, "pp_size", None) or 1) != 1:
-            raise ValueError("the planner does not model pipeline stages yet: estimate a layout without pp_size")
-        layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in SIZE_FIELDS
-                           if name != "pp_size"})
+        layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in SIZE_FIELDS})
         if min(layout.sizes().values()) < 1:
             raise ValueError(f"every size must be >= 1, got {layout.sizes()}")
         setting = Setting(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,

@@ -21,6 +21,11 @@ n tokens per rank per micro-step, L layers:
   MLP output's is not repeated), Ulysses 3 L instead of 2 L all-to-all rounds, CP 3 L K/V gathers instead of 2 L.
   FSDP2's traffic does not change (the layer is gathered for backward anyway).
 - The loss normalisation's token count: all-reduce of 8 bytes over the ``batch`` view once per step.
+- Pipeline stages (pp > 1; the busiest stage: its ceil(L / pp) layers in every L above): between stages each
+  micro-step's activations go forward and their gradients come back, n h c each way (a middle stage sends both), in
+  pp micro-batches (the default schedule's); FSDP2 inside a stage gathers its parameters for every micro-batch's
+  forward (pp times) and once for the backward passes (torch's stage keeps them gathered between them): pp + 1
+  all-gathers per micro-step instead of 2.
 
 A group whose ranks all sit in one node uses the node's links (NVLink); one that spans nodes is limited by the
 network (`layouts.cross_node`).
@@ -33,11 +38,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .layouts import Layout, cross_node
-from .memory import state_elements
+from .memory import stage_layers, state_elements
 from .model import ModelSpec
 from .setting import FP32, Setting, kv_width_local
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class Transfer:
 def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node: int) -> list[Transfer]:
     """Every collective of one optimizer step on one rank (module docstring)."""
     out: list[Transfer] = []
-    m, c, L, t = setting.accumulation, setting.compute_bytes, model.layers, layout.tp
+    m, c, L, t = setting.accumulation, setting.compute_bytes, stage_layers(model, layout), layout.tp
     n = setting.tokens(layout)
 
     def add(purpose: str, kind: str, axes: tuple[str, ...], value: float, calls: int, overlap: bool, how: str):
@@ -69,8 +74,9 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
     s, r = layout.fsdp, layout.dp_replicate
     fsdp_axes = ("dp_shard", "cp", "sp")
     units = L + 1  # one FSDP2 unit per decoder layer, and the root
-    add("FSDP2 parameter all-gather", "all_gather", fsdp_axes, 2 * m * (s - 1) * held * c, 2 * m * units, True,
-        f"2 x {m} micro-steps x ({s}-1) x {held:,} x {c} B")
+    gathers = 2 if layout.pp == 1 else layout.pp + 1  # forward and backward; per pipeline micro-batch forward
+    add("FSDP2 parameter all-gather", "all_gather", fsdp_axes, gathers * m * (s - 1) * held * c, gathers * m * units,
+        True, f"{gathers} x {m} micro-steps x ({s}-1) x {held:,} x {c} B")
     syncs = m if setting.sync_each_batch else 1
     add("FSDP2 gradient reduce-scatter", "reduce_scatter", fsdp_axes, syncs * (s - 1) * held * FP32, syncs * units,
         True, f"{syncs} x ({s}-1) x {held:,} x 4 B")
@@ -102,6 +108,10 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
             m * gathers * L, False, f"{m} x {gathers} x {L} x ({cp}-1) x 2 x {n} x {kw} x {c} B")
         add("CP K/V gradient reduce-scatter", "reduce_scatter", ("cp",), m * L * (cp - 1) * kv * FP32, m * L, False,
             f"{m} x {L} x ({cp}-1) x 2 x {n} x {kw} x 4 B (accumulated in fp32)")
+    if layout.pp > 1:
+        act = n * model.hidden * c
+        add("pipeline activations and their gradients", "send_recv", ("pp",), m * 2 * act, m * 2 * layout.pp, False,
+            f"{m} x 2 directions x {n} tokens x {model.hidden} x {c} B, in {layout.pp} micro-batches")
     b = layout.batch
     add("loss token count", "all_reduce", ("dp_replicate", "dp_shard"), 2 * (b - 1) / b * 8, 1, False,
         f"2 x ({b}-1)/{b} x 8 B")

@@ -1,4 +1,4 @@
-"""Layouts: every way to split a world of GPUs over dp_replicate x dp_shard x cp x sp x tp, and why the library
+"""Layouts: every way to split a world of GPUs over pp x dp_replicate x dp_shard x cp x sp x tp, and why the library
 accepts or refuses each.
 
 The checks are the library's own, restated without a model or a process group (the library raises at ``prepare``
@@ -10,7 +10,10 @@ or at the first batch; the planner says it before anything runs):
 - the sequence splits: a multiple of 2 x cp (the load-balanced layout's chunks), each cp rank's share a multiple of
   sp (`parallel.sequence.layout`);
 - cp/sp attention computes no logit soft-capping;
-- dp_replicate x dp_shard divides the global batch's samples (each data-parallel rank gets whole samples).
+- dp_replicate x dp_shard divides the global batch's samples (each data-parallel rank gets whole samples);
+- pipeline stages (`parallel.pipeline.split`): at least one decoder layer per stage, no tied embedding and head
+  (they would live on the first and the last stage), and each micro-step's rows split into the default schedule's
+  micro-batches (one per stage).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 from .model import ModelSpec
 
-AXES = ("dp_replicate", "dp_shard", "cp", "sp", "tp")  # the mesh's order, outermost first (ndparallel.mesh)
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")  # the mesh's order, outermost first (ndparallel.mesh)
 
 
 @dataclass(frozen=True)
@@ -31,10 +34,11 @@ class Layout:
     cp: int = 1
     sp: int = 1
     tp: int = 1
+    pp: int = 1  # last, so that positional construction keeps its meaning; outermost in the mesh (AXES)
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.sp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.sp * self.tp
 
     @property
     def batch(self) -> int:
@@ -158,10 +162,23 @@ def batch_reasons(batch: int, c: Constraints) -> list[str]:
     return []
 
 
+def pipeline_reasons(pp: int, batch: int, c: Constraints) -> list[str]:
+    m, out = c.model, []
+    if pp == 1:
+        return out
+    if pp > m.layers:
+        out.append(f"pp={pp} stages for {m.layers} decoder layers (every stage needs one)")
+    if m.tied:
+        out.append(f"pp={pp}: the tied embedding and LM head would live on the first and the last stage")
+    if c.samples % batch == 0 and (c.samples // batch) % pp:
+        out.append(f"pp={pp}: {c.samples // batch} samples per data-parallel rank do not split into {pp} micro-batches")
+    return out
+
+
 def reasons(layout: Layout, c: Constraints) -> list[str]:
     """Why the library would refuse `layout` (empty: it accepts it)."""
     return (tp_reasons(layout.tp, c) + sequence_reasons(layout.cp, layout.sp, layout.tp, c)
-            + batch_reasons(layout.batch, c))
+            + batch_reasons(layout.batch, c) + pipeline_reasons(layout.pp, layout.batch, c))
 
 
 def _divisors(n: int) -> list[int]:
@@ -177,6 +194,7 @@ def explain_no_layout(world: int, c: Constraints) -> str:
         "sp": lambda d: sequence_reasons(1, d, 1, c),
         "cp": lambda d: sequence_reasons(d, 1, 1, c),
         "dp_replicate / dp_shard": lambda d: batch_reasons(d, c),
+        "pp": lambda d: pipeline_reasons(d, 1, c),
     }
     some_allowed = False
     for axis, check in alone.items():

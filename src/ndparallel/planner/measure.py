@@ -22,8 +22,8 @@ from typing import Any
 
 from .search import Row
 
-SIZE_FLAGS = {"dp_replicate": "--dp-replicate-size", "dp_shard": "--dp-shard-size", "cp": "--cp-size",
-              "sp": "--sp-size", "tp": "--tp-size"}
+SIZE_FLAGS = {"pp": "--pp-size", "dp_replicate": "--dp-replicate-size", "dp_shard": "--dp-shard-size",
+              "cp": "--cp-size", "sp": "--sp-size", "tp": "--tp-size"}
 
 
 def launch_command(row: Row, gpus_per_node: int, script: list[str], mixed_precision: str) -> list[str]:

@@ -21,6 +21,10 @@ README's does), tensor by tensor:
   an fp32 copy, their gradient: 8 bytes per logit beyond the saved log-softmax).
 - **peak** = states + accumulation + saved activations + root unit + max(loss working set, layer buffers + one
   rebuilt layer); the profile's memory_reserve_gib (CUDA context, NCCL, fragmentation) is kept aside.
+- **pipeline stages** (pp > 1), for the busiest stage: ceil(L / pp) decoder layers, and of the root unit the larger
+  end -- the embedding (first stage) or the final norm and the head (last stage). The library's default schedule is
+  1F1B with one micro-batch per stage, so the first stage keeps all pp micro-batches' activations alive at once (the
+  micro-step's n tokens) for its layers; the loss works on one micro-batch (n / pp tokens) at a time.
 """
 
 from __future__ import annotations
@@ -62,17 +66,34 @@ class Memory:
         return self["peak"]
 
 
+def stage_layers(model: ModelSpec, layout: Layout) -> int:
+    """Decoder layers the busiest pipeline stage runs (all of them without stages)."""
+    return math.ceil(model.layers / layout.pp)
+
+
+def stage_root(model: ModelSpec, layout: Layout) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """The root unit's weights on the busiest stage: all of them without stages; else the larger end, the embedding
+    (first stage) or the final norm and the head (last stage)."""
+    root = model.root_parameters()
+    if layout.pp == 1:
+        return root
+    first = [p for p in root if p[0].startswith("embed_tokens")]
+    last = [p for p in root if not p[0].startswith("embed_tokens")]
+    return max(first, last, key=lambda params: sum(math.prod(shape) for _, shape, _ in params))
+
+
 @functools.lru_cache(maxsize=4096)
 def state_elements(model: ModelSpec, layout: Layout) -> tuple[int, int, int]:
     """(elements one rank holds after tp and FSDP2 sharding, elements per tp rank unsharded, one decoder layer's
-    elements per tp rank unsharded)."""
+    elements per tp rank unsharded), on the busiest pipeline stage."""
     held = per_tp = layer = 0
+    layers = stage_layers(model, layout)
     for _, shape, dim in model.layer_parameters():
         local = local_shape(shape, dim, layout.tp)
-        held += model.layers * shard_numel(local, layout.fsdp)
+        held += layers * shard_numel(local, layout.fsdp)
         layer += math.prod(local)
-    per_tp = model.layers * layer
-    for _, shape, dim in model.root_parameters():
+    per_tp = layers * layer
+    for _, shape, dim in stage_root(model, layout):
         local = local_shape(shape, dim, layout.tp)
         held += shard_numel(local, layout.fsdp)
         per_tp += math.prod(local)
@@ -80,7 +101,7 @@ def state_elements(model: ModelSpec, layout: Layout) -> tuple[int, int, int]:
 
 
 def root_elements(model: ModelSpec, layout: Layout) -> int:
-    return sum(math.prod(local_shape(shape, dim, layout.tp)) for _, shape, dim in model.root_parameters())
+    return sum(math.prod(local_shape(shape, dim, layout.tp)) for _, shape, dim in stage_root(model, layout))
 
 
 def layer_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
@@ -97,8 +118,9 @@ def layer_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tup
 
 
 def outside_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
-    """Saved outside the decoder layers: final norm, log-softmax of the logits, token ids, rotary tables."""
-    n, c, h, v = setting.tokens(layout), setting.compute_bytes, model.hidden, model.vocab
+    """Saved outside the decoder layers: final norm, log-softmax of the logits, token ids, rotary tables (under
+    pipeline stages, for the one micro-batch the last stage holds at a time)."""
+    n, c, h, v = setting.tokens(layout) // layout.pp, setting.compute_bytes, model.hidden, model.vocab
     rows = setting.micro_batch if layout.seq_split > 1 else 1  # rotary cos/sin: per sample once positions are given
     rope = 2 * rows * (setting.seq_len // layout.seq_split) * model.head_dim * c
     value = n * (h * (FP32 + 2 * c) + FP32) + n * v * FP32 + 2 * n * 8 + rope
@@ -108,7 +130,7 @@ def outside_activations(model: ModelSpec, layout: Layout, setting: Setting) -> t
 def estimate(model: ModelSpec, layout: Layout, setting: Setting) -> Memory:
     """Every memory term of one GPU for `layout` running `setting` (module docstring)."""
     mem = Memory()
-    s, t, c, L = layout.fsdp, layout.tp, setting.compute_bytes, model.layers
+    s, t, c, L = layout.fsdp, layout.tp, setting.compute_bytes, stage_layers(model, layout)
     held, per_tp, layer_elems = state_elements(model, layout)
     mem.add("params", held * FP32, f"{held:,} parameters (after tp={t}, fsdp={s}, padding) x 4 B (fp32)")
     mem.add("grads", held * FP32, f"{held:,} x 4 B (fp32)")
@@ -141,6 +163,7 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting) -> Memory:
         mem.add("layer_buffers", 4 * layer_elems * c + rs_copy,
                 f"2 layers' unsharded parameters and gradients: 4 x {layer_elems:,} x {c} B"
                 + (f" + one layer's fp32 gradients for the reduce-scatter ({layer_elems:,} x 4 B)" if rs_copy else ""))
+    n = n // layout.pp  # the loss works on one pipeline micro-batch at a time
     gathered = n * model.vocab // t * c if t > 1 else 0
     mem.add("loss_buffers", n * model.vocab * 8 + gathered,
             f"{n} tokens x {model.vocab} logits x 8 B (compute-dtype logits + fp32 copy, or their gradients)"

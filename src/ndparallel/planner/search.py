@@ -137,6 +137,8 @@ def best_row(request: Request, layout: Layout) -> Row:
     syncs = options[request.sync_each_batch] if layout.fsdp > 1 and per_rank > 1 else (False,)
     for checkpointing, sync in itertools.product(options[request.checkpointing], syncs):
         for micro in _divisors_desc(per_rank):
+            if micro % layout.pp:  # pipeline stages cut each micro-step into pp micro-batches
+                continue
             if sync and micro == per_rank and len(syncs) > 1:
                 continue  # no accumulation: the same as without sync_each_batch
             setting = Setting(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,

@@ -11,6 +11,8 @@ how much of the communication hides behind the compute.
   exposed = max(0, its time - overlap x compute). Tensor-, context- and sequence-parallel collectives sit on the
   critical path (each layer waits for them) and count in full.
 - optimizer = bytes AdamW reads and writes per parameter it holds (28) / HBM bandwidth.
+- pipeline stages (pp > 1): every stage computes its share, then waits in the schedule's bubble: with the default
+  1F1B and m = pp micro-batches per micro-step, compute x (m + pp - 1) / m (the bubble (pp-1)/(m+pp-1) of the step).
 - step = compute + exposed communication + optimizer; tokens/s per GPU = global tokens / step / world;
   MFU = tokens/s per GPU x FLOPs per token (metrics convention) / peak.
 """
@@ -72,7 +74,9 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
     peak = hw.peak_flops(setting.mixed_precision)
     hw_fpt = hardware_flops_per_token(model, setting)
     flops = global_tokens * hw_fpt / world
-    compute = flops / (peak * hw.compute_efficiency)
+    busy = flops / (peak * hw.compute_efficiency)
+    micro = layout.pp  # the default schedule: one micro-batch per stage
+    compute = busy * (micro + layout.pp - 1) / micro
     comm: dict[str, float] = {}
     overlappable = critical = 0.0
     for item in items:
@@ -92,7 +96,8 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
     mfu = tps * model.flops_per_token(setting.seq_len) / peak
     how = {
         "compute": f"{global_tokens:,} tokens x {hw_fpt / 1e9:.2f} GFLOP/token / {world} GPUs / ({peak / 1e12:.0f} "
-                   f"TFLOP/s x {hw.compute_efficiency})",
+                   f"TFLOP/s x {hw.compute_efficiency})"
+                   + (f" x ({micro} + {layout.pp} - 1) / {micro} (pipeline bubble)" if layout.pp > 1 else ""),
         "exposed": f"critical {critical * 1e3:.2f} ms + data-parallel {overlappable * 1e3:.2f} ms - hidden "
                    f"min(that, {hw.overlap} x compute) = {hidden * 1e3:.2f} ms",
         "optimizer": f"{held:,} parameters x {moved} B / {hw.hbm_bandwidth / 1e12:.2f} TB/s",
