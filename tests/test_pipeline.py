@@ -129,6 +129,20 @@ def test_schedules_needing_more_microbatches_are_refused():
     check_schedule(PipelineParallelConfig(schedule="gpipe", microbatches=2), plan)  # GPipe takes any count
 
 
+def test_a_config_file_carries_pp_size_and_says_its_pp_handler_stays_in_the_script(tmp_path):
+    from ndparallel.launch import read_config_file
+
+    path = tmp_path / "pp.yaml"
+    path.write_text("parallelism:\n  pp_size: 2\n  dp_shard_size: 2\n  pp_handler: {schedule: gpipe}\n")
+    translated = read_config_file(path)
+    assert translated.sizes == {"pp_size": 2, "dp_shard_size": 2}
+    assert translated.warnings == [f"config file '{path}': parallelism.pp_handler is not passed to the script (only "
+                                   "sizes are); build it in the script's ParallelismConfig"]
+    path.write_text("parallelism:\n  pp_size: 2\n  pp_handler: {schedule: pipedream}\n")
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'pipedream'"):
+        read_config_file(path)
+
+
 # ---- against the oracle --------------------------------------------------------------------------------------------
 _references: dict[tuple, dict] = {}
 

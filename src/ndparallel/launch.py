@@ -113,7 +113,7 @@ def read_config_file(path: str | os.PathLike, flags: dict[str, Any] | None = Non
         raise ValueError(f"{source}: {exc}") from None
     warnings = []
     default = ParallelismConfig(**{name: 1 for name in SIZE_FIELDS})
-    for handler in ("tp_handler", "cp_handler"):
+    for handler in ("tp_handler", "cp_handler", "pp_handler"):
         if handler in section and getattr(parsed, handler) != getattr(default, handler):
             warnings.append(f"{source}: parallelism.{handler} is not passed to the script (only sizes are); "
                             "build it in the script's ParallelismConfig")
