@@ -440,27 +440,60 @@ def test_padded_batches_under_pipeline_and_context_parallelism_are_refused():
         "padded")
 
 
-def _refused_layout(sizes: dict, model_name: str, overrides: dict) -> dict:
-    from ndparallel import Accelerator, ParallelismConfig
+def _refused_layout(sizes: dict, model_name: str, overrides: dict, settings: dict) -> dict:
+    from ndparallel import (
+        Accelerator,
+        FullyShardedDataParallelPlugin,
+        ParallelismConfig,
+        TorchDynamoPlugin,
+        TorchTensorParallelConfig,
+    )
 
-    accelerator = Accelerator(parallelism_config=ParallelismConfig(**sizes))
+    extra = {"dynamo_plugin": TorchDynamoPlugin(backend="aot_eager")} if settings.get("compile") else {}
+    accelerator = Accelerator(
+        parallelism_config=ParallelismConfig(**sizes, tp_handler=TorchTensorParallelConfig(
+            loss_parallel=settings.get("loss_parallel", False))),
+        mixed_precision=settings.get("mixed_precision", "no"),
+        fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type=settings.get("state_dict_type",
+                                                                                  "SHARDED_STATE_DICT")), **extra)
     model = build_model(model_name, **overrides)
-    result = outcomes({"prepare": lambda: accelerator.prepare(model)})
+    cases = {"prepare": lambda: accelerator.prepare(model)}
+    if settings.get("save"):
+        cases["save"] = lambda: accelerator.save_state(settings["save"])
+    result = outcomes(cases)
     accelerator.end_training()
     return result
 
 
-@pytest.mark.parametrize("sizes,model_name,overrides,message", [
-    (dict(pp_size=4), "llama", {}, "pp_size=4 x stages_per_rank=1 = 4 stages, but LlamaForCausalLM has only 2"),
-    (dict(pp_size=2), "llama", {"num_hidden_layers": LAYERS, "tie_word_embeddings": True},
+FOUR = {"num_hidden_layers": LAYERS}
+
+
+@pytest.mark.parametrize("sizes,model_name,overrides,settings,message", [
+    (dict(pp_size=4), "llama", {}, {}, "pp_size=4 x stages_per_rank=1 = 4 stages, but LlamaForCausalLM has only 2"),
+    (dict(pp_size=2), "llama", {**FOUR, "tie_word_embeddings": True}, {},
      "pp_size=2: LlamaForCausalLM ties its input embedding to its LM head"),
-], ids=["too_many_stages", "tied"])
-def test_layouts_a_pipeline_cannot_run_are_refused_on_every_rank(sizes, model_name, overrides, message):
+    (dict(pp_size=2), "llama", FOUR, {"mixed_precision": "fp16"},
+     "pp_size=2: fp16 mixed precision (a gradient scaler) is not supported with pipeline stages"),
+    (dict(pp_size=2, tp_size=2), "llama", FOUR, {"loss_parallel": True},
+     "pp_size=2: loss_parallel is not supported with pipeline stages"),
+    (dict(pp_size=2), "llama", FOUR, {"compile": True},
+     "pp_size=2: whole-model compilation is not supported with pipeline stages; use regional compilation"),
+], ids=["too_many_stages", "tied", "fp16", "loss_parallel", "whole_model_compile"])
+def test_layouts_a_pipeline_cannot_run_are_refused_on_every_rank(sizes, model_name, overrides, settings, message):
     world = 1
     for size in sizes.values():
         world *= size
-    assert_refused(run_ranks(_refused_layout, world, sizes, model_name, overrides), ("ValueError", re.escape(message)),
-                   "prepare")
+    per_rank = run_ranks(_refused_layout, world, sizes, model_name, overrides, settings)
+    assert_refused(per_rank, ("ValueError", re.escape(message)), "prepare")
+
+
+def test_full_state_dict_checkpoints_are_refused_under_pipeline_stages(tmp_path):
+    per_rank = run_ranks(_refused_layout, 2, dict(pp_size=2), "llama", FOUR,
+                         {"state_dict_type": "FULL_STATE_DICT", "save": str(tmp_path / "ckpt")})
+    assert_refused(per_rank, ("no error", ""), "prepare")
+    assert_refused(per_rank, ("ValueError", re.escape("FULL_STATE_DICT checkpoints are written and read by rank 0, "
+                                                      "which holds only the first pipeline stage")), "save")
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was written
 
 
 def _pretrained_after_split(directory: str, mode: str) -> float | None:
