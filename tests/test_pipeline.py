@@ -188,6 +188,12 @@ LAYOUTS = [
     ("pp2_cp2_ring", 4, ["--pp-size", "2", "--cp-size", "2", "--cp-strategy", "ring"], 1),
     ("pp2_sp2", 4, ["--pp-size", "2", "--sp-size", "2"], 1),
     ("pp2_activation_checkpointing", 2, ["--pp-size", "2", "--activation-checkpointing"], 1),
+    ("pp2_fsdp2_interleaved_1f1b", 4, ["--pp-size", "2", "--dp-shard-size", "2", "--pp-schedule", "interleaved_1f1b"],
+     1),
+    ("pp2_ddp2_zbv", 4, ["--pp-size", "2", "--dp-replicate-size", "2", "--pp-schedule", "zbv"], 1),
+    ("pp2_tp2_zero_bubble", 4, ["--pp-size", "2", "--tp-size", "2", "--pp-schedule", "zero_bubble"], 1),
+    ("pp2_fsdp2_activation_checkpointing", 4, ["--pp-size", "2", "--dp-shard-size", "2", "--activation-checkpointing"],
+     1),
 ]
 
 
@@ -452,10 +458,12 @@ def _refused_layout(sizes: dict, model_name: str, overrides: dict, settings: dic
     extra = {"dynamo_plugin": TorchDynamoPlugin(backend="aot_eager")} if settings.get("compile") else {}
     accelerator = Accelerator(
         parallelism_config=ParallelismConfig(**sizes, tp_handler=TorchTensorParallelConfig(
-            loss_parallel=settings.get("loss_parallel", False))),
+            loss_parallel=settings.get("loss_parallel", False)), pp_handler=PipelineParallelConfig(
+            schedule=settings.get("schedule", "1f1b"))),
         mixed_precision=settings.get("mixed_precision", "no"),
-        fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type=settings.get("state_dict_type",
-                                                                                  "SHARDED_STATE_DICT")), **extra)
+        fsdp_plugin=FullyShardedDataParallelPlugin(
+            state_dict_type=settings.get("state_dict_type", "SHARDED_STATE_DICT"),
+            activation_checkpointing=settings.get("activation_checkpointing", False)), **extra)
     model = build_model(model_name, **overrides)
     cases = {"prepare": lambda: accelerator.prepare(model)}
     if settings.get("save"):
@@ -478,7 +486,14 @@ FOUR = {"num_hidden_layers": LAYERS}
      "pp_size=2: loss_parallel is not supported with pipeline stages"),
     (dict(pp_size=2), "llama", FOUR, {"compile": True},
      "pp_size=2: whole-model compilation is not supported with pipeline stages; use regional compilation"),
-], ids=["too_many_stages", "tied", "fp16", "loss_parallel", "whole_model_compile"])
+    (dict(pp_size=2, dp_shard_size=2), "llama", FOUR, {"schedule": "zbv"},
+     "pp_size=2: schedule 'zbv' computes weight gradients after FSDP2 has reduced them"),
+    (dict(pp_size=2, cp_size=2), "llama", FOUR, {"schedule": "zero_bubble"},
+     "pp_size=2: schedule 'zero_bubble' computes weight gradients after FSDP2 has reduced them"),
+    (dict(pp_size=2), "llama", FOUR, {"schedule": "zbv", "activation_checkpointing": True},
+     "pp_size=2: schedule 'zbv' splits backward in two, which activation checkpointing does not support"),
+], ids=["too_many_stages", "tied", "fp16", "loss_parallel", "whole_model_compile", "zbv_fsdp", "zero_bubble_cp",
+        "zbv_checkpointing"])
 def test_layouts_a_pipeline_cannot_run_are_refused_on_every_rank(sizes, model_name, overrides, settings, message):
     world = 1
     for size in sizes.values():

@@ -331,9 +331,9 @@ def _check_layout(prepared: PreparedObjects, full: bool) -> None:
                          "layout loads; `ndparallel merge-weights` makes full weights of it")
 
 
-def _validate(prepared: PreparedObjects, path: Path, model_tensors: list[dict[str, list[int]]]) -> dict[str, Any]:
+def _validate(prepared: PreparedObjects, path: Path, tables: list[dict[str, list[int]]]) -> dict[str, Any]:
     """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem.
-    `model_tensors`: the prepared models' tensors (`manifest.model_tensors`, collective)."""
+    `tables`: the prepared models' tensors (`manifest.model_tensors`, collective)."""
     meta = read_metadata(path)
     mine = _components(prepared)
     keys = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects", "scaler")
@@ -350,7 +350,7 @@ def _validate(prepared: PreparedObjects, path: Path, model_tensors: list[dict[st
         raise CheckpointError(f"checkpoint {path}: the optimizers had {meta.get('param_groups')} parameter groups, "
                               f"these have {mine['param_groups']}")
     validate.check_metadata(meta, path, len(prepared.models), len(prepared.optimizers))
-    for i, expected in enumerate(model_tensors):
+    for i, expected in enumerate(tables):
         problem = compare_tensors(meta["model_tensors"][i], expected, f"checkpoint {path}: model {i}")
         if problem:
             raise CheckpointError(problem)
@@ -391,8 +391,8 @@ def _check(prepared: PreparedObjects, path: Path) -> tuple[dict[str, Any], dict[
     """Collective: everything about `path` that can be checked without touching `prepared` -- metadata, every
     file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states)."""
     heartbeat(f"load_state: checking {path.name}")
-    model_tensors = [model_tensors(m) for m in prepared.models]
-    meta = on_main(lambda: _validate(prepared, path, model_tensors))
+    tables = [model_tensors(m) for m in prepared.models]  # collective under pipeline stages
+    meta = on_main(lambda: _validate(prepared, path, tables))
     storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
     on_main(lambda: _check_dcp_metadata(prepared, path, meta))
     error, small = None, {}

@@ -37,6 +37,18 @@ def plan_pipeline(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions)
     if dynamo is not None and dynamo.backend not in (None, "no", "NO") and not dynamo.use_regional_compilation:
         raise ValueError(f"pp_size={pp}: whole-model compilation is not supported with pipeline stages; use "
                          "regional compilation (TorchDynamoPlugin(use_regional_compilation=True))")
+    if handler.schedule in ("zero_bubble", "zbv"):
+        # These split each backward into input and weight gradients. Measured here: with parameters sharded (FSDP2
+        # over dp_shard x cp x sp > 1) the weight gradients miss FSDP2's reduce-scatter and training drifts
+        # (1e-2 in 6 steps), and activation checkpointing fails inside torch's split backward.
+        plugin = options.fsdp_plugin
+        if mesh.size("fsdp") > 1:
+            raise ValueError(f"pp_size={pp}: schedule {handler.schedule!r} computes weight gradients after FSDP2 "
+                             f"has reduced them, with parameters sharded over dp_shard x cp x sp = "
+                             f"{mesh.size('fsdp')}; use '1f1b' or 'interleaved_1f1b' (or replicate: dp_replicate)")
+        if plugin is not None and plugin.activation_checkpointing:
+            raise ValueError(f"pp_size={pp}: schedule {handler.schedule!r} splits backward in two, which "
+                             "activation checkpointing does not support; use '1f1b' or 'interleaved_1f1b'")
     plan = plan_stages(model, pp, handler)
     check_schedule(handler, plan)
     return plan
