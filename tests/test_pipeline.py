@@ -111,7 +111,6 @@ def test_more_stages_than_layers_is_refused():
 
 
 @pytest.mark.parametrize("name,overrides,match", [
-    ("llama", {"tie_word_embeddings": True}, r"ties its input embedding to its LM head .* untie them"),
     ("gpt2", {}, r"GPT2LMHeadModel cannot be split into pipeline stages: ndparallel splits Hugging Face causal LMs"),
     ("qwen3_moe", {}, r"is a mixture of experts \(num_experts=4\)"),
     ("plain", {}, r"PlainTransformer cannot be split into pipeline stages: .* nn.Sequential"),
@@ -210,6 +209,34 @@ def test_the_launchers_pp_size_reaches_a_script_that_leaves_it_unset():
     assert_losses_match(results, reference(), "pp2 from the environment")
 
 
+@pytest.mark.parametrize("world,micro,flags", [
+    (2, 8, ["--pp-size", "2"]),
+    (4, 2, ["--pp-size", "2", "--dp-shard-size", "2", "--accum", "2"]),
+    (4, 8, ["--pp-size", "2", "--cp-size", "2"]),
+    (2, 8, ["--pp-size", "2", "--pp-schedule", "interleaved_1f1b"]),
+], ids=["pp2", "pp2_fsdp2_accum2", "pp2_cp2", "pp2_interleaved"])
+def test_a_tied_embedding_and_head_train_as_one_weight_across_stages(world, micro, flags):
+    """The embedding's copy on the first stage and the head's on the last get the sum of both gradients (once per
+    optimizer step, after accumulation) and count once in the clipped norm: the single-process losses."""
+    argv = ["--model", "llama_tied", "--layers", str(LAYERS), "--micro-batch", str(micro), *flags]
+    assert_losses_match(run_ranks(accelerate_style.main, world, argv), reference("llama_tied"), "tied " + str(flags))
+
+
+def _without_tied_sum(argv: list[str]) -> dict:
+    from ndparallel.parallel.pipeline.runner import PipelineModel
+
+    PipelineModel._sum_tied_gradients = lambda self: None  # in this forked rank only
+    return accelerate_style.main(argv)
+
+
+def test_the_tied_test_catches_copies_that_drift_apart():
+    """Guards the test above: without summing the two copies' gradients the losses leave the reference by far more
+    than the tolerance."""
+    argv = ["--model", "llama_tied", "--layers", str(LAYERS), "--micro-batch", "8", "--pp-size", "2"]
+    results = run_ranks(_without_tied_sum, 2, argv)
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference("llama_tied")["losses"])) > 1e-4
+
+
 def test_qwen2_under_pipeline_stages_matches_single_process():
     assert_losses_match(run(2, ["--pp-size", "2"], 1, "qwen2"), reference("qwen2"), "qwen2 pp2")
 
@@ -290,10 +317,11 @@ def test_evaluation_returns_logits_and_loss_on_every_stage(world, extra):
         assert all_eval  # model.eval() reached the stage modules (views of the model, not its children)
 
 
-def test_checkpoints_move_between_pipeline_and_other_layouts(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_checkpoints_move_between_pipeline_and_other_layouts(tmp_path, tied):
     """Saved under pp 2, resumed under pp 1; saved under dp_shard 2, resumed under pp 2: both continue as the run
-    that was never interrupted."""
-    base = ["--layers", str(LAYERS), "--steps", "6"]
+    that was never interrupted (a tied embedding and head too: its two copies save and load under their names)."""
+    base = ["--layers", str(LAYERS), "--steps", "6", *(["--tied"] if tied else [])]
     uninterrupted = run_ranks(checkpoint_train.main, 1, base)[0]["losses"]
     run_ranks(checkpoint_train.main, 2, [*base, "--pp-size", "2", "--save-at", "3", "--save-dir", str(tmp_path / "a")])
     resumed = run_ranks(checkpoint_train.main, 1, [*base, "--load", str(tmp_path / "a" / "step_3")])[0]["losses"]
@@ -307,12 +335,12 @@ def test_checkpoints_move_between_pipeline_and_other_layouts(tmp_path):
         assert diff <= 1e-5, f"{what}: {diff:.2e} from the uninterrupted run"
 
 
-def _export(directory: str) -> object:
+def _export(directory: str, tied: bool) -> object:
     from ndparallel import Accelerator, ParallelismConfig
 
     accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, dp_shard_size=2))
     torch.manual_seed(0)
-    model = build_model("llama", num_hidden_layers=LAYERS)
+    model = build_model("llama", num_hidden_layers=LAYERS, tie_word_embeddings=tied)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     model = accelerator.prepare(model)
     accelerator.save_model(model, os.path.join(directory, "save_model"))
@@ -333,8 +361,9 @@ def _export(directory: str) -> object:
     return diffs
 
 
-def test_full_weights_of_every_stage_export_to_one_directory(tmp_path):
-    results = run_ranks(_export, 4, str(tmp_path))
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_full_weights_of_every_stage_export_to_one_directory(tmp_path, tied):
+    results = run_ranks(_export, 4, str(tmp_path), tied)
     assert results[0] == [0.0, 0.0, 0.0] and results[1:] == [True] * 3
 
 
@@ -478,8 +507,11 @@ FOUR = {"num_hidden_layers": LAYERS}
 
 @pytest.mark.parametrize("sizes,model_name,overrides,settings,message", [
     (dict(pp_size=4), "llama", {}, {}, "pp_size=4 x stages_per_rank=1 = 4 stages, but LlamaForCausalLM has only 2"),
-    (dict(pp_size=2), "llama", {**FOUR, "tie_word_embeddings": True}, {},
-     "pp_size=2: LlamaForCausalLM ties its input embedding to its LM head"),
+    (dict(pp_size=2), "llama", {**FOUR, "tie_word_embeddings": True}, {"schedule": "zbv"},
+     "pp_size=2: LlamaForCausalLM ties its input embedding to its LM head, and schedule 'zbv' puts the first and the "
+     "last stage on one rank"),
+    (dict(pp_size=2, tp_size=2), "llama", {**FOUR, "tie_word_embeddings": True}, {},
+     "pp_size=2 with tp_size=2: LlamaForCausalLM ties its input embedding to its LM head"),
     (dict(pp_size=2), "llama", FOUR, {"mixed_precision": "fp16"},
      "pp_size=2: fp16 mixed precision (a gradient scaler) is not supported with pipeline stages"),
     (dict(pp_size=2, tp_size=2), "llama", FOUR, {"loss_parallel": True},
@@ -492,7 +524,7 @@ FOUR = {"num_hidden_layers": LAYERS}
      "pp_size=2: schedule 'zero_bubble' computes weight gradients after FSDP2 has reduced them"),
     (dict(pp_size=2), "llama", FOUR, {"schedule": "zbv", "activation_checkpointing": True},
      "pp_size=2: schedule 'zbv' splits backward in two, which activation checkpointing does not support"),
-], ids=["too_many_stages", "tied", "fp16", "loss_parallel", "whole_model_compile", "zbv_fsdp", "zero_bubble_cp",
+], ids=["too_many_stages", "tied_zbv", "tied_tp", "fp16", "loss_parallel", "whole_model_compile", "zbv_fsdp", "zero_bubble_cp",
         "zbv_checkpointing"])
 def test_layouts_a_pipeline_cannot_run_are_refused_on_every_rank(sizes, model_name, overrides, settings, message):
     world = 1

@@ -63,15 +63,20 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float,
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                    norm_type: float = 2.0, across: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    norm_type: float = 2.0, across: dist.ProcessGroup | None = None,
+                    counted_elsewhere: set[int] | None = None) -> torch.Tensor:
     """Scale gradients in place so their total `norm_type` norm is at most `max_norm`; return the total norm.
-    `across`: a group whose ranks hold other parameters of the same model (pipeline stages; `total_grad_norm`)."""
+    `across`: a group whose ranks hold other parameters of the same model (pipeline stages; `total_grad_norm`);
+    `counted_elsewhere`: ids of parameters whose gradient another rank of `across` counts (a tied weight's second
+    copy): scaled, not counted."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [p.grad for p in parameters if p.grad is not None]
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
     if not grads and across is None:
         return torch.tensor(0.0)
-    norm = total_grad_norm(grads, float(norm_type), across)
+    counted = [p.grad for p in parameters if id(p) not in (counted_elsewhere or ())]
+    norm = total_grad_norm(counted, float(norm_type), across)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g

@@ -63,6 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--hidden-size", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tied", action="store_true", help="tie the input embedding and the LM head")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--no-fsdp-plugin", action="store_true")
     p.add_argument("--full-state", action="store_true", help="FULL_STATE_DICT checkpoints")
@@ -91,7 +92,7 @@ def build(args: argparse.Namespace) -> tuple:
 
     set_seed(0)
     model = build_model("llama", attention_dropout=args.dropout, hidden_size=args.hidden_size,
-                        num_hidden_layers=args.layers)
+                        num_hidden_layers=args.layers, tie_word_embeddings=args.tied)
     optimizer = make_optimizer(args.optimizer, model.parameters(), 1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     micro_batch = args.global_batch // (accelerator.data_parallel_size * args.accum)

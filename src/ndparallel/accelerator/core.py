@@ -243,7 +243,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         Accelerate's sake (the model is parallelised the same way)."""
         if isinstance(model, _PREPARED_TYPES):
             return model
-        old = dict(model.named_parameters())
+        old = dict(model.named_parameters(remove_duplicate=False))  # every name of a tied parameter
         options = parallel.PrepareOptions(self.device, self.fsdp_plugin, self.mixed_precision, tp_plan,
                                           ddp_kwargs=self._settings.ddp_kwargs,
                                           autocast_kwargs=self._settings.autocast_kwargs,
@@ -252,14 +252,16 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         # A model on the meta device (cpu_ram_efficient_loading) gets its weights after it is parallelised.
         prepared = checkpoint.parallelize_loading_weights(
             model, self.fsdp_plugin, self.device, lambda m: parallel.parallelize(m, self.mesh, options))
-        new = dict(self.unwrap_model(prepared).named_parameters())
+        new = dict(self.unwrap_model(prepared).named_parameters(remove_duplicate=False))
+        kept = {id(param) for name, param in old.items() if name in new}  # under any of its names
         for name, param in old.items():
-            if new.get(name) is None and isinstance(prepared, parallel.PipelineModel):  # another stage's: dropped
+            if id(param) not in kept and isinstance(prepared, parallel.PipelineModel):  # another stage's: dropped
                 self._param_map[id(param)] = (weakref.ref(param), None)
             elif new.get(name) is not None and new[name] is not param:
                 self._param_map[id(param)] = (weakref.ref(param), new[name])
         if isinstance(prepared, parallel.PipelineModel):
             prepared.loss_factor = self.gradient_state.loss_factor  # the schedule's backward weighs the loss
+            prepared.sync_gradients = lambda: self.gradient_state.sync_gradients or self._settings.sync_each_batch
         install_save_pretrained(prepared, self.unwrap_model(prepared))  # full weights from any layout (collective)
         self.prepared.models.append(prepared)
         for opt in self.prepared.optimizers:  # optimizers prepared before this model follow its new parameters too
@@ -490,9 +492,12 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the total gradient norm, computed correctly over sharded (DTensor) and plain gradients."""
         self.unscale_gradients()
-        # Pipeline stages hold different parameters: their parts of the norm add up over ``pp``.
+        # Pipeline stages hold different parameters: their parts of the norm add up over ``pp`` (a tied weight's
+        # second copy, on the last stage, counted once).
         stages = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
-        return clip.clip_grad_norm_(parameters, max_norm, norm_type, across=stages)
+        twice = {id(p) for m in self.prepared.models if isinstance(m, parallel.PipelineModel)
+                 for p in m.norm_duplicates()}
+        return clip.clip_grad_norm_(parameters, max_norm, norm_type, across=stages, counted_elsewhere=twice)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] (elementwise: exact on shards)."""

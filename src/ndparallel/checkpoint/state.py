@@ -276,7 +276,9 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
         _written(f"model {i}", final.parent, write_model)
         del state
     for j, opt in enumerate(prepared.optimizers):
-        state = get_optimizer_state_dict(state_module(prepared.models[owners[j]]), opt.optimizer, options=options)
+        owner = prepared.models[owners[j]]
+        state = get_optimizer_state_dict(state_module(owner), opt.optimizer, options=options)
+        state = _renamed(state, _TIED_NAMES if _holds_tied_copy(owner) else {})
         _written(f"optimizer {j}", final.parent,
                  lambda j=j, state=state: _write_state(state, staging / f"optimizer_{j}", full))
         del state
@@ -324,6 +326,33 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
+# Under pipeline stages the last stage's copy of a tied weight is named ``lm_head.weight``; the optimizer of an unsplit
+# tied model keeps its state under the weight's first name. The copy's state is written and read under that name
+# (both copies' states are equal), so optimizer checkpoints look alike under every layout.
+_TIED_NAMES = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def _holds_tied_copy(model: torch.nn.Module) -> bool:
+    return isinstance(model, PipelineModel) and bool(model.norm_duplicates())
+
+
+def _tied_aliases(model: torch.nn.Module, directory: Path) -> dict[str, str]:
+    """{this rank's name: the name to read its optimizer state under} for the last stage's copy of a tied weight,
+    where the checkpoint has no state under this rank's name."""
+    if not _holds_tied_copy(model):
+        return {}
+    keys = storage.read_dcp_metadata(directory).state_dict_metadata
+    return {} if any(key.startswith("state.lm_head.weight.") for key in keys) else dict(_TIED_NAMES)
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """An optimizer state dict with parameter names replaced by `names` (in its state and its groups)."""
+    if not names or "state" not in state:
+        return state
+    return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]]}
+
+
 def _check_layout(prepared: PreparedObjects, full: bool) -> None:
     if full and any(isinstance(m, PipelineModel) for m in prepared.models):
         raise ValueError("FULL_STATE_DICT checkpoints are written and read by rank 0, which holds only the first "
@@ -479,9 +508,12 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
         set_model_state_dict(model, state, options=read_options)
         del state
     for j, opt in enumerate(prepared.optimizers):
-        model = state_module(prepared.models[meta["optimizer_models"][j]])
+        owner = prepared.models[meta["optimizer_models"][j]]
+        model = state_module(owner)
         state = {} if full else get_optimizer_state_dict(model, opt.optimizer)
-        state = _read_state(state, path / f"optimizer_{j}", full, f"optimizer {j}")
+        aliases = {} if full else _tied_aliases(owner, path / f"optimizer_{j}")
+        state = _read_state(_renamed(state, aliases), path / f"optimizer_{j}", full, f"optimizer {j}")
+        state = _renamed(state, {saved: name for name, saved in aliases.items()})
         set_optimizer_state_dict(model, opt.optimizer, state, options=read_options)
         del state
 

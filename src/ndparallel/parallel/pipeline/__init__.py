@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch.distributed as dist
 from torch import nn
 
 from ...mesh import ParallelMesh
@@ -50,6 +51,14 @@ def plan_pipeline(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions)
             raise ValueError(f"pp_size={pp}: schedule {handler.schedule!r} splits backward in two, which "
                              "activation checkpointing does not support; use '1f1b' or 'interleaved_1f1b'")
     plan = plan_stages(model, pp, handler)
+    if plan.tied and mesh.size("tp") > 1:
+        # The two copies would be split over tp by different styles (the embedding's and the head's), so their
+        # gradients could not be summed shard by shard.
+        raise ValueError(f"pp_size={pp} with tp_size={mesh.size('tp')}: {type(model).__name__} ties its input "
+                         "embedding to its LM head, which live on the first and the last stage; tied weights under "
+                         "pp x tp are not supported yet: untie them (model.lm_head.weight = torch.nn.Parameter("
+                         "model.lm_head.weight.detach().clone()); model.config.tie_word_embeddings = False), or use "
+                         "pp with dp / cp / sp, or tp without pp")
     check_schedule(handler, plan)
     return plan
 
@@ -60,7 +69,21 @@ def apply_pipeline(model: nn.Module, plan: StagePlan, mesh: ParallelMesh, option
     runs the schedule."""
     pp_rank = mesh.rank("pp")
     stages = {s: wrap(build_stage(model, plan, s)) for s in plan.stages_of(pp_rank)}
-    return PipelineModel(model, stages, plan, mesh.config.pp_handler, mesh.group("pp"), options.device)
+    return PipelineModel(model, stages, plan, mesh.config.pp_handler, mesh.group("pp"), options.device,
+                         tie_group=_ends_group(mesh) if plan.tied else None)
+
+
+def _ends_group(mesh: ParallelMesh) -> dist.ProcessGroup | None:
+    """Collective: for a tied embedding and LM head, the group of this rank's two copies -- the rank of the first
+    stage and the rank of the last stage at the same place inside their stages (None on the ranks between). Every
+    rank creates every pair, in the same order, as `new_group` requires."""
+    grid = mesh.world.mesh  # pp outermost: grid[0] the first stage's ranks, grid[-1] the last's, in the same order
+    mine = None
+    for first, last in zip(grid[0].flatten().tolist(), grid[-1].flatten().tolist()):
+        group = dist.new_group([first, last])
+        if dist.get_rank() in (first, last):
+            mine = group
+    return mine
 
 
 __all__ = ["PipelineModel", "StageLayers", "StagePlan", "apply_pipeline", "cut_to_rank", "plan_pipeline"]

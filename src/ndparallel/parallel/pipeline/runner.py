@@ -41,7 +41,8 @@ class PipelineModel(nn.Module):
     model cut to this rank's stages, under its own parameter names (`unwrap` returns it)."""
 
     def __init__(self, module: nn.Module, stages: dict[int, nn.Module], plan: StagePlan,
-                 handler: PipelineParallelConfig, group: dist.ProcessGroup, device: torch.device) -> None:
+                 handler: PipelineParallelConfig, group: dist.ProcessGroup, device: torch.device,
+                 tie_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.module = module
         self._stage_modules = stages  # stage index -> its module (FSDP2 / DDP roots); not registered twice
@@ -51,6 +52,8 @@ class PipelineModel(nn.Module):
         self.device = device
         self.microbatches = handler.microbatches or plan.num_stages
         self.loss_factor: Callable[[], float] = lambda: 1.0  # the Accelerator's GradientState.loss_factor
+        self.sync_gradients: Callable[[], bool] = lambda: True  # whether this micro-step ends the optimizer step
+        self.tie_group = tie_group  # this rank's copy of a tied embedding / head and the other end's
         self.gradients_ready = False  # the last call ran backward: accelerator.backward has nothing left to do
         self._schedules: dict[Any, Any] = {}
         self.config = getattr(module, "config", None)
@@ -140,6 +143,8 @@ class PipelineModel(nn.Module):
                 return loss * scale
         schedule = self._schedule(input_ids, inputs, loss_fn, train=True)
         schedule.step(input_ids, target=target, return_outputs=False, **inputs)
+        if self.tie_group is not None and self.sync_gradients():
+            self._sum_tied_gradients()
         self.gradients_ready = True
         if sums:  # the last stage: this rank's mean loss over its batch
             # A new schedule's first step also runs the loss once while it learns the stages' shapes: the step's
@@ -165,6 +170,31 @@ class PipelineModel(nn.Module):
             else:
                 loss = self._user_loss()(logits, target)
         return self._output(loss, logits)
+
+    # ---- a tied embedding and LM head ------------------------------------------------------------------------------
+    def tied_copies(self) -> list[nn.Parameter]:
+        """This rank's copies of a tied embedding / LM head weight: the embedding's on the first stage, the head's on
+        the last (their values stay equal: both get the sum of both gradients, and the same optimizer update)."""
+        if not self.plan.tied:
+            return []
+        inner, head = self.module.model, self.module.lm_head
+        return [m.weight for m in (getattr(inner, "embed_tokens", None), head) if m is not None]
+
+    def _sum_tied_gradients(self) -> None:
+        """One weight used at both ends of the pipeline: its gradient is the sum of the embedding's and the head's.
+        Summed once per optimizer step, over the accumulated gradients (the copies are sharded alike inside their
+        stages, so local shards meet local shards)."""
+        for param in self.tied_copies():
+            grad = param.grad
+            if grad is None:
+                grad = param.grad = torch.zeros_like(param)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.tie_group)
+
+    def norm_duplicates(self) -> list[nn.Parameter]:
+        """Parameters whose gradient another stage holds too (the head's copy of a tied weight): left out of the
+        gradient norm so the weight counts once, as in one process."""
+        return [self.module.lm_head.weight] if self.plan.tied and self.module.lm_head is not None else []
 
     # ---- losses ---------------------------------------------------------------------------------------------------
     def _token_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:

@@ -8,7 +8,8 @@ V-shaped "zbv" schedule, rank s for s < pp and rank ``2*pp-1-s`` after.
 
 Cutting keeps every parameter's name: a decoder's ``layers`` becomes a `StageLayers` keyed by the original layer
 indices (``model.layers.5.mlp...`` stays that), modules of other stages are dropped. Checkpoints written under
-pipeline stages therefore hold the model's own names and load under any other layout.
+pipeline stages therefore hold the model's own names and load under any other layout. A tied embedding and LM head
+become two copies, the embedding's on the first stage and the head's on the last (`runner` keeps them equal).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class StagePlan:
     starts: tuple[int, ...]  # index into `units` at which each stage begins (starts[0] == 0)
     pp: int
     v_shape: bool  # stage placement of the "zbv" schedule
+    tied: bool = False  # a decoder whose LM head shares its weight with the input embedding (first and last stage)
 
     @property
     def num_stages(self) -> int:
@@ -111,11 +113,6 @@ def check_splittable(model: nn.Module, pp: int) -> str:
     if positions:
         raise ValueError(f"{where}: {name} adds learned positions ({positions[0]}) to its embeddings inside its "
                          "forward, which a later stage cannot skip; pipeline stages are not supported for it")
-    if getattr(config, "tie_word_embeddings", False) and model.lm_head.weight is inner.embed_tokens.weight:
-        raise ValueError(f"{where}: {name} ties its input embedding to its LM head (tie_word_embeddings=True), "
-                         "and they live on the first and the last stage; untie them before prepare() "
-                         "(model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone()); "
-                         "model.config.tie_word_embeddings = False) or use a layout without pp")
     experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, k, None)]
     if experts:
         raise ValueError(f"{where}: {name} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}), "
@@ -184,7 +181,12 @@ def plan_stages(model: nn.Module, pp: int, handler: PipelineParallelConfig) -> S
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"split={handler.split!r} leaves a stage empty or goes backwards: each entry must come "
                              f"after the one before it and after the first of the model's {what} ({units[0]!r})")
-    return StagePlan(kind, units, tuple(starts), pp, v_shape=PP_SCHEDULES[handler.schedule][1] == "2")
+    v_shape = PP_SCHEDULES[handler.schedule][1] == "2"
+    tied = kind == "decoder" and model.lm_head.weight is decoder_parts(model)[0].embed_tokens.weight
+    if tied and v_shape:
+        raise ValueError(f"pp_size={pp}: {type(model).__name__} ties its input embedding to its LM head, and schedule "
+                         f"{handler.schedule!r} puts the first and the last stage on one rank; use another schedule")
+    return StagePlan(kind, units, tuple(starts), pp, v_shape=v_shape, tied=tied)
 
 
 def _unit_index(entry: int | str, units: tuple[str, ...], kind: str) -> int:
