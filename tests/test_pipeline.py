@@ -524,8 +524,8 @@ FOUR = {"num_hidden_layers": LAYERS}
      "pp_size=2: schedule 'zero_bubble' computes weight gradients after FSDP2 has reduced them"),
     (dict(pp_size=2), "llama", FOUR, {"schedule": "zbv", "activation_checkpointing": True},
      "pp_size=2: schedule 'zbv' splits backward in two, which activation checkpointing does not support"),
-], ids=["too_many_stages", "tied_zbv", "tied_tp", "fp16", "loss_parallel", "whole_model_compile", "zbv_fsdp", "zero_bubble_cp",
-        "zbv_checkpointing"])
+], ids=["too_many_stages", "tied_zbv", "tied_tp", "fp16", "loss_parallel", "whole_model_compile", "zbv_fsdp",
+        "zero_bubble_cp", "zbv_checkpointing"])
 def test_layouts_a_pipeline_cannot_run_are_refused_on_every_rank(sizes, model_name, overrides, settings, message):
     world = 1
     for size in sizes.values():
