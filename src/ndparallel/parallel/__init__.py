@@ -8,6 +8,8 @@ are the mesh config's ``tp_handler`` / ``cp_handler``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from ..mesh import ParallelMesh
@@ -27,7 +29,7 @@ from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
 from .precision import apply_autocast, apply_master_weights
 from .presharded import gather_presharded
 from .sequence import apply_sequence_parallel, check_sequence_parallel
-from .tensor import apply_tensor_parallel, check_tensor_parallel
+from .tensor import apply_tensor_parallel, check_tensor_parallel, plan_styles
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
@@ -44,6 +46,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # 1. Pipeline stages: this rank keeps only what its stages run (names unchanged); the rest of the layout applies
     # to that part. Before the move to the device, so nothing else is ever placed there.
     if stages is not None:
+        if mesh.size("tp") > 1:
+            # Each stage is split as the whole model would be: the whole model's plan, resolved module by module
+            # (ties completed: a cut stage no longer sees its embedding tied to the last stage's head), applies to it.
+            options = dataclasses.replace(options, tp_plan=plan_styles(model, mesh.size("tp"), mesh.config.tp_handler,
+                                                                       options.tp_plan)[0])
         model = cut_to_rank(model, stages, mesh.rank("pp"))
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
     # ndparallel.checkpoint.pretrained) stay there.

@@ -11,9 +11,8 @@ or at the first batch; the planner says it before anything runs):
   sp (`parallel.sequence.layout`);
 - cp/sp attention computes no logit soft-capping;
 - dp_replicate x dp_shard divides the global batch's samples (each data-parallel rank gets whole samples);
-- pipeline stages (`parallel.pipeline`): at least one decoder layer per stage, no tied embedding and head together
-  with tp (the two copies, on the first and the last stage, would be split differently), and each micro-step's rows
-  split into the default schedule's micro-batches (one per stage).
+- pipeline stages (`parallel.pipeline`): at least one decoder layer per stage, and each micro-step's rows split into
+  the default schedule's micro-batches (one per stage).
 """
 
 from __future__ import annotations
@@ -162,14 +161,12 @@ def batch_reasons(batch: int, c: Constraints) -> list[str]:
     return []
 
 
-def pipeline_reasons(pp: int, batch: int, c: Constraints, tp: int = 1) -> list[str]:
+def pipeline_reasons(pp: int, batch: int, c: Constraints) -> list[str]:
     m, out = c.model, []
     if pp == 1:
         return out
     if pp > m.layers:
         out.append(f"pp={pp} stages for {m.layers} decoder layers (every stage needs one)")
-    if m.tied and tp > 1:
-        out.append(f"pp={pp} x tp={tp}: the tied embedding and LM head (first and last stage) cannot be split over tp")
     if c.samples % batch == 0 and (c.samples // batch) % pp:
         out.append(f"pp={pp}: {c.samples // batch} samples per data-parallel rank do not split into {pp} micro-batches")
     return out
@@ -178,7 +175,7 @@ def pipeline_reasons(pp: int, batch: int, c: Constraints, tp: int = 1) -> list[s
 def reasons(layout: Layout, c: Constraints) -> list[str]:
     """Why the library would refuse `layout` (empty: it accepts it)."""
     return (tp_reasons(layout.tp, c) + sequence_reasons(layout.cp, layout.sp, layout.tp, c)
-            + batch_reasons(layout.batch, c) + pipeline_reasons(layout.pp, layout.batch, c, layout.tp))
+            + batch_reasons(layout.batch, c) + pipeline_reasons(layout.pp, layout.batch, c))
 
 
 def _divisors(n: int) -> list[int]:

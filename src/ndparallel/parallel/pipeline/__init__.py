@@ -51,14 +51,6 @@ def plan_pipeline(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions)
             raise ValueError(f"pp_size={pp}: schedule {handler.schedule!r} splits backward in two, which "
                              "activation checkpointing does not support; use '1f1b' or 'interleaved_1f1b'")
     plan = plan_stages(model, pp, handler)
-    if plan.tied and mesh.size("tp") > 1:
-        # The two copies would be split over tp by different styles (the embedding's and the head's), so their
-        # gradients could not be summed shard by shard.
-        raise ValueError(f"pp_size={pp} with tp_size={mesh.size('tp')}: {type(model).__name__} ties its input "
-                         "embedding to its LM head, which live on the first and the last stage; tied weights under "
-                         "pp x tp are not supported yet: untie them (model.lm_head.weight = torch.nn.Parameter("
-                         "model.lm_head.weight.detach().clone()); model.config.tie_word_embeddings = False), or use "
-                         "pp with dp / cp / sp, or tp without pp")
     check_schedule(handler, plan)
     return plan
 
