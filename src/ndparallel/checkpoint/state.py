@@ -278,7 +278,7 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
     for j, opt in enumerate(prepared.optimizers):
         owner = prepared.models[owners[j]]
         state = get_optimizer_state_dict(state_module(owner), opt.optimizer, options=options)
-        state = _renamed(state, _TIED_NAMES if _holds_tied_copy(owner) else {})
+        state = _renamed(state, _tied_copy_names(owner))
         _written(f"optimizer {j}", final.parent,
                  lambda j=j, state=state: _write_state(state, staging / f"optimizer_{j}", full))
         del state
@@ -326,23 +326,21 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
-# Under pipeline stages the last stage's copy of a tied weight is named ``lm_head.weight``; the optimizer of an unsplit
-# tied model keeps its state under the weight's first name. The copy's state is written and read under that name
-# (both copies' states are equal), so optimizer checkpoints look alike under every layout.
-_TIED_NAMES = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-def _holds_tied_copy(model: torch.nn.Module) -> bool:
-    return isinstance(model, PipelineModel) and bool(model.norm_duplicates())
+def _tied_copy_names(model: torch.nn.Module) -> dict[str, str]:
+    """Under pipeline stages, {the last stage's copy of a tied weight: the weight's first name}: the copy's optimizer
+    state is written under the first name (both copies' states are equal), as an unsplit tied model's optimizer keeps
+    it, so optimizer checkpoints look alike under every layout (`PipelineModel.tied_copy_names`)."""
+    return model.tied_copy_names() if isinstance(model, PipelineModel) else {}
 
 
 def _tied_aliases(model: torch.nn.Module, directory: Path) -> dict[str, str]:
     """{this rank's name: the name to read its optimizer state under} for the last stage's copy of a tied weight,
-    where the checkpoint has no state under this rank's name."""
-    if not _holds_tied_copy(model):
+    where the checkpoint has no state under this rank's name (every checkpoint: see `_tied_copy_names`)."""
+    names = _tied_copy_names(model)
+    if not names:
         return {}
     keys = storage.read_dcp_metadata(directory).state_dict_metadata
-    return {} if any(key.startswith("state.lm_head.weight.") for key in keys) else dict(_TIED_NAMES)
+    return {name: first for name, first in names.items() if not any(k.startswith(f"state.{name}.") for k in keys)}
 
 
 def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
@@ -472,10 +470,9 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
     if input_dir is not None:
         path = Path(input_dir)
         meta, small = _check(prepared, path)
-        _check_layout(prepared, meta["state_dict_type"] == FULL)
     else:
         path, meta, small = _check_newest(prepared, project)
-        _check_layout(prepared, meta["state_dict_type"] == FULL)
+    _check_layout(prepared, meta["state_dict_type"] == FULL)
 
     # Objects whose load_state_dict may still refuse a state (a data loader under another kind of batching, a
     # user's object) go first, and are all put back if one refuses: then nothing has been touched.

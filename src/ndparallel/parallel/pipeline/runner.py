@@ -194,7 +194,15 @@ class PipelineModel(nn.Module):
     def norm_duplicates(self) -> list[nn.Parameter]:
         """Parameters whose gradient another stage holds too (the head's copy of a tied weight): left out of the
         gradient norm so the weight counts once, as in one process."""
-        return [self.module.lm_head.weight] if self.plan.tied and self.module.lm_head is not None else []
+        return [self.module.lm_head.weight] if self.tied_copy_names() else []
+
+    def tied_copy_names(self) -> dict[str, str]:
+        """{name of this rank's second copy of a tied weight: the weight's first name} -- the head's copy on the last
+        stage, ``{"lm_head.weight": "model.embed_tokens.weight"}``; empty elsewhere. An unsplit tied model's optimizer
+        keeps the weight's state under the first name, and so do checkpoints written under stages."""
+        if not self.plan.tied or self.module.lm_head is None:
+            return {}
+        return {"lm_head.weight": "model.embed_tokens.weight"}
 
     # ---- losses ---------------------------------------------------------------------------------------------------
     def _token_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
