@@ -14,13 +14,17 @@ import torch
 from ndparallel.parallel.sequence import kernels
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-H100, V100, T4 = (9, 0), (7, 0), (7, 5)
+H100, A100, V100, T4 = (9, 0), (8, 0), (7, 0), (7, 5)
 
 
+# On an H100 (torch 2.11) SDPA ran cuDNN's kernel for bf16 causal GQA attention with head dim 128 (docs/gpu.md).
 @pytest.mark.parametrize("device,dtype,head_dim,capability,expected", [
-    ("cuda", BF16, 128, H100, "flash"),
-    ("cuda", FP16, 64, H100, "flash"),
-    ("cuda", BF16, 256, H100, "flash"),
+    ("cuda", BF16, 128, H100, "cudnn"),
+    ("cuda", FP16, 64, H100, "cudnn"),
+    ("cuda", BF16, 128, A100, "flash"),      # cuDNN's kernel is used from sm90
+    ("cuda", FP16, 64, A100, "flash"),
+    ("cuda", BF16, 256, H100, "flash"),      # past cuDNN's largest head dim here
+    ("cuda", BF16, 256, A100, "flash"),
     ("cuda", BF16, 512, H100, "efficient"),   # past flash's largest head dim
     ("cuda", BF16, 100, H100, "math"),        # not a multiple of 8: neither half-precision kernel takes it
     ("cuda", FP32, 128, H100, "efficient"),   # flash has no fp32
@@ -37,6 +41,20 @@ def test_backend_choice_follows_sdpa_rules(device, dtype, head_dim, capability, 
     assert kernels.choose_backend(device, dtype, head_dim, capability, forced="auto") == expected
 
 
+def test_a_kernel_switched_off_for_sdpa_is_not_chosen():
+    assert kernels.choose_backend("cuda", BF16, 128, H100, enabled=("flash", "efficient")) == "flash"
+    assert kernels.choose_backend("cuda", BF16, 128, H100, enabled=("efficient",)) == "efficient"
+    assert kernels.choose_backend("cuda", BF16, 128, H100, enabled=()) == "math"
+    assert kernels._sdpa_enabled() == tuple(  # this machine's switches (a CPU build has no cuDNN)
+        name for name, on in [("cudnn", torch.backends.cudnn.is_available()), ("flash", True), ("efficient", True)]
+        if on)
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        assert "flash" not in kernels._sdpa_enabled()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+
+
 def test_forced_backends_and_their_refusals():
     assert kernels.choose_backend("cuda", BF16, 128, H100, forced="efficient") == "efficient"
     assert kernels.choose_backend("cuda", BF16, 128, H100, forced="math") == "math"
@@ -45,6 +63,11 @@ def test_forced_backends_and_their_refusals():
         kernels.choose_backend("cuda", FP32, 128, H100, forced="flash")
     with pytest.raises(ValueError, match="compute capability 8.0"):
         kernels.choose_backend("cuda", FP16, 128, V100, forced="flash")
+    assert kernels.choose_backend("cuda", BF16, 128, A100, forced="flash") == "flash"
+    with pytest.raises(ValueError, match="cuDNN attention is used on GPUs of compute capability 9.0"):
+        kernels.choose_backend("cuda", BF16, 128, A100, forced="cudnn")
+    with pytest.raises(ValueError, match="cuDNN attention needs a head dim .* at most 128, got 256"):
+        kernels.choose_backend("cuda", BF16, 256, H100, forced="cudnn")
     with pytest.raises(ValueError, match="runs on CUDA only"):
         kernels.choose_backend("cpu", BF16, 128, forced="flash")
     with pytest.raises(ValueError, match="does not run on CUDA"):
@@ -55,7 +78,7 @@ def test_forced_backends_and_their_refusals():
         kernels.choose_backend("cuda", BF16, 128, None, forced="auto")
 
 
-@pytest.mark.parametrize("backend", ["flash", "efficient"])
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 8)])
 @pytest.mark.parametrize("n,m,causal", [(100, 100, True), (100, 60, False)])
 def test_cuda_kernel_calling_conventions_on_meta(backend, heads, kv_heads, n, m, causal):

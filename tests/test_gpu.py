@@ -54,7 +54,7 @@ def backend():
     kernels.BACKEND = saved
 
 
-CASES = list(itertools.product(["flash", "efficient", "math"], [torch.bfloat16, torch.float16, torch.float32],
+CASES = list(itertools.product(["cudnn", "flash", "efficient", "math"], [torch.bfloat16, torch.float16, torch.float32],
                                [True, False], [(8, 2), (8, 8)], [64, 128]))
 
 

@@ -35,6 +35,7 @@ KEPT_OPS = frozenset(op for op in (
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
     getattr(_aten, "_scaled_mm", None) and _aten._scaled_mm.default,
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,  # what SDPA runs on Hopper GPUs (docs/gpu.md)
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 ) if op)
 

@@ -56,10 +56,11 @@ class _AllGatherAttention(torch.autograd.Function):
             out, lse = finish(state, (*qj.shape[:3], value.shape[-1]), query)
             outs.append(out)
             lses.append(lse)
-        result, lse_all = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        result, lse_all = torch.cat([o.to(query.dtype) for o in outs], dim=2), torch.cat(lses, dim=2)
+        # The output is kept as returned (the inputs' dtype, as SDPA keeps its own); the lse in fp32.
         ctx.save_for_backward(query, key, value, result, lse_all)
         ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
-        return result.to(query.dtype)
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):

@@ -18,14 +18,17 @@ h // (heads / kv_heads), as Hugging Face's ``repeat_kv`` and SDPA's ``enable_gqa
 Backends (`choose_backend`, the choice SDPA itself would make for the block):
 - CPU: ATen's fused flash-attention kernel for CPU (what ``scaled_dot_product_attention`` runs there; it returns the
   log-sum-exp and its backward accepts the final O and lse).
-- CUDA: ATen's flash-attention op and its backward for fp16/bf16 on sm80+ with head dims that are multiples of 8 up
+- CUDA: ATen's cuDNN attention op and its backward for fp16/bf16 on sm90+ with head dims that are multiples of 8 up
+  to 128 (GQA native; what SDPA itself runs there, measured about 1.8x faster than flash on an H100, docs/gpu.md);
+  else ATen's flash-attention op and its backward for fp16/bf16 on sm80+ with head dims that are multiples of 8 up
   to 256 (GQA native); else the memory-efficient (cutlass) op and its backward for fp16/bf16/fp32 with aligned head
-  dims (GQA by repeating K/V heads, their gradients summed back); else the math backend.
+  dims (GQA by repeating K/V heads, their gradients summed back); else the math backend. A kernel switched off for
+  SDPA (``torch.backends.cuda.enable_cudnn_sdp(False)`` and the like) is not chosen here either.
 - Anything else (fp64 on CUDA, other devices, odd head dims): an exact implementation from matmuls, tiled over query
   rows so that no more than `TILE_ELEMENTS` scores exist at a time, with softmax statistics in fp32 (fp64 for fp64
   inputs).
-Setting ``BACKEND`` to ``"math"`` forces the matmul implementation (tests do); ``"flash"`` or ``"efficient"`` force
-that CUDA kernel and raise where it does not apply.
+Setting ``BACKEND`` to ``"math"`` forces the matmul implementation (tests do); ``"cudnn"``, ``"flash"`` or
+``"efficient"`` force that CUDA kernel and raise where it does not apply.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from typing import Any
 
 import torch
 
-BACKEND = "auto"  # "auto": as `choose_backend`; "math", "flash", "efficient": that backend (see the docstring)
+BACKEND = "auto"  # "auto": as `choose_backend`; "math", "cudnn", "flash", "efficient": that backend (see the docstring)
 TILE_ELEMENTS = 1 << 22  # scores per tile of the math backend (16 MiB in fp32)
-BACKENDS = ("cpu_flash", "flash", "efficient", "math")
+BACKENDS = ("cpu_flash", "cudnn", "flash", "efficient", "math")
 _LSE_ALIGN = 32  # the memory-efficient CUDA kernel pads its log-sum-exp rows to a multiple of this
 
 
@@ -46,15 +49,25 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 # ---- which kernel runs a block ---------------------------------------------------------------------------------------
-def _flash_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str | None:
-    """Why CUDA's flash-attention op cannot run these inputs, or None if it can."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"flash attention needs fp16 or bf16 inputs, got {dtype}"
-    if capability < (8, 0):
-        return f"flash attention needs a GPU of compute capability 8.0 or newer, got {capability}"
-    if head_dim % 8 or head_dim > 256:
-        return f"flash attention needs a head dim that is a multiple of 8 and at most 256, got {head_dim}"
-    return None
+def _half_precision_kernel(name: str, min_capability: tuple[int, int], max_head_dim: int, needs: str):
+    """The rule of a fused kernel for fp16/bf16 only: why it cannot (or is not used to) run the inputs, or None."""
+
+    def reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str | None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"{name} needs fp16 or bf16 inputs, got {dtype}"
+        if capability < min_capability:
+            major, minor = min_capability
+            return f"{name} {needs} compute capability {major}.{minor} or newer, got {capability}"
+        if head_dim % 8 or head_dim > max_head_dim:
+            return f"{name} needs a head dim that is a multiple of 8 and at most {max_head_dim}, got {head_dim}"
+        return None
+
+    return reason
+
+
+# cuDNN's kernel runs on older GPUs too; SDPA (and so this module) uses it from sm90, where it is the fastest.
+_cudnn_reason = _half_precision_kernel("cuDNN attention", (9, 0), 128, "is used on GPUs of")
+_flash_reason = _half_precision_kernel("flash attention", (8, 0), 256, "needs a GPU of")
 
 
 def _efficient_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str | None:
@@ -69,15 +82,17 @@ def _efficient_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, 
     return None
 
 
-_CUDA_REASONS = {"flash": _flash_reason, "efficient": _efficient_reason}
+_CUDA_REASONS = {"cudnn": _cudnn_reason, "flash": _flash_reason, "efficient": _efficient_reason}  # in SDPA's order
 
 
 def choose_backend(device_type: str, dtype: torch.dtype, head_dim: int,
-                   capability: tuple[int, int] | None = None, forced: str | None = None) -> str:
+                   capability: tuple[int, int] | None = None, forced: str | None = None,
+                   enabled: tuple[str, ...] = ("cudnn", "flash", "efficient")) -> str:
     """The kernel for blocks of these inputs: one of `BACKENDS` (see the module docstring).
 
-    `capability`: the CUDA device's compute capability (needed for ``device_type="cuda"``). `forced` (default: the
-    module's ``BACKEND``) picks one; a forced CUDA kernel that cannot run the inputs raises ValueError saying why.
+    `capability`: the CUDA device's compute capability (needed for ``device_type="cuda"``). `enabled`: the CUDA
+    kernels that may be chosen (`_backend` passes those SDPA has switched on). `forced` (default: the module's
+    ``BACKEND``) picks one; a forced CUDA kernel that cannot run the inputs raises ValueError saying why.
     """
     forced = BACKEND if forced is None else forced
     if forced not in ("auto", *BACKENDS):
@@ -102,14 +117,24 @@ def choose_backend(device_type: str, dtype: torch.dtype, head_dim: int,
             raise ValueError(f"cannot use the {forced!r} attention kernel: {why}")
         return forced
     for name, reason in _CUDA_REASONS.items():
-        if reason(dtype, head_dim, capability) is None:
+        if name in enabled and reason(dtype, head_dim, capability) is None:
             return name
     return "math"
 
 
+def _sdpa_enabled() -> tuple[str, ...]:
+    """The CUDA kernels SDPA may use in this process (its ``torch.backends.cuda`` switches; cuDNN also needs cuDNN)."""
+    cuda = torch.backends.cuda
+    switches = {"cudnn": cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available(),
+                "flash": cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled()}
+    return tuple(name for name, on in switches.items() if on)
+
+
 def _backend(q: torch.Tensor) -> str:
-    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-    return choose_backend(q.device.type, q.dtype, q.shape[-1], capability)
+    if q.device.type != "cuda":
+        return choose_backend(q.device.type, q.dtype, q.shape[-1])
+    return choose_backend("cuda", q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device),
+                          enabled=_sdpa_enabled())
 
 
 # ---- math backend: queries of a K/V head folded into rows, tiled ----------------------------------------------------
@@ -135,7 +160,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_
             mask: Any) -> torch.Tensor:
     """Scaled scores of rows ``first_row..`` of the folded queries against `k`, masked above the diagonal (causal)
     and where `mask` (a `masking.BlockMask`: its ``rows(query offsets)`` is True where visible) says."""
-    s = torch.matmul(q, k.transpose(-1, -2)).to(acc_dtype(q)).mul_(scale)
+    acc = acc_dtype(q)  # half-precision scores would round the logits (1e-2 relative in bf16): fp32 operands
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)).mul_(scale)
     pos = torch.arange(first_row, first_row + q.shape[2], device=q.device) % n  # folded row r is query r % n
     if causal:
         s.masked_fill_(torch.arange(k.shape[2], device=q.device) > pos.unsqueeze(-1), float("-inf"))
@@ -151,11 +177,11 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mask: Any = None):
     heads, n, acc = q.shape[1], q.shape[2], acc_dtype(q)
-    qr = _rows(q, k.shape[1])
+    qr, kk = _rows(q, k.shape[1]), k.to(acc)
     out = torch.empty(*qr.shape[:3], v.shape[-1], dtype=acc, device=q.device)
     lse = torch.empty(qr.shape[:3], dtype=acc, device=q.device)
     for r0, r1 in _tiles(qr, k.shape[2]):
-        p = _scores(qr[:, :, r0:r1], k, scale, causal, r0, n, mask)
+        p = _scores(qr[:, :, r0:r1], kk, scale, causal, r0, n, mask)
         lse[:, :, r0:r1] = torch.logsumexp(p, dim=-1)
         p.sub_(_finite(lse[:, :, r0:r1]).unsqueeze(-1)).exp_()
         out[:, :, r0:r1] = torch.matmul(p.to(v.dtype), v)
@@ -172,7 +198,7 @@ def _math_backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask: An
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     for r0, r1 in _tiles(qr, k.shape[2]):
-        p = _scores(qr[:, :, r0:r1], k, scale, causal, r0, n, mask).sub_(lse[:, :, r0:r1].unsqueeze(-1)).exp_()
+        p = _scores(qr[:, :, r0:r1], kk, scale, causal, r0, n, mask).sub_(lse[:, :, r0:r1].unsqueeze(-1)).exp_()
         do = dor[:, :, r0:r1]
         dv += torch.matmul(p.transpose(-1, -2), do)
         ds = torch.matmul(do, vv.transpose(-1, -2)).sub_(delta[:, :, r0:r1].unsqueeze(-1)).mul_(p)
@@ -196,6 +222,22 @@ def _flash_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
         causal, seed, offset, scale=scale)
 
 
+def _cudnn_forward(q, k, v, scale: float, causal: bool):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, False, scale=scale)
+    return out, lse.squeeze(-1)  # its log-sum-exp is [B, H, n, 1]
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+    # Its backward reads O and dO in the layout its forward wrote O (contiguous [B, H, n, D]); no dropout: the
+    # random-state arguments are placeholders; no cumulative lengths: the dense (not nested) kernel.
+    placeholder = torch.zeros(1, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        lse.unsqueeze(-1).contiguous(), placeholder, placeholder, None, None, None, q.shape[2], k.shape[2], 0.0,
+        causal, scale=scale)
+
+
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
@@ -203,6 +245,11 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _sum_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     b, h, m, d = grad.shape
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, m, d).sum(2)
+
+
+def _bnhd(x: torch.Tensor) -> torch.Tensor:
+    """`x` ([B, H, n, D]) with its memory laid out as [B, n, H, D] (no copy if it already is)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _efficient_forward(q, k, v, scale: float, causal: bool):
@@ -216,8 +263,10 @@ def _efficient_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     heads, kv_heads, n = q.shape[1], k.shape[1], q.shape[2]
     padded = torch.nn.functional.pad(lse.contiguous(), (0, -n % _LSE_ALIGN))  # the layout its forward returned
     placeholder = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: no random state is read
+    # Its backward reads O (and dO) as [B, n, H, D] rows, the layout its forward wrote: a [B, H, n, D]-contiguous O
+    # gave dQ 129% off on an H100 (docs/gpu.md).
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, out.contiguous(), padded,
+        _bnhd(dout), q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, _bnhd(out), padded,
         placeholder, placeholder, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, _sum_kv(dk, kv_heads), _sum_kv(dv, kv_heads)
 
@@ -231,7 +280,8 @@ def _cpu_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
         dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-_KERNELS = {"cpu_flash": (_cpu_forward, _cpu_backward), "flash": (_flash_forward, _flash_backward),
+_KERNELS = {"cpu_flash": (_cpu_forward, _cpu_backward), "cudnn": (_cudnn_forward, _cudnn_backward),
+            "flash": (_flash_forward, _flash_backward),
             "efficient": (_efficient_forward, _efficient_backward), "math": (_math_forward, _math_backward)}
 
 
@@ -250,13 +300,13 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, scale: float, causal: bool,
                    mask: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's (dQ, dK, dV), in the accumulator dtype, given the final output `out` and log-sum-exp `lse`."""
+    """This block's (dQ, dK, dV) given the final output `out` and log-sum-exp `lse`: in the accumulator dtype (math
+    kernel) or the inputs' (fused kernels); callers add them into accumulator-dtype buffers."""
     backend, acc = ("math" if mask is not None else _backend(q)), acc_dtype(q)
     if backend == "math":
         return _math_backward(dout, q, k, v, out, lse, scale, causal, mask)
     # The fused kernels take gradients and outputs in the inputs' dtype, the log-sum-exp in fp32.
-    grads = _KERNELS[backend][1](dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(acc), scale, causal)
-    return tuple(g.to(acc) for g in grads)  # type: ignore[return-value]
+    return _KERNELS[backend][1](dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(acc), scale, causal)
 
 
 class Accumulated:

@@ -68,10 +68,11 @@ class _RingAttention(torch.autograd.Function):
                 block, owner = Ring.finish(pending), (owner - 1) % layout.size
         # A chunk whose queries saw no key at all (padding only) gets output 0, lse -inf.
         out, lse = zip(*(finish(o, (*query.shape[:2], n, value.shape[-1]), query) for o in out))
-        result, lse_all = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        result, lse_all = torch.cat([o.to(query.dtype) for o in out], dim=2), torch.cat(lse, dim=2)
+        # The output is kept as returned (the inputs' dtype, as SDPA keeps its own); the lse in fp32.
         ctx.save_for_backward(query, key, value, result, lse_all)
         ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
-        return result.to(query.dtype)
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
