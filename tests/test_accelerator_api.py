@@ -121,3 +121,46 @@ def test_an_object_is_refused_only_while_it_was_prepared_already():
     for refused, taken in run_ranks(_prepare_after_free_memory, 1):
         assert "argument 0 (a DataLoader) is already prepared" in refused
         assert taken == 50
+
+
+def _one_rank_with_a_plugin(offload: bool) -> dict:
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.tensor import DTensor
+
+    from ndparallel import Accelerator, DistributedType, FullyShardedDataParallelPlugin
+    from tiny_models import build_model
+
+    acc = Accelerator(mixed_precision="bf16", fsdp_plugin=FullyShardedDataParallelPlugin(
+        activation_checkpointing=True, cpu_offload=offload))
+    torch.manual_seed(0)
+    model = build_model("llama", num_hidden_layers=2)
+    reference = build_model("llama", num_hidden_layers=2)
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.arange(16).unsqueeze(0)
+    if not offload:  # a step before prepare: harmless where prepare keeps the parameters (FSDP2 refuses it)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        reference.load_state_dict(model.state_dict())
+        optimizer.zero_grad()
+    model, optimizer = acc.prepare(model, optimizer)
+    sharded = isinstance(next(model.parameters()), DTensor)  # (FSDP2's root keeps them gathered after a forward)
+    loss = model(input_ids=ids, labels=ids).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(input_ids=ids, labels=ids).loss
+    return {"fsdp": acc.distributed_type == DistributedType.FSDP,
+            "dtensor": sharded,
+            "checkpointed": [checkpoint.state(layer) is not None for layer in model.model.layers],
+            "loss_dtype": str(loss.dtype), "loss": loss.item(), "expected": expected.item()}
+
+
+def test_one_rank_with_an_fsdp_plugin_wraps_only_for_what_fsdp_does_there():
+    """One process: nothing to shard or reduce, so a plugin's model is not wrapped in FSDP2 (its hooks and copies cost
+    11% of a step on an H100, docs/gpu.md) -- its activation checkpointing and bf16 autocast still apply, and the
+    loss is the plain model's under autocast. CPU offload is something FSDP2 does on one rank: then it wraps."""
+    plain = run_ranks(_one_rank_with_a_plugin, 1, False)[0]
+    assert not plain["fsdp"] and not plain["dtensor"] and plain["checkpointed"] == [True, True]
+    assert plain["loss"] == plain["expected"], plain
+    offloaded = run_ranks(_one_rank_with_a_plugin, 1, True)[0]
+    assert offloaded["fsdp"] and offloaded["dtensor"] and offloaded["checkpointed"] == [True, True]
+    assert abs(offloaded["loss"] - offloaded["expected"]) < 5e-2, offloaded  # FSDP2 casts parameters, not ops

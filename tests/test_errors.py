@@ -146,7 +146,7 @@ def _stepped_optimizer(acc: Accelerator) -> None:
 
 def _optimizer_stepped_before_its_model_is_prepared() -> None:
     """The optimizer is prepared first (allowed: prepare(model) remaps it), but it steps before the model is."""
-    acc, model = _fsdp(), build_model("llama")
+    acc, model = _fsdp(cpu_offload=True), build_model("llama")  # (one rank: FSDP2 wraps for CPU offload)
     optimizer = acc.prepare(torch.optim.AdamW(model.parameters()))
     ids = torch.arange(8).unsqueeze(0)
     model(input_ids=ids, labels=ids).loss.backward()
@@ -222,7 +222,8 @@ CASES: list[Case] = [
     Case("scheduler-whose-optimizer-was-never-prepared", _scheduler_without_prepared_optimizer,
          ValueError, r"the LR scheduler's optimizer has not been prepared; pass the optimizer to prepare\(\) in the "
                      r"same call or before the scheduler"),
-    Case("optimizer-stepped-before-prepare-FSDP-1-rank", lambda: _stepped_optimizer(_fsdp()),
+    # (one rank: FSDP2 wraps only for what it does there too, here CPU offload; tests/test_accelerator_api.py)
+    Case("optimizer-stepped-before-prepare-FSDP-offload-1-rank", lambda: _stepped_optimizer(_fsdp(cpu_offload=True)),
          ValueError, r"the optimizer already has state \(it stepped before prepare\).*build the optimizer, prepare it, "
                      r"then train"),
     Case("optimizer-prepared-and-stepped-before-its-model-FSDP", _optimizer_stepped_before_its_model_is_prepared,
@@ -443,7 +444,7 @@ def test_scheduler_built_on_prepared_optimizer_is_accepted() -> None:
 def _optimizer_prepared_before_its_model() -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    acc, model = _fsdp(), build_model("llama")
+    acc, model = _fsdp(cpu_offload=True), build_model("llama")  # (one rank: FSDP2 wraps for CPU offload)
     original = {id(p) for p in model.parameters()}
     optimizer = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     model = acc.prepare(model)  # FSDP2 replaces every parameter: the optimizer prepared above must follow

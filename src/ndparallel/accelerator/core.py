@@ -80,9 +80,11 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         cpu: train on the CPU with gloo even where CUDA is available.
         dataloader_config: a `DataLoaderConfiguration` (split_batches, even_batches, non_blocking, data_seed).
         fsdp_plugin: FSDP2 settings (fields it leaves unset: from ``FSDP_*``). FSDP2 wraps the model when parameters
-            are sharded (``dp_shard * cp * sp > 1``), when a plugin is given (or ``ACCELERATE_USE_FSDP`` is set),
-            or when tensor parallelism meets data parallelism (torch's DDP takes no DTensor parameters, so
-            replication is FSDP2 over a shard group of one).
+            are sharded (``dp_shard * cp * sp > 1``), when a plugin is given (or ``ACCELERATE_USE_FSDP`` is set)
+            and there is more than one process -- on one process only for CPU offload, a mixed-precision policy or
+            meta-device loading; otherwise its activation checkpointing and autocast apply to the plain model --, or
+            when tensor parallelism meets data parallelism (torch's DDP takes no DTensor parameters, so replication
+            is FSDP2 over a shard group of one).
         log_with: trackers (`ndparallel.tracking`): names, `LoggerType`s, `GeneralTracker` objects, or "all".
         project_dir / project_config: where checkpoints and logs go (`ProjectConfiguration`).
         gradient_accumulation_plugin: a `GradientAccumulationPlugin` (num_steps, sync_each_batch).
