@@ -11,9 +11,9 @@ against plain PyTorch. Prints one table and writes it (Markdown) and the raw fig
     kernel). Medians of --repeats timed runs after a warm-up; peak memory above what the inputs hold.
 (b) Training a Llama of about 1B parameters (random init from a config; hidden 2048, 16 layers, 32/8 heads,
     vocabulary 32000), bf16 autocast with fp32 master weights, AdamW, sequence 4096, batch 1, activation
-    checkpointing off and on: `Accelerator.prepare` on one process against the same loop in plain PyTorch.
-    Tokens/s (median step after warm-up), their ratio, and MFU against this GPU's *measured* bf16 matmul rate
-    (8192^3 matmuls), also reported.
+    checkpointing off and on: `Accelerator.prepare` on one process against the same loop in plain PyTorch,
+    --train-rounds alternating runs of each. Tokens/s (median of the pooled steps after warm-up), their ratio, and
+    MFU against this GPU's *measured* bf16 matmul rate (8192^3 matmuls), also reported.
 """
 
 from __future__ import annotations
@@ -122,9 +122,9 @@ def llama_1b(layers: int, hidden: int = 2048, seq: int = 4096):
     return LlamaForCausalLM(config)
 
 
-def train_tokens_per_s(use_library: bool, checkpointing: bool, layers: int, hidden: int, seq: int, steps: int,
-                       device: torch.device) -> tuple[float, float]:
-    """(median tokens/s after 3 warm-up steps, final loss) of `steps` steps on random tokens."""
+def train_step_times(use_library: bool, checkpointing: bool, layers: int, hidden: int, seq: int, steps: int,
+                     device: torch.device) -> tuple[list[float], float]:
+    """(seconds of each step after 3 warm-up steps, final loss) of `steps` steps on random tokens."""
     model = llama_1b(layers, hidden, seq)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 32000, (1, seq), generator=g) for _ in range(steps)]
@@ -161,18 +161,29 @@ def train_tokens_per_s(use_library: bool, checkpointing: bool, layers: int, hidd
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return seq / statistics.median(times[3:]), final
+    return times[3:], final
 
 
-def training_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.device,
-                  peak: float) -> list[dict[str, Any]]:
+def training_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.device, peak: float,
+                  rounds: int = 2) -> list[dict[str, Any]]:
+    """Plain and library runs alternate `rounds` times (a fresh model each): step times on a GPU whose host CPU is
+    the bottleneck (activation checkpointing's Python hooks, seen on an H100 host) vary by +-15% from run to run, so
+    one run of each can differ by that much with no cause in the code. Tokens/s: seq / the median pooled step."""
     from ndparallel.metrics import flops_per_token
 
     per_token = flops_per_token(llama_1b(layers, hidden, seq).config, seq)
     rows = []
     for checkpointing in (False, True):
-        plain, plain_loss = train_tokens_per_s(False, checkpointing, layers, hidden, seq, steps, device)
-        lib, lib_loss = train_tokens_per_s(True, checkpointing, layers, hidden, seq, steps, device)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(rounds):
+            for use_library in (False, True):
+                step_times, loss = train_step_times(use_library, checkpointing, layers, hidden, seq, steps, device)
+                times[use_library] += step_times
+                if use_library:
+                    lib_loss = loss
+                else:
+                    plain_loss = loss
+        plain, lib = (seq / statistics.median(times[use]) for use in (False, True))
         rows.append({"activation_checkpointing": checkpointing, "plain_tokens_per_s": plain,
                      "library_tokens_per_s": lib, "ratio": lib / plain, "plain_mfu": plain * per_token / peak,
                      "library_mfu": lib * per_token / peak, "plain_final_loss": plain_loss,
@@ -208,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model-layers", type=int, default=16, help="16: about 1.1B parameters")
     p.add_argument("--train-seq-len", type=int, default=4096)
     p.add_argument("--train-steps", type=int, default=10)
+    p.add_argument("--train-rounds", type=int, default=2, help="alternating plain/library runs per setting")
     p.add_argument("--skip", choices=["attention", "training"], action="append", default=[])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: only checks that the program runs (tests do, with tiny sizes); figures mean nothing")
@@ -225,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     attention = [] if "attention" in args.skip else attention_rows(args.seq_lens, args.repeats, device,
                                                                     *args.attention_heads)
     training = [] if "training" in args.skip else training_rows(args.model_layers, args.model_hidden,
-                                                                 args.train_seq_len, args.train_steps, device, peak)
+                                                                 args.train_seq_len, args.train_steps, device, peak,
+                                                                 args.train_rounds)
     table = markdown(info, attention, training)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.md").write_text(table)
