@@ -175,10 +175,10 @@ def _styles(model: str, **config) -> tuple[dict[str, str], str]:
                            "model.embed_tokens": "embedding_rowwise"}),
     ("gemma3", "own plan", {"model.layers.1.self_attn.k_norm": "replicated_with_grad_allreduce",
                             "model.embed_tokens": "embedding_rowwise"}),
-    ("phi3", "own plan", {"model.layers.0.self_attn.qkv_proj": "colwise_gather_output",
-                          "model.layers.0.self_attn.o_proj": "rowwise_split_input",
-                          "model.layers.0.mlp.gate_up_proj": "colwise_gather_output"}),
-    ("gpt2", "built-in plan for 'gpt2'", {"transformer.h.0.attn.c_attn": "colwise_gather_output",
+    ("phi3", "plan for 'phi3' (used because", {"model.layers.0.self_attn.qkv_proj": "packed_colwise",
+                                               "model.layers.0.self_attn.o_proj": "rowwise",
+                                               "model.layers.0.mlp.gate_up_proj": "packed_colwise"}),
+    ("gpt2", "built-in plan for 'gpt2'", {"transformer.h.0.attn.c_attn": "packed_colwise",
                                           "transformer.h.0.mlp.c_fc": "colwise",
                                           "transformer.wte": "embedding_rowwise"}),
     ("olmo2", "plan for 'olmo2' (used because", {"model.layers.0.self_attn.q_norm": "sharded_norm",
@@ -284,15 +284,19 @@ def test_tied_weight_trains_to_the_single_process_parameters():
         assert max_param_diff(res["params"], results[0]["params"]) == 0.0
 
 
-def _tied_run(directory: str, layout: dict, load: bool) -> dict:
-    import torch
-
+def train_save_load(model_name: str, directory: str, layout: dict, load: bool, momentum_sgd: bool = False,
+                    save: bool = True) -> dict:
+    """Two steps then save_state + save_model under `layout` (`save`), or: load the state saved there and take one
+    more step. Returns whether the embedding and head are tied, and the gathered state dict (rank 0)."""
     from ndparallel import Accelerator, ParallelismConfig, set_seed
 
     accelerator = Accelerator(parallelism_config=ParallelismConfig(**layout))
     set_seed(1 if load else 0)  # the loading run starts from other weights
-    model = build_model("llama_tied")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = build_model(model_name)
+    # SGD with momentum: state to save and restore, and updates linear in the gradients (Adam's normalised step
+    # turns fp32 summation-order noise in near-zero gradients into differences of order lr)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if momentum_sgd else
+                 torch.optim.AdamW(model.parameters(), lr=1e-2))
     model, optimizer = accelerator.prepare(model, optimizer)
     if load:
         accelerator.load_state(f"{directory}/state")
@@ -301,13 +305,17 @@ def _tied_run(directory: str, layout: dict, load: bool) -> dict:
         accelerator.backward(model(input_ids=ids, labels=ids).loss)
         optimizer.step()
         optimizer.zero_grad()
-    if not load:
+    if not load and save:
         accelerator.save_state(f"{directory}/state")
         accelerator.save_model(model, f"{directory}/hf")
     inner = accelerator.unwrap_model(model)
     state = accelerator.get_state_dict(model)
-    return {"tied": inner.lm_head.weight is inner.model.embed_tokens.weight,
+    return {"tied": getattr(inner, "lm_head").weight is inner.get_input_embeddings().weight,
             "state": {k: v.clone() for k, v in state.items()} if state else None}
+
+
+def _tied_run(directory: str, layout: dict, load: bool) -> dict:
+    return train_save_load("llama_tied", directory, layout, load)
 
 
 def test_the_tie_survives_prepare_checkpoints_resharding_and_save_model(tmp_path):

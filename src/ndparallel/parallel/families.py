@@ -5,19 +5,25 @@ own), and the names of its fused layers -- layers whose weight packs several pro
 (Phi-3's ``qkv_proj`` and ``gate_up_proj``, GPT-2's ``c_attn``). Tied input/output embeddings, per-head q/k norms
 and mixtures of experts need no entry: the plan resolution handles them for every model (`ndparallel.parallel.tensor`).
 
-Fused layers are split as one matrix and their output all-gathered ("colwise_gather_output", as transformers' own
-Phi-3 plan does); the model then slices q/k/v or gate/up from the whole output by the global sizes it knows, and the
-layer after it takes its share of the input ("rowwise_split_input"). A plan that leaves a fused layer's output split
-("colwise") is refused: each rank would hold whole projections (rank 0 all of gate, rank 1 all of up) and the model's
-slicing would pair the wrong halves. Splitting the weight per projection instead (each rank a slice of q, of k and
-of v) cannot be stored by ``torch.distributed.checkpoint``, whose shards must be single blocks (it refuses such a
-DTensor with "overlapping chunks"), and FSDP2 composes its own sharding wrongly on the same dimension.
+Fused layers ("packed_colwise", `tensor_styles.PackedColwise`): each rank ends up with its slice of every projection
+packed in the layer -- its heads of q, of k and of v; its part of gate and of up -- so the model's own slicing and
+attention run on this rank's heads alone, and the layer after it is an ordinary "rowwise" one. The weight itself is
+split as one matrix (contiguous rows) and the layer's output re-laid per projection by one all-to-all over tp: a
+weight split per projection cannot be stored by ``torch.distributed.checkpoint``, whose shards must be single blocks
+(it refuses such a DTensor with "overlapping chunks"), so this keeps checkpoints, exports and resharding exactly as
+for any colwise layer. The all-to-all moves (tp-1)/tp of the layer's local output at most -- less than the
+all-gather of the whole output that transformers' own Phi-3 plan ("colwise_gather_output") needs before every rank
+computes all heads. A model whose attention slices q/k/v by its global sizes is told its local ones (`Fused.local`:
+attributes of the layer's parent divided by tp; a dotted name is read through the parent's config, which gets a
+view of its own). A plan that leaves a fused layer's output split as one matrix ("colwise") is refused: rank 0 would
+hold all of gate, rank 1 all of up, and the model's slicing would pair the wrong halves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 _DECODER_PLAN = {
     "embed_tokens": "embedding_rowwise",
@@ -33,32 +39,57 @@ _DECODER_PLAN = {
 
 
 @dataclass(frozen=True)
+class Fused:
+    """A layer packing several projections along its output features."""
+
+    what: str  # the projections, for messages ("q, k and v")
+    parts: Callable[[Any], tuple[int, ...]]  # config -> their relative sizes, in order (q, k, v: heads, kv, kv)
+    local: tuple[str, ...] = ()  # attributes of the layer's parent (or "config.<field>") that count them globally
+
+
+@dataclass(frozen=True)
 class Family:
     """Tensor-parallel facts about one family of models."""
 
     plan: Mapping[str, str] | None = None  # ndparallel's plan; None: the model's own (config.base_model_tp_plan)
     replaces_own_plan: str | None = None  # why `plan` is used even when the model has a plan of its own
-    fused: Mapping[str, str] = field(default_factory=dict)  # layer pattern -> the projections packed in it
+    fused: Mapping[str, Fused] = field(default_factory=dict)  # layer pattern (under a block) -> what it packs
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(plan=_DECODER_PLAN),
     "qwen2": Family(plan=_DECODER_PLAN),
     "mistral": Family(plan=_DECODER_PLAN),
-    # transformers has no plan for GPT-2. Its attention slices q/k/v from c_attn's output by the whole width.
+    # transformers has no plan for GPT-2. Its attention splits c_attn's output into q, k and v by `split_size`.
     "gpt2": Family(
         plan={
             "wte": "embedding_rowwise",
-            "h.*.attn.c_attn": "colwise_gather_output",
-            "h.*.attn.c_proj": "rowwise_split_input",
+            "h.*.attn.c_attn": "packed_colwise",
+            "h.*.attn.c_proj": "rowwise",
             "h.*.mlp.c_fc": "colwise",
             "h.*.mlp.c_proj": "rowwise",
             "lm_head": "colwise_gather_output",
         },
-        fused={"attn.c_attn": "q, k and v"},
+        fused={"attn.c_attn": Fused("q, k and v", lambda config: (1, 1, 1), local=("split_size",))},
     ),
-    # transformers' own Phi-3 plan gathers both fused layers' outputs: used as it is.
-    "phi3": Family(fused={"self_attn.qkv_proj": "q, k and v", "mlp.gate_up_proj": "gate and up"}),
+    # Phi-3 slices q from qkv_proj's output by config.num_attention_heads, k and v by its num_key_value_heads.
+    "phi3": Family(
+        plan={
+            "layers.*.self_attn.qkv_proj": "packed_colwise",
+            "layers.*.self_attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_up_proj": "packed_colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+            "lm_head": "colwise_gather_output",
+        },
+        replaces_own_plan="it splits the attention heads and the MLP per projection ('packed_colwise') where "
+                          "transformers' plan all-gathers qkv_proj's and gate_up_proj's outputs",
+        fused={
+            "self_attn.qkv_proj": Fused(
+                "q, k and v", lambda c: (c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads),
+                local=("num_key_value_heads", "config.num_attention_heads")),
+            "mlp.gate_up_proj": Fused("gate and up", lambda config: (1, 1)),
+        },
+    ),
     # OLMo 2 normalises q and k over the whole projection; transformers' plan all-gathers q, k and v for that, so
     # every rank computes attention over all heads. Here the norms run split (their mean all-reduced) instead.
     "olmo2": Family(

@@ -37,9 +37,10 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, para
 
 from ..config import TorchTensorParallelConfig
 from ..mesh import ParallelMesh
-from .families import BUILTIN_PLANS, FAMILIES
+from .families import BUILTIN_PLANS, FAMILIES, Fused
 from .options import PrepareOptions
-from .tensor_styles import ALIASES, STYLES, ShardSequenceOutput, build_style, is_norm, param_placements, split_dims
+from .tensor_styles import (ALIASES, STYLES, PackedColwise, ShardSequenceOutput, build_style, is_conv1d, is_norm,
+                            param_placements, split_dims)
 
 __all__ = ["ALIASES", "BUILTIN_PLANS", "STYLES", "apply_tensor_parallel", "check_plan", "check_tensor_parallel",
            "choose_plan", "hf_plan", "plan_styles", "resolve_plan", "tensor_parallel_styles", "tie_styles",
@@ -225,15 +226,46 @@ def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int) -> None:
             if size % tp:
                 raise ValueError(f"tensor-parallel style {style!r} splits {name}.{what}={size} over tp_size={tp}, "
                                  f"which does not divide it; tp sizes that work: {_divisors_of(size)}")
+    for name, style in resolved.items():
+        fused = _fused_entry(model, name)
+        if style == "colwise" and fused is not None:
+            raise ValueError(
+                f"{name!r} packs {fused.what} in one weight; 'colwise' would leave each tp rank whole projections "
+                "and the model would slice them by their global sizes, pairing the wrong parts -- give it "
+                "'packed_colwise' (each rank its slice of every projection) and the layer after it 'rowwise', or "
+                "'colwise_gather_output' and the layer after it 'rowwise_split_input'")
+        if style == "packed_colwise":
+            packed_sizes(model, name, tp)  # raises where the projections are unknown or not divisible
+
+
+def _fused_entry(model: nn.Module, name: str) -> Fused | None:
+    """The family's description of the fused layer `name`, if it is one."""
     family = FAMILIES.get(_model_type(model))
-    for pattern, pieces in (family.fused if family else {}).items():
-        regex = _pattern_regex(pattern)
-        for name, style in resolved.items():
-            if style == "colwise" and regex.fullmatch(name):
-                raise ValueError(
-                    f"{name!r} packs {pieces} in one weight; 'colwise' would leave each tp rank whole projections "
-                    "and the model would slice them by their global sizes, pairing the wrong parts -- give it "
-                    "'colwise_gather_output' and the layer after it 'rowwise_split_input'")
+    for pattern, fused in (family.fused if family else {}).items():
+        if _pattern_regex(pattern).fullmatch(name):
+            return fused
+    return None
+
+
+def packed_sizes(model: nn.Module, name: str, tp: int) -> tuple[int, ...]:
+    """The features of each projection packed in layer `name` (a "packed_colwise" layer), checked to split over tp."""
+    fused = _fused_entry(model, name)
+    if fused is None:
+        known = {t: list(f.fused) for t, f in FAMILIES.items() if f.fused}
+        raise ValueError(f"tensor-parallel style 'packed_colwise' for {name!r}: ndparallel does not know which "
+                         f"projections {type(model).__name__} packs there (it knows {known}); use "
+                         "'colwise_gather_output' and 'rowwise_split_input' after it")
+    module = dict(model.named_modules())[name]
+    features = module.nf if is_conv1d(module) else module.out_features
+    parts = fused.parts(model.config)
+    if features % sum(parts):
+        raise ValueError(f"{name!r} has {features} output features, not {fused.what} in the proportions {parts}")
+    sizes = tuple(features // sum(parts) * part for part in parts)
+    if any(size % tp for size in sizes):
+        raise ValueError(f"tensor-parallel style 'packed_colwise' splits each of {fused.what} in {name!r} (features "
+                         f"{sizes}) over tp_size={tp}, which does not divide them; tp sizes that work: "
+                         f"{_divisors_of(*sizes)}")
+    return sizes
 
 
 def _applies_to(style: str) -> str:
@@ -331,7 +363,8 @@ def tensor_parallel_styles(model: nn.Module, tp: int, config: TorchTensorParalle
     styles: dict[str, ParallelStyle] = {}
     for name, style in resolved.items():
         gathered = any(name.startswith(g + ".") for g in gathering)
-        built = build_style(style, modules[name], config.sequence_parallel, gathered, config.loss_parallel)
+        packed = packed_sizes(model, name, tp) if style == "packed_colwise" else ()
+        built = build_style(style, modules[name], config.sequence_parallel, gathered, config.loss_parallel, packed)
         if built is not None:
             built.src_data_rank = None  # every rank holds the same full weights: each slices its own shard
             styles[name] = built
@@ -359,9 +392,44 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
     groups = tied_groups(model)
     model = parallelize_module(model, mesh["tp"], styles)
     _retie(model, groups)
+    _localize_packed(model, mesh.size("tp"), [n for n, s in styles.items() if isinstance(s, PackedColwise)])
     if handler.loss_parallel:
         _run_forward_in_loss_parallel(model)
     return model
+
+
+class _ConfigView:
+    """A module's view of a shared config with some fields overridden (the attention of one tp rank counts its own
+    heads); every other field reads through to the config itself."""
+
+    def __init__(self, config: Any, **fields: Any) -> None:
+        base = config._config if isinstance(config, _ConfigView) else config
+        fields = {**(config._fields if isinstance(config, _ConfigView) else {}), **fields}
+        object.__setattr__(self, "_config", base)
+        object.__setattr__(self, "_fields", fields)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy/pickle protocols see this object, not the config (deepcopy keeps the view)
+            raise AttributeError(name)
+        fields = object.__getattribute__(self, "_fields")
+        return fields[name] if name in fields else getattr(object.__getattribute__(self, "_config"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._config, name, value)
+
+
+def _localize_packed(model: nn.Module, tp: int, names: list[str]) -> None:
+    """Tell the parent of each packed_colwise layer the sizes it now sees (`families.Fused.local`), divided by tp."""
+    modules = dict(model.named_modules())
+    for name in names:
+        fused = _fused_entry(model, name)
+        parent = modules[name.rpartition(".")[0]]
+        for attr in fused.local if fused else ():
+            if attr.startswith("config."):
+                field = attr.removeprefix("config.")
+                parent.config = _ConfigView(parent.config, **{field: getattr(parent.config, field) // tp})
+            else:
+                setattr(parent, attr, getattr(parent, attr) // tp)
 
 
 # ---- vocabulary-parallel loss ----------------------------------------------------------------------------

@@ -30,6 +30,9 @@ STYLES: dict[str, str] = {
                "(all-reduce, or reduce-scatter along the sequence with sequence parallelism)",
     "colwise_gather_output": "colwise, then the output is all-gathered (replicated), e.g. an LM head, or a fused "
                              "layer (qkv_proj, gate_up_proj) whose output the model slices by global sizes",
+    "packed_colwise": "a layer packing several projections along its output features (qkv_proj, gate_up_proj, "
+                      "c_attn): each rank's output holds its slice of every projection (feeds a rowwise layer); "
+                      "the weight is split as one matrix, the output re-laid by one all-to-all",
     "rowwise_split_input": "rowwise whose input arrives whole (after a colwise_gather_output layer): each rank "
                            "takes its slice of the input, partial outputs summed",
     "embedding_rowwise": "Embedding split along the vocabulary; each rank looks up its rows, results summed",
@@ -69,7 +72,10 @@ def split_dims(module: nn.Module, style: str) -> list[tuple[str, int]] | None:
     """The (attribute, size) pairs `style` splits over tp; None where the style does not apply to `module`."""
     if style in ("replicate", "replicated_with_grad_allreduce", "unsplit", "sequence_parallel", "gather_sequence"):
         return []
-    colwise, rowwise = style in ("colwise", "colwise_gather_output"), style in ("rowwise", "rowwise_split_input")
+    colwise = style in ("colwise", "colwise_gather_output", "packed_colwise")
+    rowwise = style in ("rowwise", "rowwise_split_input")
+    if style == "packed_colwise" and isinstance(module, nn.Embedding):
+        return None
     if isinstance(module, nn.Linear):
         if colwise:
             return [("out_features", module.out_features)]
@@ -103,7 +109,7 @@ def param_placements(module: nn.Module, style: str | None, sequence_parallel: bo
         return dict.fromkeys(names, Replicate()) if sequence_parallel else {}
     if style == "sharded_norm":
         return dict.fromkeys(names, Shard(0))
-    colwise = style in ("colwise", "colwise_gather_output")
+    colwise = style in ("colwise", "colwise_gather_output", "packed_colwise")
     if isinstance(module, nn.Embedding):
         return {"weight": Shard(1) if colwise else Shard(0)}
     out_dim = 1 if is_conv1d(module) else 0  # the dimension of the weight that holds the output features
@@ -113,9 +119,11 @@ def param_placements(module: nn.Module, style: str | None, sequence_parallel: bo
 
 
 def build_style(style: str, module: nn.Module, sequence_parallel: bool, gathered: bool,
-                loss_parallel: bool = False) -> ParallelStyle | None:
+                loss_parallel: bool = False, packed: tuple[int, ...] = ()) -> ParallelStyle | None:
     """The torch ParallelStyle for one module (None: nothing to apply). `gathered`: an ancestor already all-gathers
-    the sequence."""
+    the sequence. `packed`: for "packed_colwise", the sizes of the projections packed along the output, in order."""
+    if style == "packed_colwise":
+        return PackedColwise(build_style("colwise", module, sequence_parallel, gathered), packed)
     seq_in = Shard(_SEQ) if sequence_parallel and not gathered else Replicate()
     seq_out = Shard(_SEQ) if sequence_parallel else Replicate()
     conv = is_conv1d(module)
@@ -190,6 +198,86 @@ class _Conv1DRowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
         return _distribute_conv1d(self, "rowwise", module, device_mesh)
+
+
+class _PerProjection(torch.autograd.Function):
+    """Re-lay the output of a layer split as one matrix (rank r: columns [r*c, (r+1)*c) of the packed output) so that
+    rank r holds its slice of every projection, in projection order -- one all-to-all over tp along the features.
+    Backward sends the gradient back the same way."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, plan: tuple, group) -> torch.Tensor:
+        order, inverse, send, receive = plan
+        ctx.plan, ctx.group = plan, group
+        return _exchange(y, order, send, receive, group, None)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        order, inverse, send, receive = ctx.plan
+        return _exchange(grad, None, receive, send, ctx.group, inverse), None, None
+
+
+def _exchange(x: torch.Tensor, order, send: list[int], receive: list[int], group, reorder_after) -> torch.Tensor:
+    """All-to-all of `x`'s last dimension: columns `order` (or all, in place) go out in `send` counts per rank, and
+    `receive` counts come in; `reorder_after` permutes the received columns."""
+    if order is not None:
+        x = x.index_select(-1, order)
+    flat = x.movedim(-1, 0).contiguous()
+    out = flat.new_empty((sum(receive), *flat.shape[1:]))
+    dist.all_to_all_single(out, flat, output_split_sizes=receive, input_split_sizes=send, group=group)
+    out = out.movedim(0, -1)
+    if reorder_after is not None:
+        out = out.index_select(-1, reorder_after)
+    return out.contiguous()
+
+
+def per_projection_plan(sizes: tuple[int, ...], tp: int, rank: int, device) -> tuple:
+    """(the local columns in the order they are sent, its inverse, columns sent to each rank, columns received
+    from each rank) for rank `rank` of `tp`, whose packed output has projections of `sizes` features."""
+    total = sum(sizes)
+    width = total // tp
+
+    def wanted(d: int) -> list[int]:  # the global columns rank d ends up with, in order
+        cols, offset = [], 0
+        for size in sizes:
+            part = size // tp
+            cols += range(offset + d * part, offset + (d + 1) * part)
+            offset += size
+        return cols
+
+    mine = range(rank * width, (rank + 1) * width)
+    order, send = [], []
+    for d in range(tp):
+        cols = [c - rank * width for c in wanted(d) if c in mine]
+        order += cols
+        send.append(len(cols))
+    target = wanted(rank)
+    receive = [sum(1 for c in target if src * width <= c < (src + 1) * width) for src in range(tp)]
+    order_t = torch.tensor(order, dtype=torch.long, device=device)
+    return order_t, torch.argsort(order_t), send, receive
+
+
+class PackedColwise(ParallelStyle):
+    """"packed_colwise": the layer split as `base` (colwise) splits it, then its output re-laid per projection
+    (`_PerProjection`), so each rank holds its slice of every one of the `sizes` projections."""
+
+    def __init__(self, base: ParallelStyle, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.base, self.sizes = base, tuple(sizes)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self.base.src_data_rank = self.src_data_rank
+        module = self.base._apply(module, device_mesh)
+        group, plans = device_mesh.get_group(), {}
+
+        def relayout(_module, _args, output):
+            if output.device not in plans:  # index tensors on the output's device, built once
+                plans[output.device] = per_projection_plan(self.sizes, device_mesh.size(),
+                                                           device_mesh.get_local_rank(), output.device)
+            return _PerProjection.apply(output, plans[output.device], group)
+
+        module.register_forward_hook(relayout)
+        return module
 
 
 class _GatherSequence(ParallelStyle):
