@@ -99,7 +99,9 @@ def test_each_rank_holds_its_slice_of_every_projection(model_name, layers, sizes
     ("phi3", 2, ["--tp-size", "2", "--sequence-parallel"]),
     ("gpt2", 2, ["--tp-size", "2", "--sequence-parallel"]),
     ("phi3", 4, ["--pp-size", "2", "--tp-size", "2"]),
-], ids=["phi3-tp2-sequence-parallel", "gpt2-tp2-sequence-parallel", "phi3-pp2-tp2"])
+    ("phi3", 4, ["--tp-size", "2", "--cp-size", "2"]),  # attention on this rank's heads and sequence shard
+    ("phi3", 4, ["--tp-size", "2", "--sp-size", "2"]),
+], ids=["phi3-tp2-sequence-parallel", "gpt2-tp2-sequence-parallel", "phi3-pp2-tp2", "phi3-tp2-cp2", "phi3-tp2-sp2"])
 def test_packed_layers_keep_parity_in_more_layouts(model_name, world, flags):
     diff = loss_diff(run_layout(model_name, world, flags, 1), reference(model_name))
     assert diff <= 1e-5, f"{model_name} {flags}: {diff:.2e}"
