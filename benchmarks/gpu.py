@@ -14,6 +14,8 @@ against plain PyTorch. Prints one table and writes it (Markdown) and the raw fig
     checkpointing off and on: `Accelerator.prepare` on one process against the same loop in plain PyTorch,
     --train-rounds alternating runs of each. Tokens/s (median of the pooled steps after warm-up), their ratio, and
     MFU against this GPU's *measured* bf16 matmul rate (8192^3 matmuls), also reported.
+(c) The same model through `prepare` with mixed_precision="fp8" (torchao float8 layers) against "bf16", when
+    torchao is installed: tokens/s ratio and the largest gap between the two loss curves.
 """
 
 from __future__ import annotations
@@ -123,15 +125,16 @@ def llama_1b(layers: int, hidden: int = 2048, seq: int = 4096):
 
 
 def train_step_times(use_library: bool, checkpointing: bool, layers: int, hidden: int, seq: int, steps: int,
-                     device: torch.device) -> tuple[list[float], float]:
-    """(seconds of each step after 3 warm-up steps, final loss) of `steps` steps on random tokens."""
+                     device: torch.device, precision: str = "bf16") -> tuple[list[float], list[float]]:
+    """(seconds of each step after 3 warm-up steps, every step's loss) of `steps` steps on random tokens; the
+    library runs in `precision` ("bf16", or "fp8": torchao float8 layers)."""
     model = llama_1b(layers, hidden, seq)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 32000, (1, seq), generator=g) for _ in range(steps)]
     if use_library:
         from ndparallel import Accelerator, FullyShardedDataParallelPlugin
 
-        accelerator = Accelerator(mixed_precision="bf16", fsdp_plugin=FullyShardedDataParallelPlugin(
+        accelerator = Accelerator(mixed_precision=precision, fsdp_plugin=FullyShardedDataParallelPlugin(
             activation_checkpointing=checkpointing))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -143,7 +146,7 @@ def train_step_times(use_library: bool, checkpointing: bool, layers: int, hidden
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         backward, context = (lambda loss: loss.backward()), torch.autocast(device.type, dtype=torch.bfloat16)
     model.train()
-    times, loss = [], None
+    times, losses = [], []
     for ids in batches:
         ids = ids.to(device)
         sync(device)
@@ -155,13 +158,13 @@ def train_step_times(use_library: bool, checkpointing: bool, layers: int, hidden
         optimizer.zero_grad(set_to_none=True)
         sync(device)
         times.append(time.perf_counter() - start)
-    final = loss.item()
+        losses.append(loss.item())
     if use_library:
         accelerator.end_training()
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return times[3:], final
+    return times[3:], losses
 
 
 def training_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.device, peak: float,
@@ -177,12 +180,12 @@ def training_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(rounds):
             for use_library in (False, True):
-                step_times, loss = train_step_times(use_library, checkpointing, layers, hidden, seq, steps, device)
+                step_times, losses = train_step_times(use_library, checkpointing, layers, hidden, seq, steps, device)
                 times[use_library] += step_times
                 if use_library:
-                    lib_loss = loss
+                    lib_loss = losses[-1]
                 else:
-                    plain_loss = loss
+                    plain_loss = losses[-1]
         plain, lib = (seq / statistics.median(times[use]) for use in (False, True))
         rows.append({"activation_checkpointing": checkpointing, "plain_tokens_per_s": plain,
                      "library_tokens_per_s": lib, "ratio": lib / plain, "plain_mfu": plain * per_token / peak,
@@ -193,7 +196,36 @@ def training_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.
     return rows
 
 
-def markdown(info: dict[str, Any], attention: list[dict], training: list[dict]) -> str:
+def fp8_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.device, peak: float,
+             rounds: int = 2) -> list[dict[str, Any]]:
+    """The library in fp8 (torchao float8 layers, `mixed_precision="fp8"`) against itself in bf16, alternating
+    `rounds` runs each, activation checkpointing off: tokens/s, and how far the fp8 losses stray from bf16's (same
+    model, data and optimizer)."""
+    import importlib.util
+
+    from ndparallel.metrics import flops_per_token
+
+    if importlib.util.find_spec("torchao") is None:
+        print("fp8: skipped (torchao is not installed)", flush=True)
+        return []
+    per_token = flops_per_token(llama_1b(layers, hidden, seq).config, seq)
+    times: dict[str, list[float]] = {"bf16": [], "fp8": []}
+    curves: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for precision in ("bf16", "fp8"):
+            step_times, losses = train_step_times(True, False, layers, hidden, seq, steps, device, precision)
+            times[precision] += step_times
+            curves.setdefault(precision, losses)
+    bf16, fp8 = (seq / statistics.median(times[p]) for p in ("bf16", "fp8"))
+    gap = max(abs(a - b) for a, b in zip(curves["bf16"], curves["fp8"]))
+    print(f"training fp8: {fp8:,.0f} tokens/s, bf16 {bf16:,.0f} ({fp8 / bf16:.3f}x); largest loss gap {gap:.4f} "
+          f"over {steps} steps", flush=True)
+    return [{"bf16_tokens_per_s": bf16, "fp8_tokens_per_s": fp8, "ratio": fp8 / bf16, "max_loss_gap": gap,
+             "bf16_mfu": bf16 * per_token / peak, "fp8_mfu_of_bf16_peak": fp8 * per_token / peak,
+             "bf16_losses": curves["bf16"], "fp8_losses": curves["fp8"]}]
+
+
+def markdown(info: dict[str, Any], attention: list[dict], training: list[dict], fp8: list[dict] = ()) -> str:
     lines = [f"GPU check: {info['device']}, torch {info['torch']}, {info['date']}; measured bf16 matmul "
              f"{info['measured_bf16_tflops']:.0f} TFLOP/s", "",
              "| seq len | block kernel | block path ms | SDPA ms | time ratio (<= 1.10) | block peak GiB | "
@@ -208,6 +240,12 @@ def markdown(info: dict[str, Any], attention: list[dict], training: list[dict]) 
         lines.append(f"| {'on' if r['activation_checkpointing'] else 'off'} | {r['library_tokens_per_s']:,.0f} | "
                      f"{r['plain_tokens_per_s']:,.0f} | {r['ratio']:.3f} | {r['library_mfu']:.1%} | "
                      f"{r['plain_mfu']:.1%} |")
+    if fp8:
+        lines += ["", "| library fp8 tokens/s | library bf16 tokens/s | fp8 / bf16 | largest loss gap | "
+                  "bf16 MFU |", "|---|---|---|---|---|"]
+        for r in fp8:
+            lines.append(f"| {r['fp8_tokens_per_s']:,.0f} | {r['bf16_tokens_per_s']:,.0f} | {r['ratio']:.3f} | "
+                         f"{r['max_loss_gap']:.4f} | {r['bf16_mfu']:.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -220,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--train-seq-len", type=int, default=4096)
     p.add_argument("--train-steps", type=int, default=10)
     p.add_argument("--train-rounds", type=int, default=2, help="alternating plain/library runs per setting")
-    p.add_argument("--skip", choices=["attention", "training"], action="append", default=[])
+    p.add_argument("--skip", choices=["attention", "training", "fp8"], action="append", default=[])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: only checks that the program runs (tests do, with tiny sizes); figures mean nothing")
     p.add_argument("--model-hidden", type=int, default=2048, help=argparse.SUPPRESS)  # tiny for the CPU check
@@ -239,13 +277,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     training = [] if "training" in args.skip else training_rows(args.model_layers, args.model_hidden,
                                                                  args.train_seq_len, args.train_steps, device, peak,
                                                                  args.train_rounds)
-    table = markdown(info, attention, training)
+    fp8 = [] if "fp8" in args.skip else fp8_rows(args.model_layers, args.model_hidden, args.train_seq_len,
+                                                  args.train_steps, device, peak, args.train_rounds)
+    table = markdown(info, attention, training, fp8)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.md").write_text(table)
-    (args.out / "gpu_check.json").write_text(json.dumps({**info, "attention": attention, "training": training},
-                                                        indent=2))
+    (args.out / "gpu_check.json").write_text(json.dumps({**info, "attention": attention, "training": training,
+                                                         "fp8": fp8}, indent=2))
     print("\n" + table + f"\nwritten to {args.out}/gpu_check.md and gpu_check.json")
-    return {"info": info, "attention": attention, "training": training}
+    return {"info": info, "attention": attention, "training": training, "fp8": fp8}
 
 
 if __name__ == "__main__":

@@ -119,8 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--grad-accum", type=int, default=None,
                    help="micro-batches per optimizer step (default: the launcher's, else 1)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
-                   help="default: the launcher's, else no")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16", "fp8"], default=None,
+                   help="default: the launcher's, else no (fp8: torchao float8 layers, bf16 elsewhere)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--cp-strategy", choices=["allgather", "ring"], default="allgather",
                    help="with --cp-size > 1: all-gather K/V, or pass K/V blocks around a ring (less memory)")

@@ -116,3 +116,28 @@ def test_what_fp8_cannot_do_is_refused():
                    "transformer-engine")
     assert_refused(results, ("ValueError", r"AORecipeKwargs configures FP8 training; it needs mixed_precision='fp8'"),
                    "recipe-without-fp8")
+
+
+def test_fp8_on_a_gpu_without_compilation_is_warned_about():
+    """Eager float8 ran at 0.44x bf16's speed on an H100 (docs/gpu.md): a CUDA run without a compiling
+    TorchDynamoPlugin hears so once; CPU runs (tests, the example) and compiled runs do not."""
+    import types
+    import warnings
+
+    from ndparallel import ParallelismConfig, TorchDynamoPlugin
+    from ndparallel.parallel.fp8 import apply_fp8
+    from ndparallel.parallel.options import PrepareOptions
+
+    mesh = types.SimpleNamespace(config=ParallelismConfig(dp_replicate_size=1, dp_shard_size=1))
+
+    def warned(device: str, dynamo: TorchDynamoPlugin | None = None) -> list[str]:
+        model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+        options = PrepareOptions(torch.device(device), mixed_precision="fp8", dynamo_plugin=dynamo)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            apply_fp8(model, mesh, options)
+        return [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+
+    assert len(warned("cuda")) == 1 and "use_regional_compilation=True" in warned("cuda")[0]
+    assert warned("cpu") == []
+    assert warned("cuda", TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)) == []
