@@ -7,11 +7,17 @@ Environment variables read here (``ndparallel launch`` sets the first ones):
 - ``NDPARALLEL_TIMEOUT``: seconds a collective may wait for the other ranks before it fails (default 600; see
   `resolve_timeout`); an explicit ``init_runtime(timeout=...)`` (``InitProcessGroupKwargs(timeout=...)``) wins;
 - ``NDPARALLEL_HEARTBEAT_DIR``: set by ``ndparallel launch --stall-timeout``; `heartbeat` writes there.
+
+A process group left to interpreter shutdown (a script that never calls ``end_training()``, or one that raises) now
+and then aborts its rank (gloo's threads outlive the interpreter: "terminate called without an active exception",
+exit code 134): `release_process_group` runs at exit to release it while the interpreter is whole.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import json
 import os
 import socket
@@ -99,6 +105,7 @@ def init_runtime(cpu: bool = False, timeout: datetime.timedelta | float | None =
         if "nccl" in backend:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
+    release_at_exit()  # whoever started it: the library's groups hang off it
     backend = dist.get_backend()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -110,6 +117,35 @@ def init_runtime(cpu: bool = False, timeout: datetime.timedelta | float | None =
         torch.cuda.set_device(device)
     heartbeat("init_process_group")
     return Runtime(rank, world_size, local_rank, local_world_size, device, str(backend), timeout)
+
+
+def release_process_group() -> None:
+    """Destroy the default process group (and every group made from it), if one exists, after freeing the finished
+    gloo work objects that reference it. Local: no collective, so it cannot wait for another rank."""
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+_registered = False
+
+
+def release_at_exit() -> None:
+    """Release a gloo process group at interpreter exit if the script did not (see the module's docstring). NCCL's
+    is left to torch: destroying it while a peer has failed mid-collective can block, where its destructor does not."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+
+    def release() -> None:
+        try:
+            if dist.is_initialized() and dist.get_backend() == "gloo":
+                release_process_group()
+        except Exception:  # noqa: BLE001 -- at exit, nothing is left to report to
+            pass
+
+    atexit.register(release)
 
 
 # ---- heartbeat -------------------------------------------------------------------------------------------------

@@ -80,6 +80,19 @@ def die_with_launcher() -> str:
 
 def main(argv: list) -> None:
     die_with_launcher()
+    try:
+        _run(argv)
+    finally:
+        # Whatever the script was (ndparallel's Accelerator, stock Accelerate, the Trainer, plain torch) and however
+        # it ended, a gloo process group it left behind is released at exit while the interpreter is whole
+        # (`ndparallel.runtime.release_at_exit`); torch is imported here only if the script imported it.
+        if "torch.distributed" in sys.modules:
+            from ndparallel.runtime import release_at_exit
+
+            release_at_exit()
+
+
+def _run(argv: list) -> None:
     if argv[:1] == ["-m"]:
         if len(argv) < 2:
             sys.exit("ndparallel worker: -m needs a module name")

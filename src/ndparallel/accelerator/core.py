@@ -19,7 +19,6 @@ Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -47,7 +46,7 @@ from ..optim import AcceleratedOptimizer, AcceleratedScheduler
 from ..parallel.sequence import SequenceSharding
 from ..plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 from ..record import PreparedObjects
-from ..runtime import heartbeat
+from ..runtime import heartbeat, release_process_group
 from ..state import AcceleratorState, PartialState
 from ..tracking import GeneralTracker, Trackers
 from . import settings as _settings
@@ -558,10 +557,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         self.trackers.finish()
         if dist.is_initialized():
             self.wait_for_everyone()
-            # Free dead gloo work objects while the interpreter is whole: left to interpreter shutdown, they
-            # abort the process now and then ("terminate called without an active exception", 4 of 33 runs).
-            gc.collect()
-            dist.destroy_process_group()
+            release_process_group()
         PartialState._reset_state()
 
     def __repr__(self) -> str:
