@@ -101,6 +101,14 @@ def test_sequence_parallel_with_a_length_tp_does_not_divide():
     assert_losses_match(results, ref, "tp4 sp seq 15")
 
 
+@pytest.mark.parametrize("optimizer", ["adamw_foreach", "adamw_fused"])
+def test_multi_tensor_optimizers_under_tensor_parallelism_alone(optimizer):
+    """TP without FSDP2 leaves some parameters plain (norms) beside the sharded DTensors: torch's foreach and fused
+    AdamW kernels, which take a parameter group in one call, get groups of one kind (`optim.uniform_param_groups`)."""
+    results = run_layout("llama", 2, ["--tp-size", "2", "--no-fsdp-plugin"], 1, "--optimizer", optimizer)
+    assert_losses_match(results, reference("llama"), f"tp2 {optimizer}")
+
+
 @pytest.mark.parametrize("extra", [["--activation-checkpointing"], ["--no-fsdp-plugin"]],
                          ids=["fsdp2_tp2_activation_checkpointing", "tp2_without_fsdp_plugin"])
 def test_options_keep_parity(extra):

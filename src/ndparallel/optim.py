@@ -2,11 +2,61 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .loss import GradientState
+
+
+def _kind(param: torch.Tensor) -> Any:
+    """What a fused or foreach kernel call must not mix: plain tensors, and DTensors of each mesh."""
+    return param.device_mesh if isinstance(param, DTensor) else None
+
+
+def _uses_multi_tensor_kernels(group: dict[str, Any]) -> bool:
+    """Whether torch's optimizer would update the group with fused or foreach kernels (its default picks foreach
+    on GPUs when neither is given)."""
+    if group.get("fused") or group.get("foreach"):
+        return True
+    return group.get("foreach", False) is None and not group.get("fused") and any(
+        p.device.type != "cpu" for p in group["params"])
+
+
+@contextlib.contextmanager
+def uniform_param_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """For the optimizer step: split param groups that mix plain tensors with DTensors (tensor parallelism without
+    FSDP2 leaves norms plain), or DTensors of different meshes, into groups of one kind with the same settings.
+
+    torch's fused and foreach kernels take the group's tensors in one call and refuse such a mix ("got mixed
+    torch.Tensor and DTensor"); the update itself is per element, so splitting changes no number. Per-parameter
+    state is keyed by parameter, so it is untouched; settings a step writes back into its group (the learning rate
+    an adaptive optimizer tunes) are copied to the original group afterwards."""
+    groups = optimizer.param_groups
+    split, parts = [], []
+    for group in groups:
+        by_kind: dict[Any, list[torch.Tensor]] = {}
+        for param in group["params"]:
+            by_kind.setdefault(_kind(param), []).append(param)
+        pieces = ([{**group, "params": params} for params in by_kind.values()]
+                  if len(by_kind) > 1 and _uses_multi_tensor_kernels(group) else [group])
+        split.extend(pieces)
+        parts.append((group, pieces))
+    if len(split) == len(groups):
+        yield
+        return
+    optimizer.param_groups = split
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups
+        for group, pieces in parts:
+            for key, value in pieces[0].items():
+                if key != "params" and value is not group.get(key):
+                    group[key] = value
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -54,9 +104,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             return None
         if self.scaler is None:
             self._step_was_skipped = False
-            return self.optimizer.step(closure)
+            with uniform_param_groups(self.optimizer):
+                return self.optimizer.step(closure)
         scale_before = self.scaler.get_scale()
-        self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+        with uniform_param_groups(self.optimizer):
+            self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
         self.scaler.update()
         self._step_was_skipped = self.scaler.get_scale() < scale_before
         return None

@@ -44,7 +44,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--optimizer", choices=("adamw", "adamw_foreach", "adamw_fused", "sgd"), default="adamw")
     p.add_argument("--uneven-labels", action="store_true")
     p.add_argument("--eval-inside-step", action="store_true",
                    help="iterate a prepared evaluation loader (other loss-token counts) inside every training step")

@@ -72,10 +72,12 @@ class TokenDataset(Dataset):
 
 
 def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    """AdamW for loss parity; SGD where parameters are compared (Adam magnifies rounding in near-zero grads)."""
+    """AdamW for loss parity; SGD where parameters are compared (Adam magnifies rounding in near-zero grads).
+    "adamw_foreach" / "adamw_fused": the same AdamW through torch's multi-tensor kernels."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    kernels = {"adamw": {}, "adamw_foreach": {"foreach": True}, "adamw_fused": {"fused": True}}[name]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, **kernels)
 
 
 class PlainAttention(nn.Module):
