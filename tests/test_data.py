@@ -215,3 +215,34 @@ def test_random_sampler_with_replacement_draws_one_shared_sequence(sampled):
     assert rank0 != rank1
     assert [r["replacement"] for r in sampled["again"]] == [rank0, rank1]
     _split_check(sampled, "replacement")
+
+
+def _per_batch_values(world: int, n: int, batch_size: int) -> list[list[float]]:
+    """A per-batch value repeated to the loader's batch size (the Hugging Face Trainer's evaluation losses)."""
+    from ndparallel import Accelerator, ParallelismConfig
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=world) if world > 1 else None)
+    loader = acc.prepare(DataLoader(list(range(n)), batch_size=batch_size))
+    out = []
+    for batch in loader:
+        value = batch.float().mean()
+        out.append(acc.gather_for_metrics(value.repeat(batch_size)).tolist())
+    return out
+
+
+@pytest.mark.parametrize("world,n", [(1, 10), (2, 11), (2, 13)], ids=["1rank-last2", "2ranks-last3", "2ranks-last5"])
+def test_gather_for_metrics_keeps_the_real_samples_of_a_final_partial_batch(world, n):
+    """As Accelerate: on the final batch, when it is not a whole global batch, the first `remainder` gathered rows
+    (`remainder`: its real samples), whatever each rank's tensor holds; a whole final batch is kept whole. On one
+    process that counts a per-batch value repeated to the batch size once per real sample of the short batch."""
+    gathered = run_ranks(_per_batch_values, world, world, n, 4)[0]
+    full, last = divmod(n, 4 * world)
+    assert [len(g) for g in gathered] == [4 * world] * full + ([last] if last else [])
+    # each rank's final batch: its share of the leftovers, topped up from the start of the pass (samples 0, 1, ...)
+    leftovers = list(range(full * 4 * world, n))
+    share = -(-len(leftovers) // world)
+    padded = leftovers + list(range(share * world - len(leftovers)))
+    means = [float(np.mean(padded[r * share:(r + 1) * share])) for r in range(world)]
+    assert gathered[-1] == pytest.approx([m for m in means for _ in range(4)][:last])
+    if world == 1:
+        assert gathered[-1] == pytest.approx([float(np.mean(leftovers))] * last)

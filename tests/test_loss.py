@@ -69,8 +69,8 @@ def test_loss_factor():
 
 
 # ---- which loader the step follows ---------------------------------------------------------------------------------
-def _info(tokens: int, ends: bool, end: bool = False, padding: int = 0) -> BatchInfo:
-    return BatchInfo(tokens, 10 * tokens, 2, ends, end, padding)
+def _info(tokens: int, ends: bool, end: bool = False, remainder: int = 0) -> BatchInfo:
+    return BatchInfo(tokens, 10 * tokens, 2, ends, end, remainder)
 
 
 def test_the_innermost_active_loader_feeds_the_step():
@@ -80,8 +80,8 @@ def test_the_innermost_active_loader_feeds_the_step():
     state.on_batch(train, _info(5, ends=False))
     assert state.advance() is False and state.batch.local_tokens == 5
     state.enter(evaluation)  # an evaluation pass inside the training step
-    state.on_batch(evaluation, _info(1, ends=True, end=True, padding=3))
-    assert state.batch.local_tokens == 1 and state.remainder == 3  # gather_for_metrics inside the pass: its padding
+    state.on_batch(evaluation, _info(1, ends=True, end=True, remainder=3))
+    assert state.batch.local_tokens == 1 and state.remainder == 3  # gather_for_metrics inside the pass: its rows
     state.leave(evaluation)
     assert state.batch.local_tokens == 5 and state.remainder == 0  # back to the training batch
     assert state.loss_factor() == 5 / 50

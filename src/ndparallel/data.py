@@ -59,7 +59,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.seed = seed
         self.even_batches = even_batches
-        self.last_padding = 0  # samples repeated in the final batch of the last pass
+        self.last_remainder = 0  # real samples of the last pass's final global batch, when it was not whole
         # Where the next pass starts (set when resuming from a checkpoint, read once by `__iter__`): skip this many
         # batches of `batch_sampler`, or -- when resuming with another batch size -- this many of its sampler's
         # indices, re-batched after that.
@@ -100,7 +100,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
             yield list(batch), i < skip_batches
 
     def _shards(self, skip_batches: int, skip_samples: int) -> Iterator[list[int]]:
-        self.last_padding = 0
+        self.last_remainder = 0
         group: list[list[int]] = []
         first: list[int] = []
         for batch, skipped in self._batches(skip_batches, skip_samples):
@@ -112,17 +112,21 @@ class ShardedBatchSampler(Sampler[list[int]]):
             # A group is whole when it has a batch for every shard, all as long as the first (only the very last
             # batch of a pass can be short: that group is evened out below, as the leftovers are).
             if len(group) == self.num_shards and (len(batch) == len(group[0]) or not self.even_batches):
+                full = getattr(self.batch_sampler, "batch_size", None)
+                if full is not None and len(batch) < full:  # the pass's last batch, short on every shard
+                    self.last_remainder = sum(len(b) for b in group)
                 yield group[self.shard_index]
                 group = []
         if group and not self.drop_last and not self.even_batches:  # as they come: a short batch, or none
+            self.last_remainder = sum(len(b) for b in group)
             if self.shard_index < len(group):
                 yield group[self.shard_index]
         elif group and not self.drop_last:
             rest = [i for b in group for i in b]
+            self.last_remainder = len(rest)
             per_shard = math.ceil(len(rest) / self.num_shards)
             needed = per_shard * self.num_shards - len(rest)
             rest += [first[i % len(first)] for i in range(needed)]
-            self.last_padding = needed
             yield rest[self.shard_index * per_shard:(self.shard_index + 1) * per_shard]
 
     def __len__(self) -> int:
@@ -158,7 +162,7 @@ class IterableDatasetShard(IterableDataset):
         self.shard_index = shard_index
         self.drop_last = drop_last
         self.even_batches = even_batches
-        self.last_padding = 0
+        self.last_remainder = 0
         self.resume_samples = 0  # samples of the pass consumed before a checkpoint (read once by `__iter__`)
 
     def set_epoch(self, epoch: int) -> None:
@@ -177,7 +181,7 @@ class IterableDatasetShard(IterableDataset):
         return self._samples(skip)
 
     def _samples(self, skip: int) -> Iterator[Any]:
-        self.last_padding = 0
+        self.last_remainder = 0
         run = self.num_shards * self.batch_size
         first: list[Any] = []
         buffer: list[Any] = []
@@ -192,12 +196,13 @@ class IterableDatasetShard(IterableDataset):
                 yield from buffer[lo:hi]
                 buffer = []
         if buffer and not self.drop_last and not self.even_batches:  # as they come: a short batch, or none
+            self.last_remainder = len(buffer)
             yield from buffer[lo:hi]
         elif buffer and not self.drop_last:
+            self.last_remainder = len(buffer)
             per_shard = math.ceil(len(buffer) / self.num_shards)
             needed = per_shard * self.num_shards - len(buffer)
             buffer += [first[i % len(first)] for i in range(needed)]
-            self.last_padding = needed
             yield from buffer[self.shard_index * per_shard:(self.shard_index + 1) * per_shard]
 
 
@@ -382,7 +387,7 @@ class PreparedDataLoader:
                 if self.gradient_state is not None:
                     self.gradient_state.on_batch(self, BatchInfo(
                         local_tokens=counts[i], window_tokens=total, window_batches=len(window), ends_window=last,
-                        end_of_dataloader=end, padding=self._shard.last_padding if end else 0,
+                        end_of_dataloader=end, remainder=self._shard.last_remainder if end else 0,
                         sequence_layout=layouts[i]))
                 self._position += self._step  # counted before the yield: the batch is the caller's now
                 yield (move_to_device(batch, self.device, self.non_blocking or self.loader.pin_memory)

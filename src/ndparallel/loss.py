@@ -118,7 +118,10 @@ class BatchInfo:
     window_batches: int  # micro-batches in this accumulation window (the last one may be short)
     ends_window: bool  # last micro-batch before an optimizer step
     end_of_dataloader: bool
-    padding: int = 0  # samples repeated at the end of this (final) batch to even it out across ranks
+    # Accelerate's meaning: the real samples of a final global batch that is not whole (0 when it is whole). The
+    # samples repeated to even it out across ranks come after them in rank order, so gathering, then keeping the
+    # first `remainder` rows, keeps every sample once.
+    remainder: int = 0
     sequence_layout: Any = None  # the cp x sp layout chosen for this batch (a document-balanced one), None: default
 
 
@@ -150,6 +153,7 @@ class GradientState:
         self._batches: dict[Hashable, BatchInfo] = {}
         self._fresh: set[Hashable] = set()  # loaders whose latest batch no micro-step has started on yet
         self._logged: dict[Hashable, tuple[torch.Tensor, BatchInfo | None, bool]] = {}  # log_loss's running sums
+        self.plugin_kwargs: dict[str, Any] = {"num_steps": accumulation_steps}  # Accelerate's: the plugin's settings
 
     # ---- data loaders ------------------------------------------------------------------------------------------
     def enter(self, loader: Hashable) -> None:
@@ -175,9 +179,10 @@ class GradientState:
 
     @property
     def remainder(self) -> int:
-        """Samples repeated at the end of the current loader's final batch (`gather_for_metrics` drops them)."""
+        """On the current loader's final batch, when it is not a whole global batch, its number of real samples
+        (`gather_for_metrics` keeps that many rows); 0 otherwise. Accelerate's meaning."""
         info = self.batch
-        return info.padding if info is not None and info.end_of_dataloader else 0
+        return info.remainder if info is not None and info.end_of_dataloader else 0
 
     @property
     def num_steps(self) -> int:
@@ -215,6 +220,12 @@ class GradientState:
                 self.step = 0
         self.optimizer_steps += self.sync_gradients
         return self.sync_gradients
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's setter for a loop that runs its own accumulation windows (the Hugging Face Trainer does):
+        whether the coming micro-step ends one (its optimizer step then happens)."""
+        self.sync_gradients = bool(sync_gradients)
+        self.optimizer_steps += self.sync_gradients
 
     def loss_factor(self) -> float:
         """The factor `backward` scales the current micro-batch's loss by (`loss_factor`)."""

@@ -37,16 +37,19 @@ class CollectivesMixin:
             return operations.gather(tensor, self.mesh, "batch")
 
     def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
-        """`gather`, minus the samples repeated to even out the last batch across ranks."""
-        drop = self.gradient_state.remainder
+        """`gather`; on the final batch of a data loader, when it is not a whole global batch, only its real samples:
+        the first ``gradient_state.remainder`` rows (the samples repeated to even it out across ranks come after
+        them), as Accelerate does -- so a per-batch value repeated to the batch size (the Hugging Face Trainer's
+        losses) counts as many times as the batch has samples."""
+        keep = self.gradient_state.remainder
         if use_gather_object or not isinstance(data, (torch.Tensor, dict, list, tuple)):
             with self._watched("gather_for_metrics", "batch"):
                 parts = operations.gather_object(data, self.mesh, "batch")
             flat = [x for part in parts for x in (part if isinstance(part, list) else [part])]
-            return flat[: len(flat) - drop]
+            return flat[:keep] if keep else flat
         with self._watched("gather_for_metrics", "batch"):
             gathered = operations.gather(data, self.mesh, "batch")
-        return operations.map_tensors(gathered, lambda t: t[: t.shape[0] - drop]) if drop else gathered
+        return operations.map_tensors(gathered, lambda t: t[:keep]) if keep else gathered
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Sum or average over the ranks whose values are distinct contributions (the ``loss`` view)."""
