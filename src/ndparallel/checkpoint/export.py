@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..agreement import monitored_barrier
 from ..helpers import progress_bar
 from ..parallel import PipelineModel
 from . import storage
@@ -97,14 +98,18 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor()
 
 
-def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+def get_state_dict(model: nn.Module, unwrap: bool = True, call: str = "get_state_dict") -> dict[str, torch.Tensor]:
     """The full state dict: on the main process when parameters are sharded or split into pipeline stages (an empty
-    dict elsewhere), on every rank otherwise. Collective when sharded. Keys are the unwrapped model's names (unless
-    ``unwrap=False``)."""
+    dict elsewhere), on every rank otherwise. Collective when sharded: every rank first meets in a monitored barrier
+    named `call` (the caller's name for it), so a call made on the main process only fails, naming it, as soon as
+    another rank reaches another of the library's collective calls (`ndparallel.agreement.monitored_barrier`). Keys
+    are the unwrapped model's names (unless ``unwrap=False``)."""
     if isinstance(model, PipelineModel):
+        monitored_barrier(call)
         return _pipeline_state_dict(model)
     sharded = any(isinstance(t, DTensor) for t in model.state_dict().values())
     if sharded:
+        monitored_barrier(call)
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if unwrap:
         return get_model_state_dict(model)
@@ -135,9 +140,10 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
     """Collective: write `model`'s full weights (any layout) as a Hugging Face directory; see the module doc."""
     max_bytes = parse_size(max_shard_size)
     final = Path(save_directory)
+    monitored_barrier("save_model")  # every rank, or an error naming the call (see `get_state_dict`)
     # This rank's shards, named as in the unwrapped model; under pipeline stages the stages' full weights gathered
     # on rank 0 (plain tensors: the loop below then gathers nothing and only rank 0 has names to write).
-    state = get_state_dict(model) if isinstance(model, PipelineModel) else get_model_state_dict(model)
+    state = _pipeline_state_dict(model) if isinstance(model, PipelineModel) else get_model_state_dict(model)
     tied = tied_names(unwrapped)
     names = [n for n in state if n not in tied]
     sizes = [(n, state[n].numel() * state[n].element_size()) for n in names]

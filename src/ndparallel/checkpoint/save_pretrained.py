@@ -5,7 +5,10 @@ or TP, or one pipeline stage's: it fails, or would write a part. `prepare` repla
 first gathers the full weights (`export.get_state_dict`: collective, the full state on the main process) and hands
 them to transformers' writer (``state_dict=``, ``is_main_process=``), so config.json, the safetensors shards and
 their index are what transformers writes and ``from_pretrained`` loads. Like `Accelerator.save_model` it is
-collective: call it on every process, as Accelerate's example does. A ``state_dict`` given by the caller
+collective: call it on every process, as Accelerate's example does (only the main process writes). Called on the
+main process only (``if accelerator.is_main_process:``), it raises on every rank, naming the call, as soon as the
+other ranks reach the library's next collective call (``wait_for_everyone``, ``save_state``, ``end_training``...);
+if they train on instead, after the collective timeout. A ``state_dict`` given by the caller
 (Accelerate's idiom: ``state_dict=accelerator.get_state_dict(model)``) is written as it is.
 """
 
@@ -32,7 +35,9 @@ def install_save_pretrained(model: nn.Module, unwrapped: nn.Module) -> None:
     @functools.wraps(original)
     def save_pretrained(save_directory: Any, *args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
         if state_dict is None:
-            state_dict = get_state_dict(model)  # collective: the full state on the main process, {} elsewhere
+            # Collective: the full state on the main process, {} elsewhere. Called on the main process only, it fails
+            # naming save_pretrained once another rank reaches the library's next collective call.
+            state_dict = get_state_dict(model, call="save_pretrained")
             kwargs["is_main_process"] = not dist.is_initialized() or dist.get_rank() == 0
         return original(save_directory, *args, state_dict=state_dict, **kwargs)
 
