@@ -12,9 +12,11 @@ The loss is made right here, as `ndparallel.loss` makes it elsewhere. Each micro
 sum S_j of its token losses (the model's own loss function, summed); what flows into backward is
 ``S_j * f / n`` -- f the factor `backward` would have scaled this rank's mean loss by (`GradientState.loss_factor`),
 n the rank's loss tokens -- so the gradients are exactly those of ``f * (sum_j S_j) / n``, the rank's mean loss
-weighted as without stages, whatever the micro-batches' shares of tokens. A model without a loss of its own (an
-nn.Sequential) uses ``PipelineParallelConfig(loss_fn=...)``, a mean over the micro-batch; its micro-batches weigh
-alike (``f / m`` each), which is the rank's mean when micro-batches are equal in size, as they are.
+weighted as without stages, whatever the micro-batches' shares of tokens. Given ``num_items_in_batch`` (as
+transformers' Trainer passes it), that count takes n's place, as it does in a Hugging Face model's own loss. A model
+without a loss of its own (an nn.Sequential) uses ``PipelineParallelConfig(loss_fn=...)``, a mean over the
+micro-batch; its micro-batches weigh alike (``f / m`` each), which is the rank's mean when micro-batches are equal in
+size, as they are.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class PipelineModel(nn.Module):
         if check is not None and active() is not None:
             input_ids, labels, kwargs = self._sequence_inputs(check, input_ids, labels, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
+        items = kwargs.pop("num_items_in_batch", None)  # the loss's denominator, given by the Trainer
         decoder = self.plan.kind == "decoder"
         extra = sorted(k for k, v in kwargs.items() if v is not None and (not decoder or k not in _DECODER_INPUTS))
         if extra:
@@ -107,9 +110,12 @@ class PipelineModel(nn.Module):
         if train and target is None:
             raise ValueError("pipeline stages: training runs the loss inside the schedule, so the batch needs labels "
                              "(or shift_labels)")
+        if items is not None and not decoder:
+            raise ValueError("pipeline stages: num_items_in_batch is for models with a token loss of their own")
+        items = float(items) if items is not None else None
         if train:
-            return self._train(input_ids, inputs, target, shifted=shift_labels is not None)
-        return self._evaluate(input_ids, inputs, target, shifted=shift_labels is not None)
+            return self._train(input_ids, inputs, target, shifted=shift_labels is not None, items=items)
+        return self._evaluate(input_ids, inputs, target, shifted=shift_labels is not None, items=items)
 
     def _sequence_inputs(self, check: Callable, input_ids: torch.Tensor | None, labels: torch.Tensor | None,
                          kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
@@ -120,14 +126,15 @@ class PipelineModel(nn.Module):
             raise ValueError("pipeline stages with context/sequence parallelism take whole causal rows only: padded or "
                              "packed batches (attention_mask with padding, position_ids restarting) are not supported "
                              "with pp yet; use cp/sp without pp for them, or pp without cp/sp")
-        for unused in ("use_cache", "num_items_in_batch"):  # the stages run without a cache and sum their losses
-            checked.pop(unused, None)
+        checked.pop("use_cache", None)  # the stages run without a cache
         return checked.pop("input_ids"), checked.pop("labels", None), checked
 
-    def _train(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor, shifted: bool) -> Any:
+    def _train(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor, shifted: bool,
+               items: float | None = None) -> Any:
         sums: list[torch.Tensor] = []
         if self.plan.kind == "decoder":
-            tokens = int((loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum())
+            tokens = items if items is not None else \
+                int((loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum())
             scale = self.loss_factor() / tokens if tokens else 0.0
 
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -156,7 +163,8 @@ class PipelineModel(nn.Module):
         return self._output(self._broadcast(loss.float().reshape(1)).reshape(()), None)
 
     @torch.no_grad()
-    def _evaluate(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor | None, shifted: bool) -> Any:
+    def _evaluate(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor | None, shifted: bool,
+                  items: float | None = None) -> Any:
         schedule = self._schedule(input_ids, inputs, None, train=False)
         logits = schedule.step(input_ids, **inputs)
         last = self._stage_rank(self.plan.num_stages - 1) == dist.get_rank()
@@ -164,7 +172,8 @@ class PipelineModel(nn.Module):
         loss = None
         if target is not None:
             if self.plan.kind == "decoder":
-                tokens = int((loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum())
+                tokens = items if items is not None else \
+                    int((loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum())
                 loss = self._token_loss_sum(logits, target, shifted) / tokens if tokens else \
                     logits.new_tensor(float("nan"))
             else:

@@ -69,6 +69,16 @@ class SequenceSharding:
         """Which positions of a `seq_len`-token sequence this rank holds; ValueError when the length does not split."""
         return SequenceShards.of(seq_len, self.cp_size, self.cp_rank, self.load_balance, self.sp_size, self.sp_rank)
 
+    def fitting_length(self, seq_len: int) -> int:
+        """The shortest length >= `seq_len` that splits over this layout (a multiple of 2 * cp * sp at most away)."""
+        for length in range(seq_len, seq_len + 2 * self.cp_size * self.sp_size + 1):
+            try:
+                self.layout(length)
+                return length
+            except ValueError:
+                continue
+        raise ValueError(f"no sequence length from {seq_len} splits over {self.sizes}")
+
     def plan(self, batch: Any) -> SequenceShards | None:
         """The layout of `batch` when it depends on the batch: with ``balance_documents``, packed or padded rows
         (``position_ids`` restarting at 0, a 2-D ``attention_mask``) whose chunks deal more evenly over cp by
