@@ -28,13 +28,12 @@ import transformers  # noqa: E402
 
 import accelerate_style  # noqa: E402
 from harness import assert_refused, outcomes, run_ranks  # noqa: E402
+from readme_sections import README, read_section, write_section  # noqa: E402
 from ndparallel import TorchTensorParallelConfig  # noqa: E402
 from ndparallel.parallel.tensor import plan_styles, tensor_parallel_styles  # noqa: E402
 from test_parity import max_param_diff, reference, run_layout  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-START, END = "<!-- families:start -->", "<!-- families:end -->"
 
 LAYOUTS = {  # id -> (column title, world size, flags of tests/scripts/accelerate_style.py)
     "fsdp2": ("FSDP2 2", 2, ["--dp-shard-size", "2"]),
@@ -111,18 +110,11 @@ def render_table(cases: list[Case] = CASES) -> str:
 
 
 def readme_section() -> str:
-    text = README.read_text()
-    if START not in text or END not in text:
-        raise AssertionError(f"README.md has no {START} ... {END} section; run `python tests/test_families.py`")
-    return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
+    return read_section("families", "tests/test_families.py")
 
 
 def write_readme() -> None:
-    readme_section()  # raises when the markers are missing
-    text = README.read_text()
-    head, _, rest = text.partition(START)
-    _, _, tail = rest.partition(END)
-    README.write_text(f"{head}{START}\n{render_table()}\n{END}{tail}")
+    write_section("families", render_table(), "tests/test_families.py")
 
 
 def test_readme_table_is_rendered_from_the_matrix():

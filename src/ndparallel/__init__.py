@@ -30,6 +30,7 @@ from .plugins import (
     TorchDynamoPlugin,
 )
 from .state import DistributedType, PartialState
+from .integrations import enable as _enable_integrations
 
 __all__ = [
     "Accelerator",
@@ -56,3 +57,6 @@ __all__ = [
     "set_seed",
     "__version__",
 ]
+
+# A Hugging Face Trainer given an ndparallel ParallelismConfig takes ndparallel's route (ndparallel.integrations).
+_enable_integrations()

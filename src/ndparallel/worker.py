@@ -11,6 +11,10 @@ done (no parent-death signal, and ``os.kill(pid, 0)`` there is not a probe).
 torchrun runs this file by path (``python -u .../ndparallel/worker.py [-m] TARGET ARGS``), so it imports nothing but
 the standard library before the script, and the script sees the ``sys.argv``, ``sys.path[0]`` and ``__main__`` it
 would see if Python ran it directly.
+
+When the launch asked for sizes (``NDPARALLEL_<SIZE>`` set), the script's Hugging Face Trainer is taken over by
+`ndparallel.integrations` and a plain Accelerate ``Accelerator`` is refused: `after_import` arranges that when the
+script imports ``transformers.trainer`` or ``accelerate.accelerator``, without importing anything before then.
 """
 
 import os
@@ -21,6 +25,8 @@ import sys
 if __name__ == "__main__" and sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
     del sys.path[0]
 
+import importlib
+import importlib.abc
 import runpy
 import signal
 import threading
@@ -78,8 +84,92 @@ def die_with_launcher() -> str:
     return "watch"
 
 
+class _PostImportHooks(importlib.abc.MetaPathFinder):
+    """Runs callbacks on a module right after its first import (`after_import`). One instance on ``sys.meta_path``
+    (recognised by ``ndparallel_post_import``: this file is loaded both as a script and as ``ndparallel.worker``)."""
+
+    ndparallel_post_import = True
+
+    def __init__(self) -> None:
+        self.hooks: dict = {}  # module name -> ["package.module:function", ...], until the module is imported
+
+    def add(self, name: str, target: str) -> None:
+        if target not in self.hooks.setdefault(name, []):
+            self.hooks[name].append(target)
+
+    def find_spec(self, name, path, target=None):  # noqa: ANN001 -- importlib's protocol
+        if name not in self.hooks:
+            return None
+        for finder in sys.meta_path:  # whoever would have found it: only its loader is wrapped
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _HookedLoader(spec.loader, self)
+                return spec
+        return None
+
+
+class _HookedLoader(importlib.abc.Loader):
+    def __init__(self, loader, hooks: _PostImportHooks) -> None:  # noqa: ANN001
+        self.loader, self.post_import = loader, hooks
+
+    def __getattr__(self, name: str):  # get_filename, get_source, is_package...: the real loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):  # noqa: ANN001
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:  # noqa: ANN001
+        self.loader.exec_module(module)
+        # Read the targets only now: one may have been added while the module was executing (by an import it made).
+        for target in self.post_import.hooks.pop(module.__name__, []):
+            _call(target, module)
+
+
+def _call(target: str, module) -> None:  # noqa: ANN001
+    where, _, function = target.partition(":")
+    getattr(importlib.import_module(where), function)(module)
+
+
+def after_import(name: str, target: str) -> None:
+    """Call `target` (``"package.module:function"``, imported only then) with module `name` once `name` is imported
+    -- at once if it already is. Each target runs once per module. A module still executing its import (one of its
+    own imports got here) is not imported yet: the target runs when it is."""
+    module = sys.modules.get(name)
+    if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+        _call(target, module)
+        return
+    hooks = next((f for f in sys.meta_path if getattr(f, "ndparallel_post_import", False)), None)
+    if hooks is None:
+        hooks = _PostImportHooks()
+        sys.meta_path.insert(0, hooks)
+    hooks.add(name, target)
+
+
+def launch_sizes() -> dict:
+    """The sizes ``ndparallel launch`` passed (``NDPARALLEL_<FIELD>_SIZE`` set by the launcher), {} without."""
+    sizes = {}
+    for key, value in os.environ.items():
+        if key.startswith("NDPARALLEL_") and key.endswith("_SIZE") and value.strip().lstrip("-").isdigit():
+            sizes[key[len("NDPARALLEL_"):].lower()] = int(value)
+    return sizes
+
+
+INTEGRATION_HOOKS = ("transformers.trainer", "accelerate.accelerator")  # see ndparallel.integrations
+
+
+def attach_integrations() -> None:
+    """When the launch has sizes, attach `ndparallel.integrations` as the script imports what they concern."""
+    if any(size != 1 for size in launch_sizes().values()):
+        for name in INTEGRATION_HOOKS:
+            after_import(name, "ndparallel.integrations:on_import")
+
+
 def main(argv: list) -> None:
     die_with_launcher()
+    attach_integrations()
     try:
         _run(argv)
     finally:

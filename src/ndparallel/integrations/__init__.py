@@ -1,0 +1,40 @@
+"""The ways in for tools people already train with, in one place.
+
+- `trainer`: the Hugging Face ``Trainer`` -- and what builds on it, TRL's ``SFTTrainer`` among them -- trains on
+  ndparallel's N-D layouts when it is asked for one: under ``ndparallel launch`` with sizes, or with
+  ``TrainingArguments(parallelism_config=ndparallel.ParallelismConfig(...))`` under any launcher. Its
+  ``Accelerator`` is then ndparallel's, and the few Trainer steps that depend on the layout (the loss's token count,
+  context-parallel inputs, saving and resuming) take ndparallel's route; everything else is the Trainer's own.
+- `guard`: under ``ndparallel launch`` with sizes, a plain Accelerate ``Accelerator`` (which would train something
+  else than the sizes asked for, without a word) is refused with what to do instead.
+
+Both attach when their module is first imported (`ndparallel.worker.after_import`): importing ndparallel (which a
+script that passes an ndparallel config does) registers them, and so does the launcher's worker when the launch has
+sizes, before the script imports anything. Nothing else in the library patches another project.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ..worker import INTEGRATION_HOOKS, after_import
+
+__all__ = ["enable", "on_import"]
+
+
+def on_import(module: ModuleType) -> None:
+    """Attach the integration of `module` (one of `ndparallel.worker.INTEGRATION_HOOKS`), once it is imported."""
+    if module.__name__ == "transformers.trainer":
+        from . import trainer
+
+        trainer.install(module)
+    elif module.__name__ == "accelerate.accelerator":
+        from . import guard
+
+        guard.install(module)
+
+
+def enable() -> None:
+    """Attach the integrations when (or now, if) transformers' Trainer and Accelerate are imported."""
+    for name in INTEGRATION_HOOKS:
+        after_import(name, f"{__name__}:on_import")

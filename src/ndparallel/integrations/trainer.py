@@ -1,0 +1,446 @@
+"""The Hugging Face ``Trainer`` (and TRL's trainers, which derive from it) on ndparallel's N-D layouts.
+
+When. A Trainer is taken over when it is asked for a layout: the script runs under ``ndparallel launch`` with sizes
+(the ``NDPARALLEL_*`` variables), or its ``TrainingArguments(parallelism_config=...)`` is an
+``ndparallel.ParallelismConfig`` (any launcher). Otherwise it is left exactly as transformers made it.
+
+What changes, each for a reason (the rest of the training loop is the Trainer's own):
+
+1. Its Accelerator (`create_accelerator_and_postprocess`) is ndparallel's, built from the Trainer's own arguments
+   (Accelerate's plugin objects converted field by field; sizes left unset come from the launch). The Trainer
+   accumulates gradients itself (its Accelerator gets one micro-step per window) and normalises the loss itself,
+   so ndparallel's `backward` adds no weighting of its own (``loss_weighting="mean"``: a factor of one). The
+   Trainer trains and evaluates the model `prepare` returned (`_wrap_model`), which keeps its place on record across
+   the Trainer's ``free_memory()`` at every ``train()``.
+2. The loss's token count (`_get_num_items_in_batch`). The Trainer divides each micro-batch's summed token loss by
+   a count X and, with ``average_tokens_across_devices``, multiplies it by M = processes / tp (DDP averages
+   gradients over processes); its own X counts tokens over every process and divides by tp * cp * sp. ndparallel
+   averages gradients over the W ranks of the ``loss`` view (batch x cp x sp) and counts each sample's tokens once
+   (`ndparallel.loss.count_loss_tokens` on the full rows, summed over ``batch``), giving N, the tokens of the whole
+   optimizer step. X = N * M / W makes every rank's loss S * W / N, so the averaged gradient is the one process's
+   grad(sum S / N) and the logged loss (the Trainer's mean over processes) its sum S / N -- with
+   ``average_tokens_across_devices`` on (M = W without pipeline stages) and off (M = 1), and whatever the -100
+   labels over ranks and micro-batches.
+3. Context and sequence parallelism (`_prepare_context_parallel_inputs`): ``shift_labels`` made before sharding,
+   ``position_ids`` added, then every sequence tensor of the batch sharded by `Accelerator.maybe_context_parallel`
+   (cp and sp alike; padded and packed rows included: ndparallel keeps their masks). TRL's padding-free fields
+   (``cu_seq_lens_*``, ``max_length_*``) are dropped after a check that they describe the rows ``position_ids``
+   restarts at: ndparallel reads the documents from ``position_ids``. Evaluation and prediction run whole rows on
+   every rank of cp x sp (the logits ``compute_metrics`` reads are whole, as in one process; the loss's count for
+   them divides over the ``batch`` ranks, whose losses the Trainer averages).
+4. Saving and resuming. `save_model` gathers the full weights on every rank (collective) and the main process writes
+   them, as ``save_pretrained`` does; a checkpoint's optimizer and model go into ``<checkpoint>/ndparallel/`` as a
+   sharded ndparallel checkpoint, which loads under any other layout (`_save_optimizer_and_scheduler` /
+   `_load_optimizer_and_scheduler`; ``load_best_model_at_end`` reads the best one's, `_load_best_model`); resuming
+   skips the consumed batches of ndparallel's data loader (`skip_first_batches`). The LR scheduler and the Trainer's
+   state are the Trainer's files.
+
+Supported versions: `SUPPORTED_TRANSFORMERS` (tested with 5.24.0; TRL 1.16.0). Another version is refused, with the
+range, when a Trainer would be taken over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import checkpoint, plugins
+from ..accelerator import Accelerator
+from ..config import ParallelismConfig
+from ..data import PreparedDataLoader
+from ..loss import IGNORE_INDEX, count_loss_tokens
+from ..record import PreparedObjects
+from ..worker import launch_sizes
+
+SUPPORTED_TRANSFORMERS = (">=5.24", "<5.25")
+CHECKPOINT_SUBDIR = "ndparallel"  # inside the Trainer's checkpoint-<step> folder
+_BUILDING: list[Any] = []  # the Trainer whose Accelerator is being built (create_accelerator_and_postprocess)
+
+
+# ---- when ---------------------------------------------------------------------------------------------------------
+def wanted(trainer: Any) -> bool:
+    """Whether `trainer` is asked for an N-D layout (see the module docstring)."""
+    return (isinstance(getattr(trainer.args, "parallelism_config", None), ParallelismConfig)
+            or any(size != 1 for size in launch_sizes().values()))
+
+
+def taken_over(trainer: Any) -> bool:
+    return isinstance(getattr(trainer, "accelerator", None), Accelerator)
+
+
+def check_version(version: str) -> None:
+    from packaging.version import Version
+
+    low, high = (Version(bound.lstrip("<>=")) for bound in SUPPORTED_TRANSFORMERS)
+    if not low <= Version(version) < high:
+        raise RuntimeError(
+            f"ndparallel's Trainer integration supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, but "
+            f"transformers {version} is installed: pip install 'transformers{','.join(SUPPORTED_TRANSFORMERS)}', "
+            "or run the Trainer without ndparallel (no sizes, no ndparallel ParallelismConfig)")
+
+
+# ---- the Accelerator --------------------------------------------------------------------------------------------
+def _converted(value: Any, kind: type) -> Any:
+    """An Accelerate settings object as ndparallel's class of the same name (the fields both have)."""
+    if value is None or isinstance(value, kind):
+        return value
+    names = {f.name for f in dataclasses.fields(kind) if f.init}
+    return kind(**{name: getattr(value, name) for name in names if hasattr(value, name)})
+
+
+def build_accelerator(trainer: Any, kwargs: dict[str, Any]) -> Any:
+    """ndparallel's Accelerator from what the Trainer would give Accelerate's."""
+    kwargs = dict(kwargs)
+    kinds = {"dataloader_config": plugins.DataLoaderConfiguration,
+             "gradient_accumulation_plugin": plugins.GradientAccumulationPlugin}
+    for name, kind in kinds.items():
+        kwargs[name] = _converted(kwargs.get(name), kind)
+    if kwargs.get("fsdp_plugin") is not None:  # from what the user wrote (fsdp_config), not Accelerate's enums
+        kwargs["fsdp_plugin"] = plugins.FullyShardedDataParallelPlugin(**(trainer.args.fsdp_plugin_args or {}))
+    handlers = []
+    for handler in kwargs.pop("kwargs_handlers", None) or []:
+        mine = getattr(plugins, type(handler).__name__, None)
+        handlers.append(_converted(handler, mine) if mine is not None else handler)
+    kwargs["kwargs_handlers"] = handlers
+    dynamo = kwargs.pop("dynamo_plugin", None)
+    if dynamo is not None and str(getattr(dynamo.backend, "value", dynamo.backend)).lower() not in ("no", "none"):
+        kwargs["dynamo_plugin"] = _converted(dynamo, plugins.TorchDynamoPlugin)
+    config = kwargs.get("parallelism_config")
+    if config is not None and not isinstance(config, ParallelismConfig):  # Accelerate's: its sizes
+        kwargs["parallelism_config"] = ParallelismConfig(**{
+            name: getattr(config, name) for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
+                                                     "sp_size") if getattr(config, name, None) is not None})
+    if kwargs.pop("deepspeed_plugin", None) is not None:
+        raise ValueError("the Trainer was given a DeepSpeed config, but this run is ndparallel's (launched with "
+                         "sizes, or an ndparallel ParallelismConfig): drop --deepspeed; FSDP2 (dp_shard_size) shards "
+                         "parameters, gradients and optimizer states as ZeRO-3 does")
+    return TrainerAccelerator(**kwargs, loss_weighting="mean")
+
+
+class _TrainerView:
+    """What the Trainer reads of ``accelerator.state``: ndparallel's state, with no FSDP or DeepSpeed plugin for the
+    Trainer to take its own FSDP routes for (saving and resuming go through ndparallel here)."""
+
+    fsdp_plugin = None
+    deepspeed_plugin = None
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+class TrainerAccelerator(Accelerator):
+    """ndparallel's Accelerator as the Trainer meets it: the Trainer runs the accumulation windows
+    (``gradient_state._set_sync_gradients``), lists prepared models as ``_models``, and reads ``state`` through
+    `_TrainerView`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gradient_state.plugin_kwargs = {"num_steps": self.gradient_accumulation_steps,
+                                             "sync_each_batch": self._settings.sync_each_batch}
+        self.state = _TrainerView(self.state)
+
+    @property
+    def _models(self) -> list[Any]:
+        return self.prepared.models
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """The Trainer frees memory as every ``train()`` starts. Its model stays as `prepare` made it (sharded in
+        place, or wrapped: `_wrap_model` hands the Trainer the prepared one), so it stays on record."""
+        models = list(self.prepared.models)
+        out = super().free_memory(*objects)
+        self.prepared.models.extend(models)
+        return out
+
+
+def _accelerator_factory(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def Accelerator(**kwargs: Any) -> Any:  # noqa: N802 -- stands where transformers looks up `Accelerator`
+        if not _BUILDING:
+            return original(**kwargs)
+        return build_accelerator(_BUILDING[-1], kwargs)
+
+    return Accelerator
+
+
+# ---- the Trainer's methods --------------------------------------------------------------------------------------
+def create_accelerator_and_postprocess(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any) -> None:
+        if not wanted(self):
+            return original(self)
+        import transformers
+
+        check_version(transformers.__version__)
+        if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
+            raise ValueError("train_sampling_strategy='batch_rebalance' deals batches to data-parallel ranks by "
+                             "process index, which under ndparallel's layouts (tensor, context, sequence or pipeline "
+                             "ranks share a batch) would drop or repeat samples; use 'random', 'sequential' or "
+                             "'group_by_length'")
+        _BUILDING.append(self)
+        try:
+            original(self)
+        finally:
+            _BUILDING.pop()
+        self.is_fsdp_enabled = False  # its FSDP routes for saving and resuming are Accelerate's; ndparallel's here
+    return wrapper
+
+
+def get_num_items_in_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
+        if not taken_over(self):
+            return original(self, batch_samples, device)
+        acc = self.accelerator
+        counts = [count_loss_tokens(batch) for batch in batch_samples]
+        if (not batch_samples or any(count is None for count in counts)
+                or not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)):
+            # The Trainer then divides each micro-batch's mean loss by the micro-batches (Accelerate's meaning).
+            _weigh_schedules(acc, 1.0 / max(1, len(batch_samples)))
+            return None
+        total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=acc.device)
+        if acc.mesh.size("batch") > 1:
+            dist.all_reduce(total, group=acc.mesh.group("batch"))
+        multiplier = acc.num_processes // self.get_tp_size() if self.args.average_tokens_across_devices else 1
+        if torch.is_grad_enabled():  # training: see the module docstring, item 2: X = N * M / W
+            _weigh_schedules(acc, float(multiplier))
+            ranks = acc.mesh.size("loss")
+        else:  # evaluation (item 3: whole rows): the Trainer averages each batch rank's loss, S * W_batch / N
+            ranks = acc.mesh.size("batch")
+        return (total * multiplier / ranks).to(torch.float32).squeeze(0)
+    return wrapper
+
+
+def _weigh_schedules(acc: Accelerator, weight: float) -> None:
+    """Pipeline stages run backward inside the model's call, before the Trainer scales the returned loss (by M, or
+    by 1 / micro-batches): their schedules weigh the loss by that scale themselves (`loss_factor`)."""
+    for model in acc.prepared.models:
+        if getattr(model, "gradients_ready", None) is not None:  # a model whose call runs its own backward
+            model.loss_factor = functools.partial(float, weight)
+
+
+def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, model: Any, inputs: dict[str, Any]) -> tuple[Callable[[], Any], dict[str, Any]]:
+        if not taken_over(self):
+            return original(self, model, inputs)
+        acc = self.accelerator
+        if acc.sequence_sharding is None or not torch.is_grad_enabled():
+            return contextlib.nullcontext, inputs  # evaluation runs whole rows: see the module docstring, item 3
+        inputs = dict(inputs)
+        ids = inputs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            raise ValueError("context/sequence parallelism with the Trainer needs input_ids in every batch")
+        if "shift_labels" not in inputs and isinstance(inputs.get("labels"), torch.Tensor):
+            # Shifted before sharding: the last token of one shard predicts the first of the next.
+            inputs["shift_labels"] = F.pad(inputs["labels"][..., 1:], (0, 1), value=IGNORE_INDEX)
+        if inputs.get("position_ids") is None:
+            inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        _drop_flash_attention_fields(inputs)
+        _pad_to_split(inputs, acc.sequence_sharding.fitting_length(ids.shape[1]))
+        ids, length = inputs["input_ids"], inputs["input_ids"].shape[1]
+        buffers = [value for key, value in inputs.items() if isinstance(value, torch.Tensor) and value.dim() >= 2
+                   and value.shape[1] == length and value.shape[0] == ids.shape[0]]
+        return functools.partial(acc.maybe_context_parallel, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                 no_restore_buffers=set(buffers)), inputs
+    return wrapper
+
+
+_FLASH_FIELDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _drop_flash_attention_fields(inputs: dict[str, Any]) -> None:
+    """TRL's padding-free collator adds flash-attention's document boundaries beside ``position_ids``; ndparallel reads
+    the documents from ``position_ids``, so the fields are dropped -- after checking they say the same."""
+    given = [name for name in _FLASH_FIELDS if name in inputs]
+    if not given:
+        return
+    positions = inputs["position_ids"]
+    starts = torch.nonzero(positions.reshape(-1) == 0).reshape(-1)
+    expected = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int64)
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        value = inputs.get(name)
+        if value is not None and (positions.shape[0] != 1 or not torch.equal(value.to(torch.int64).cpu(),
+                                                                              expected.cpu())):
+            raise ValueError(f"{name} does not match the documents position_ids describes (it restarts at 0 at "
+                             f"{starts.tolist()}): context/sequence parallelism reads the documents from position_ids")
+    for name in given:
+        del inputs[name]
+
+
+def _pad_to_split(inputs: dict[str, Any], length: int) -> None:
+    """Pad every sequence tensor of the batch at the end to `length`, which splits over cp x sp. The pad positions
+    are a document of their own (``position_ids`` from 0; masked where the batch has an ``attention_mask``) with -100
+    labels: no real token attends to them or is scored on them, so the loss and gradients stay exact."""
+    ids = inputs["input_ids"]
+    extra = length - ids.shape[1]
+    if extra == 0:
+        return
+    rows, width = ids.shape[0], ids.shape[1]
+    for key, value in list(inputs.items()):
+        if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width
+                and value.shape[0] in (rows, 1)):
+            continue
+        if key == "position_ids":
+            tail = torch.arange(extra, device=value.device, dtype=value.dtype).expand(value.shape[0], -1)
+            inputs[key] = torch.cat([value, tail], dim=1)
+        else:
+            fill = IGNORE_INDEX if key in ("labels", "shift_labels") else 0
+            inputs[key] = F.pad(value, (0, 0) * (value.dim() - 2) + (0, extra), value=fill)
+
+
+def save_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not taken_over(self):
+            return original(self, output_dir, _internal_call)
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = self.accelerator.get_state_dict(self.model_wrapped)  # collective: every rank, here
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+    return wrapper
+
+
+def _checkpointed(trainer: Any) -> PreparedObjects:
+    """The model and optimizer a Trainer checkpoint keeps in ndparallel's format."""
+    acc = trainer.accelerator
+    return PreparedObjects(acc.gradient_state, acc.scaler, models=[trainer.model_wrapped],
+                           optimizers=[trainer.optimizer])
+
+
+def save_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, output_dir: str) -> None:
+        if not taken_over(self):
+            return original(self, output_dir)
+        acc = self.accelerator
+        checkpoint.save_state(_checkpointed(self), acc._run_settings(), checkpoint.ProjectConfiguration(),
+                              os.path.join(output_dir, CHECKPOINT_SUBDIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+    return wrapper
+
+
+def load_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, resume: str | None) -> None:
+        if not taken_over(self) or resume is None:
+            return original(self, resume)
+        directory = os.path.join(resume, CHECKPOINT_SUBDIR)
+        if not os.path.isdir(directory):
+            raise ValueError(f"resume_from_checkpoint={resume!r} has no {CHECKPOINT_SUBDIR}/ folder: it was not "
+                             "written by a Trainer on ndparallel, whose optimizer states are sharded there")
+        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory)
+        scheduler = os.path.join(resume, "scheduler.pt")
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+    return wrapper
+
+
+def load_from_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, resume: str, model: Any = None) -> None:
+        # The model's weights come back with its optimizer (`load_optimizer_and_scheduler`), sharded as they are now.
+        if taken_over(self) and os.path.isdir(os.path.join(resume, CHECKPOINT_SUBDIR)):
+            return None
+        return original(self, resume, model)
+    return wrapper
+
+
+def prepare_input(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, data: Any) -> Any:
+        # The Trainer moves each input with `.to(args.device)`; on the CPU that device is "cpu:0", which torch takes
+        # for another device than a tensor's "cpu" and copies every input -- after context parallelism has sharded
+        # them in place, so the model would get copies whose whole rows nobody knows. A tensor already there stays.
+        if (isinstance(data, torch.Tensor) and taken_over(self) and data.device.type == self.args.device.type
+                and data.device.index in (None, self.args.device.index)):
+            return data
+        return original(self, data)
+    return wrapper
+
+
+def wrap_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        if not taken_over(self):
+            return original(self, model, training, dataloader)
+        # ndparallel's prepare wraps and shards the model (in place, or in a DDP or pipeline wrapper); the Trainer
+        # wraps nothing more, and trains and evaluates the prepared model (self.model until one is prepared).
+        return self.model_wrapped
+    return wrapper
+
+
+def load_best_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any) -> None:
+        if not taken_over(self):
+            return original(self)
+        directory = os.path.join(self.state.best_model_checkpoint, CHECKPOINT_SUBDIR)
+        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory)
+        return None
+    return wrapper
+
+
+def skip_first_batches(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, PreparedDataLoader):
+            return dataloader.skip_batches(num_batches) or dataloader
+        return original(dataloader, num_batches)
+    return wrapper
+
+
+_METHODS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
+    "_get_num_items_in_batch": get_num_items_in_batch,
+    "_prepare_context_parallel_inputs": prepare_context_parallel_inputs,
+    "save_model": save_model,
+    "_save_optimizer_and_scheduler": save_optimizer_and_scheduler,
+    "_load_optimizer_and_scheduler": load_optimizer_and_scheduler,
+    "_load_from_checkpoint": load_from_checkpoint,
+    "_load_best_model": load_best_model,
+    "_wrap_model": wrap_model,
+    "_prepare_input": prepare_input,
+}
+
+
+def install(module: ModuleType) -> None:
+    """Attach the integration to ``transformers.trainer`` (`module`), once."""
+    trainer = module.Trainer
+    if getattr(trainer, "_ndparallel_integration", False):
+        return
+    missing = [name for name in (*_METHODS, "Accelerator", "skip_first_batches")
+               if not hasattr(trainer if name in _METHODS else module, name)]
+    if missing:  # another transformers than the one this was written for: leave it alone, refuse when asked
+        def refuse(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def wrapper(self: Any) -> None:
+                if wanted(self):
+                    import transformers
+
+                    check_version(transformers.__version__)
+                    raise RuntimeError(f"ndparallel's Trainer integration: transformers.Trainer has no {missing}")
+                return original(self)
+            return wrapper
+        trainer.create_accelerator_and_postprocess = refuse(trainer.create_accelerator_and_postprocess)
+    else:
+        for name, wrap in _METHODS.items():
+            setattr(trainer, name, wrap(getattr(trainer, name)))
+        module.Accelerator = _accelerator_factory(module.Accelerator)
+        module.skip_first_batches = skip_first_batches(module.skip_first_batches)
+    trainer._ndparallel_integration = True

@@ -1,0 +1,73 @@
+"""An ordinary Hugging Face Trainer run, as a user writes it; nothing in it names ndparallel.
+
+`train(...)` runs it in the calling process (a rank forked by tests/harness.py, whose NDPARALLEL_* variables say
+the layout, as ``ndparallel launch`` would; or the pytest process itself, as the one-process reference) and returns
+what the tests compare: the loss the Trainer logged at each step and the trained parameters in full.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tiny_models import TokenDataset, build_model
+
+
+def train(output_dir: str, *, steps: int = 6, per_device: int = 2, accumulation: int = 1, seq_len: int = 16,
+          samples: int = 48, average_tokens: bool = True, optim: str = "adamw_torch", model: str = "llama",
+          eval_steps: int | None = None, save_steps: int | None = None, resume: str | bool | None = None,
+          predict: bool = False, save_to: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device, gradient_accumulation_steps=accumulation, learning_rate=1e-2,
+        warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
+        report_to=[], use_cpu=True, seed=0, optim=optim, average_tokens_across_devices=average_tokens,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps, disable_tqdm=True,
+        dataloader_drop_last=True, **(extra or {}))
+    torch.manual_seed(0)
+    evaluation = TokenDataset(8, seq_len, uneven_labels=True)
+    trainer = Trainer(model=build_model(model), args=args,
+                      train_dataset=TokenDataset(samples, seq_len, uneven_labels=True),
+                      eval_dataset=evaluation if eval_steps else None, compute_metrics=token_accuracy)
+    trainer.train(resume_from_checkpoint=resume)
+    history = trainer.state.log_history
+    out = {"losses": [h["loss"] for h in history if "loss" in h],
+           "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
+           "eval_losses": [h["eval_loss"] for h in history if "eval_loss" in h],
+           "params": full_parameters(trainer.model),
+           "accelerator": type(trainer.accelerator).__module__,
+           "rank": int(os.environ.get("RANK", "0"))}
+    if predict:
+        out["predict"] = trainer.predict(evaluation).metrics
+    if save_to is not None:
+        trainer.save_model(save_to)
+    return out
+
+
+def token_accuracy(prediction: Any) -> dict[str, float]:
+    """compute_metrics: next-token accuracy over the labelled positions, and the logits' mean."""
+    logits, labels = prediction.predictions, prediction.label_ids
+    hits = (logits[:, :-1].argmax(-1) == labels[:, 1:])[labels[:, 1:] != -100]
+    return {"accuracy": float(hits.mean()), "logit_mean": float(logits.mean())}
+
+
+def initial_parameters(model: str = "llama") -> dict[str, torch.Tensor]:
+    """The parameters `train` starts from."""
+    torch.manual_seed(0)
+    return {name: p.detach().clone() for name, p in build_model(model).named_parameters()}
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter in full (DTensors gathered: collective), on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if isinstance(param, DTensor) else param
+        out[name] = value.detach().cpu().clone()
+    return out
