@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ndparallel.cli import build_parser, main
-from ndparallel.launch import plan_launch
+from ndparallel.launch.cli import build_parser, main
+from ndparallel.launch.launcher import plan_launch
 from test_cli import run_cli
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_launch_report.py")

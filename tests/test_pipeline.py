@@ -129,7 +129,7 @@ def test_schedules_needing_more_microbatches_are_refused():
 
 
 def test_a_config_file_carries_pp_size_and_says_its_pp_handler_stays_in_the_script(tmp_path):
-    from ndparallel.launch import read_config_file
+    from ndparallel.launch.launcher import read_config_file
 
     path = tmp_path / "pp.yaml"
     path.write_text("parallelism:\n  pp_size: 2\n  dp_shard_size: 2\n  pp_handler: {schedule: gpipe}\n")

@@ -52,10 +52,10 @@ from ndparallel.config import (
     load_yaml,
     size_env_var,
 )
-from ndparallel import accelerate_launch
-from ndparallel.accelerate_launch import Translated
+from ndparallel.launch import accelerate_launch
+from ndparallel.launch.accelerate_launch import Translated
 from ndparallel.runtime import CPU_ENV, HEARTBEAT_ENV
-from ndparallel.worker import LAUNCHER_PID_ENV, alive
+from ndparallel.launch.worker import LAUNCHER_PID_ENV, alive
 
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 WORKER = str(Path(__file__).resolve().parent / "worker.py")  # what torchrun runs; it runs the script
