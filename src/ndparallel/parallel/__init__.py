@@ -27,9 +27,8 @@ from .moe import apply_global_load_balancing
 from .options import PrepareOptions
 from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
 from .precision import apply_autocast, apply_master_weights
-from .presharded import gather_presharded
 from .sequence import apply_sequence_parallel, check_sequence_parallel
-from .tensor import apply_tensor_parallel, check_tensor_parallel, plan_styles
+from .tensor import apply_tensor_parallel, check_tensor_parallel, gather_presharded, plan_styles
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:

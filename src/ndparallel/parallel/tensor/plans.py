@@ -35,12 +35,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
-from ..config import TorchTensorParallelConfig
-from ..mesh import ParallelMesh
+from ...config import TorchTensorParallelConfig
+from ...mesh import ParallelMesh
+from ..options import PrepareOptions
 from .families import BUILTIN_PLANS, FAMILIES, Fused
-from .options import PrepareOptions
-from .tensor_styles import (ALIASES, STYLES, PackedColwise, ShardSequenceOutput, build_style, is_conv1d, is_norm,
-                            param_placements, split_dims)
+from .styles import (ALIASES, STYLES, PackedColwise, ShardSequenceOutput, build_style, is_conv1d, is_norm,
+                     param_placements, split_dims)
 
 __all__ = ["ALIASES", "BUILTIN_PLANS", "STYLES", "apply_tensor_parallel", "check_plan", "check_tensor_parallel",
            "choose_plan", "hf_plan", "plan_styles", "resolve_plan", "tensor_parallel_styles", "tie_styles",
