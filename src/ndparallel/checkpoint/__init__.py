@@ -16,7 +16,7 @@ from .export import get_state_dict, merge_weights, save_model
 from .manifest import read_metadata
 from .pretrained import announce, init_empty_weights, parallelize_loading_weights
 from .project import ProjectConfiguration, latest_checkpoint
-from .state import FULL, SHARDED, RunSettings, load_state, save_state
+from .training_state import FULL, SHARDED, RunSettings, load_state, save_state
 from .storage import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 __all__ = [
