@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint.pretrained import init_empty_weights
+from .checkpoint.load_pretrained import init_empty_weights
 
 # The layers whose weights are cast (Accelerate's list): the others keep their dtype.
 CASTABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,

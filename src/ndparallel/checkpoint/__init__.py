@@ -14,7 +14,7 @@ Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `sav
 
 from .export import get_state_dict, merge_weights, save_model
 from .manifest import read_metadata
-from .pretrained import announce, init_empty_weights, parallelize_loading_weights
+from .load_pretrained import announce, init_empty_weights, parallelize_loading_weights
 from .project import ProjectConfiguration, latest_checkpoint
 from .training_state import FULL, SHARDED, RunSettings, load_state, save_state
 from .storage import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
