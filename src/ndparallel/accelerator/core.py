@@ -34,13 +34,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .. import agreement, checkpoint, clip, metrics, parallel
+from ..batch_size import release_memory
 from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
 from ..config import ParallelismConfig, compute_dtype
 from ..data import PreparedDataLoader
 from ..helpers import progress_bar
 from ..loss import GradientState, is_causal_lm
-from ..memory import release_memory
 from ..mesh import ParallelMesh
 from ..optim import AcceleratedOptimizer, AcceleratedScheduler
 from ..parallel.sequence import SequenceSharding
