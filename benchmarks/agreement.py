@@ -55,9 +55,9 @@ def _rank(repeats: int, prepare_repeats: int) -> dict[str, list[float]]:
         FullyShardedDataParallelPlugin,
         ParallelismConfig,
         agreement,
-        operations,
         set_seed,
     )
+    from ndparallel import gather_reduce as operations
 
     accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
                               fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))

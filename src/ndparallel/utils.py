@@ -5,11 +5,11 @@ from .batch_size import find_executable_batch_size
 from .checkpoint import ProjectConfiguration
 from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from .data import move_to_device as send_to_device
+from .gather_reduce import broadcast, broadcast_object_list, pad_across_processes
+from .gather_reduce import gather_all as gather
+from .gather_reduce import gather_object_all as gather_object
+from .gather_reduce import reduce_all as reduce
 from .helpers import progress_bar, set_seed
-from .operations import broadcast, broadcast_object_list, pad_across_processes
-from .operations import gather_all as gather
-from .operations import gather_object_all as gather_object
-from .operations import reduce_all as reduce
 from .plugins import (
     AORecipeKwargs,
     AutocastKwargs,

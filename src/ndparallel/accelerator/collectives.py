@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import agreement, operations
+from .. import agreement
+from .. import gather_reduce as operations
 from ..loss import GradientState
 from ..mesh import ParallelMesh
 from ..state import AcceleratorState
