@@ -45,7 +45,7 @@ from ..mesh import ParallelMesh
 from ..optim import AcceleratedOptimizer, AcceleratedScheduler
 from ..parallel.sequence import SequenceSharding
 from ..plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
-from ..record import PreparedObjects
+from ..prepared import PreparedObjects
 from ..runtime import heartbeat, release_process_group
 from ..state import AcceleratorState, PartialState
 from ..tracking import GeneralTracker, Trackers

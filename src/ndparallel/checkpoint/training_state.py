@@ -57,7 +57,7 @@ from torch.distributed.fsdp import FSDPModule
 from .._version import __version__
 from ..config import ParallelismConfig
 from ..parallel import PipelineModel, state_module, unwrap
-from ..record import PreparedObjects
+from ..prepared import PreparedObjects
 from ..runtime import heartbeat
 from . import storage, validate
 from .manifest import compare_tensors, model_tensors, read_metadata, tied_names
