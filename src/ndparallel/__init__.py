@@ -16,7 +16,6 @@ from .config import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
 )
-from .helpers import set_seed
 from .mesh import ParallelMesh
 from .parallel.sequence import context_parallel_attention
 from .plugins import (
@@ -29,6 +28,7 @@ from .plugins import (
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
 )
+from .seed import set_seed
 from .state import DistributedType, PartialState
 
 __all__ = [

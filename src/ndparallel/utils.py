@@ -9,7 +9,6 @@ from .gather_reduce import broadcast, broadcast_object_list, pad_across_processe
 from .gather_reduce import gather_all as gather
 from .gather_reduce import gather_object_all as gather_object
 from .gather_reduce import reduce_all as reduce
-from .helpers import progress_bar, set_seed
 from .plugins import (
     AORecipeKwargs,
     AutocastKwargs,
@@ -23,8 +22,9 @@ from .plugins import (
     TERecipeKwargs,
     TorchDynamoPlugin,
 )
+from .seed import set_seed
 from .state import DistributedType
-from .tracking import GeneralTracker, LoggerType
+from .tracking import GeneralTracker, LoggerType, progress_bar
 
 __all__ = [
     "AORecipeKwargs",

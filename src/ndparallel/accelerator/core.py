@@ -39,7 +39,6 @@ from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
 from ..config import ParallelismConfig, compute_dtype
 from ..data import PreparedDataLoader
-from ..helpers import progress_bar
 from ..loss import GradientState, is_causal_lm
 from ..mesh import ParallelMesh
 from ..optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -48,7 +47,7 @@ from ..plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, G
 from ..prepared import PreparedObjects
 from ..runtime import heartbeat, release_process_group
 from ..state import AcceleratorState, PartialState
-from ..tracking import GeneralTracker, Trackers
+from ..tracking import GeneralTracker, Trackers, progress_bar
 from . import settings as _settings
 from .checkpointing import CheckpointingMixin
 from .collectives import CollectivesMixin

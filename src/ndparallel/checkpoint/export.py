@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..helpers import progress_bar
 from ..parallel import PipelineModel
+from ..tracking import progress_bar
 from . import storage
 from .manifest import read_metadata, tied_names
 from .storage import CheckpointError, on_main, rank
