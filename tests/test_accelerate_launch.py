@@ -1,5 +1,5 @@
 """``ndparallel launch`` given what ``accelerate launch`` takes: the YAML of ``accelerate config`` and Accelerate's
-flags (ndparallel.accelerate_launch). Plans are checked without starting processes; one real launch checks that the
+flags (ndparallel.launch.accelerate_launch). Plans are checked without starting processes; one real launch checks that the
 ranks' Accelerator gets the file's settings."""
 
 from __future__ import annotations

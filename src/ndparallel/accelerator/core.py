@@ -3,8 +3,8 @@
 It only orchestrates: settings are resolved by `settings`, the process state kept by `ndparallel.state`, the mesh
 built by `ndparallel.mesh`, models parallelised by `ndparallel.parallel`, data loaders sharded by `ndparallel.data`,
 the loss made right by `ndparallel.loss`, sequences sharded by `ndparallel.parallel.sequence`, clipping done by
-`ndparallel.clip`, metrics gathered by `ndparallel.operations`, experiments logged by `ndparallel.tracking`; what it
-prepared is kept in one `ndparallel.record.PreparedObjects`, which checkpoints read and write. The process surface,
+`ndparallel.clip`, metrics gathered by `ndparallel.gather_reduce`, experiments logged by `ndparallel.tracking`; what it
+prepared is kept in one `ndparallel.prepared.PreparedObjects`, which checkpoints read and write. The process surface,
 collectives and checkpoints live in the mixins beside this module.
 
 Differences from Accelerate, on purpose (README, "Differences from Accelerate"):

@@ -1,6 +1,6 @@
 """What a checkpoint says about its contents, read and compared before anything is loaded: the metadata file of a
 complete checkpoint, the tensor names and shapes of a model's state, and its tied parameter names. Shared by
-`state` (save_state / load_state), `export` (merge-weights) and `pretrained` (loading safetensors)."""
+`training_state` (save_state / load_state), `export` (merge-weights) and `load_pretrained` (loading safetensors)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ and leaves the prepared objects as they were. ``load_state()`` of a project skip
 for the newest one that verifies. A save writes into a staging directory (`storage`); a failed write raises on
 every rank, saying why (disk full, permission), and leaves previous checkpoints untouched.
 
-What is saved is the Accelerator's `ndparallel.record.PreparedObjects`; the run's settings that the metadata
+What is saved is the Accelerator's `ndparallel.prepared.PreparedObjects`; the run's settings that the metadata
 records come as a `RunSettings`.
 """
 

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="start a training script on N processes (wraps torchrun)",
                             description="Check the parallelism sizes, then start SCRIPT on every rank with "
                                         "torchrun. Precedence: flag > --config-file > default. accelerate launch's "
-                                        "flags and config files are accepted too (ndparallel.accelerate_launch).")
+                                        "flags and config files are accepted too (ndparallel.launch.accelerate_launch).")
     launch.add_argument(*_spellings("config-file"), dest="config_file", default=None, metavar="PATH",
                         help="YAML written by `ndparallel config` or by `accelerate config`")
     _add_settings_arguments(launch, accelerate_names=True)

@@ -13,7 +13,7 @@ Accelerator read them): ``NDPARALLEL_<SIZE_FIELD>``, ``NDPARALLEL_MIXED_PRECISIO
 ``NDPARALLEL_LAUNCHER_PID`` and (with ``--stall-timeout``) ``NDPARALLEL_HEARTBEAT_DIR``.
 
 Beyond torchrun:
-- every rank runs the script through `ndparallel.worker`, which kills it when this launcher dies, even by SIGKILL;
+- every rank runs the script through `ndparallel.launch.worker`, which kills it when this launcher dies, even by SIGKILL;
 - with ``--nnodes N > 1`` and the static backend, the nodes first meet in a roll call at ``--rdzv-endpoint`` (node 0
   hosts it; torchrun's store then reuses the same server): a node rank claimed twice, a node 0 started on another host,
   a port already taken, and nodes that do not arrive within ``--rdzv-timeout`` seconds end the launch with a message
@@ -93,7 +93,7 @@ def check_launch_settings(data: Any, source: str) -> dict[str, Any]:
 
 
 def read_config_file(path: str | os.PathLike, flags: dict[str, Any] | None = None) -> Translated:
-    """Read a config file of ``ndparallel config`` or of ``accelerate config`` (`ndparallel.accelerate_launch`;
+    """Read a config file of ``ndparallel config`` or of ``accelerate config`` (`ndparallel.launch.accelerate_launch`;
     `flags`, accelerate launch's in the file's shape, are merged over it): the sizes, launch settings, environment
     and warnings it gives."""
     source = f"config file {str(path)!r}"

@@ -34,7 +34,7 @@ from .tensor import apply_tensor_parallel, check_tensor_parallel, gather_preshar
 def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """Apply every configured parallelism to `model` and return the module to train."""
     # A model transformers already tensor-parallelised (from_pretrained(tp_plan="auto")), on a mesh of its own, is
-    # gathered back to full weights: the layout below applies to it as to any model (`presharded`).
+    # gathered back to full weights: the layout below applies to it as to any model (`tensor.presharded`).
     model = gather_presharded(model)
     # Checks only, on every rank, before the first collective: a plan or model the layout cannot split raises here.
     stages = plan_pipeline(model, mesh, options)  # None without pipeline stages
@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
                                                                        options.tp_plan)[0])
         model = cut_to_rank(model, stages, mesh.rank("pp"))
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
-    # ndparallel.checkpoint.pretrained) stay there.
+    # ndparallel.checkpoint.load_pretrained) stay there.
     model._apply(lambda t: t if t.is_meta else t.to(options.device))
     # Every rank starts from its stage's first rank's weights (rank 0's without stages), so ranks that were
     # initialised differently still train one model (each tensor-parallel rank then slices its own shard of the

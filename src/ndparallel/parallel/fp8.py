@@ -7,7 +7,7 @@ them), except the model's first and last linear layers, which stay in high preci
 LM head's logits are sensitive to it); `AORecipeKwargs.module_filter_func` chooses otherwise. Under FSDP2 the
 default recipe all-gathers the weights in float8 (half the bytes of bf16). Layers are swapped in place, so
 parameter names and checkpoints stay the model's own. Under tensor parallelism the float8 layers' colwise and
-rowwise styles are torchao's float8 ones (`tensor_styles.build_style`); with Megatron-style sequence parallelism
+rowwise styles are torchao's float8 ones (`tensor.styles.build_style`); with Megatron-style sequence parallelism
 they all-gather float8 activations, which gloo cannot send: refused on CPU.
 
 Speed needs compilation: eagerly, torchao's scaling and casts run as separate kernels around every matmul. On one

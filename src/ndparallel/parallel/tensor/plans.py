@@ -5,7 +5,7 @@ A plan is a dict from module-name pattern to style name. ``*`` in a pattern matc
 it after a whole segment (``"layers.*.mlp.up_proj"`` matches ``model.layers.0.mlp.up_proj``). Where a module
 matches several patterns, the first one wins.
 
-Styles (`tensor_styles.STYLES`, with transformers' names in `tensor_styles.ALIASES`): each maps to a torch
+Styles (`styles.STYLES`, with transformers' names in `styles.ALIASES`): each maps to a torch
 ``ParallelStyle``, with different layouts when Megatron-style sequence parallelism is on. With it, the activations
 between tensor-parallel regions (the residual stream, norms, dropout) are split along the sequence (dim 1) over
 ``tp``; column-wise layers all-gather them, row-wise layers reduce-scatter back into them:
@@ -318,7 +318,7 @@ def with_sequence_parallel(model: nn.Module, resolved: dict[str, str]) -> dict[s
 def with_shared_inputs(model: nn.Module, resolved: dict[str, str]) -> dict[str, str]:
     """Without SP: the parent block of a Hugging Face attention/MLP's column-wise layers hands them its input as
     one replicated DTensor, so their input gradients are all-reduced once per block
-    (`tensor_styles._GatherSequence`)."""
+    (`styles._GatherSequence`)."""
     return _with_block_inputs(model, resolved, "share_input")
 
 
