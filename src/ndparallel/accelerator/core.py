@@ -248,26 +248,31 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
                                           ddp_kwargs=self._settings.ddp_kwargs,
                                           autocast_kwargs=self._settings.autocast_kwargs,
                                           dynamo_plugin=self._settings.dynamo_plugin,
-                                          fp8_recipe=self._settings.fp8_recipe)
+                                          fp8_recipe=self._settings.fp8_recipe,
+                                          loss_factor=self.gradient_state.loss_factor,
+                                          sync_gradients=self._syncs_gradients)
         # A model on the meta device (cpu_ram_efficient_loading) gets its weights after it is parallelised.
         prepared = checkpoint.parallelize_loading_weights(
             model, self.fsdp_plugin, self.device, lambda m: parallel.parallelize(m, self.mesh, options))
         new = dict(self.unwrap_model(prepared).named_parameters(remove_duplicate=False))
         kept = {id(param) for name, param in old.items() if name in new}  # under any of its names
+        split = not parallel.interface(prepared).holds_every_parameter
         for name, param in old.items():
-            if id(param) not in kept and isinstance(prepared, parallel.PipelineModel):  # another stage's: dropped
+            if id(param) not in kept and split:  # owned by another rank (another pipeline stage's): dropped
                 self._param_map[id(param)] = (weakref.ref(param), None)
             elif new.get(name) is not None and new[name] is not param:
                 self._param_map[id(param)] = (weakref.ref(param), new[name])
-        if isinstance(prepared, parallel.PipelineModel):
-            prepared.loss_factor = self.gradient_state.loss_factor  # the schedule's backward weighs the loss
-            prepared.sync_gradients = lambda: self.gradient_state.sync_gradients or self._settings.sync_each_batch
         install_save_pretrained(prepared, self.unwrap_model(prepared))  # full weights from any layout (collective)
         self.prepared.models.append(prepared)
         for opt in self.prepared.optimizers:  # optimizers prepared before this model follow its new parameters too
             self._remap(opt.optimizer)
         self.gradient_state.token_weighted = self._token_weighted()
         return prepared
+
+    def _syncs_gradients(self) -> bool:
+        """Whether the current micro-step's backward reduces gradients (read by models that run backward in their
+        call: pipeline stages sum a tied weight's two gradients then)."""
+        return self.gradient_state.sync_gradients or self._settings.sync_each_batch
 
     def _token_weighted(self) -> bool:
         """Whether `backward` and `reduce_loss` weight by loss tokens (`ndparallel.loss`): the user said so, or every
@@ -367,10 +372,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         """
         heartbeat("backward")  # progress that `ndparallel launch --stall-timeout` watches
         kwargs.pop("learning_rate", None)  # Accelerate's LOMO argument: no LOMO optimizers here
-        pipelines = [m for m in self.prepared.models if isinstance(m, parallel.PipelineModel) and m.gradients_ready]
-        if pipelines:  # the schedule ran this step's backward in the model's call (ndparallel.parallel.pipeline)
-            for model in pipelines:
-                model.gradients_ready = False
+        # A model whose call ran this step's backward already (pipeline stages: ndparallel.parallel.pipeline) leaves
+        # nothing to do; every model is asked (a list, not a generator), so every such flag is cleared.
+        if any([parallel.interface(m).consume_backward() for m in self.prepared.models]):
             return
         loss = loss * self.gradient_state.loss_factor()
         if self.scaler is not None:
@@ -495,8 +499,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         # Pipeline stages hold different parameters: their parts of the norm add up over ``pp`` (a tied weight's
         # second copy, on the last stage, counted once).
         stages = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
-        twice = {id(p) for m in self.prepared.models if isinstance(m, parallel.PipelineModel)
-                 for p in m.norm_duplicates()}
+        twice = {id(p) for m in self.prepared.models for p in parallel.interface(m).norm_duplicates()}
         return clip.clip_grad_norm_(parameters, max_norm, norm_type, across=stages, counted_elsewhere=twice)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..parallel import PipelineModel
+from ..parallel import PreparedModel, interface
 from ..tracking import progress_bar
 from . import storage
 from .manifest import read_metadata, tied_names
@@ -101,8 +101,9 @@ def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict[str, torch.Ten
     """The full state dict: on the main process when parameters are sharded or split into pipeline stages (an empty
     dict elsewhere), on every rank otherwise. Collective when sharded. Keys are the unwrapped model's names (unless
     ``unwrap=False``)."""
-    if isinstance(model, PipelineModel):
-        return _pipeline_state_dict(model)
+    parts = interface(model)
+    if not parts.holds_every_parameter:
+        return _parts_state_dict(parts)
     sharded = any(isinstance(t, DTensor) for t in model.state_dict().values())
     if sharded:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -111,19 +112,12 @@ def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict[str, torch.Ten
     return model.state_dict()
 
 
-def _pipeline_state_dict(model: PipelineModel) -> dict[str, torch.Tensor]:
-    """Collective: the full weights of every stage, on rank 0 (an empty dict elsewhere). Each stage's ranks gather
-    their stage's tensors in full; the first rank of each stage -- the pipeline group of rank 0 -- sends them to rank 0
-    (which therefore holds the whole model in CPU memory once)."""
-    import torch.distributed as dist
-
-    state = {name: _full(t).detach().cpu() for name, t in get_model_state_dict(model.module).items()}
-    members = dist.get_process_group_ranks(model.group)
-    if 0 not in members:
-        return {}
-    parts: list[Any] | None = [None] * len(members) if rank() == 0 else None
-    dist.gather_object(state, parts, dst=0, group=model.group)
-    return {name: t for part in parts for name, t in part.items()} if parts is not None else {}
+def _parts_state_dict(parts: PreparedModel) -> dict[str, torch.Tensor]:
+    """Collective, for a model whose parts live on different ranks (pipeline stages): the full weights of every part,
+    on rank 0 (an empty dict elsewhere). Each part's ranks gather their part's tensors in full, then the model sends
+    the parts to rank 0 (`PreparedModel.gather_parts`)."""
+    state = {name: _full(t).detach().cpu() for name, t in get_model_state_dict(parts.state_module()).items()}
+    return parts.gather_parts(state)
 
 
 def _progress(total: int, desc: str) -> Any:
@@ -137,7 +131,7 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
     final = Path(save_directory)
     # This rank's shards, named as in the unwrapped model; under pipeline stages the stages' full weights gathered
     # on rank 0 (plain tensors: the loop below then gathers nothing and only rank 0 has names to write).
-    state = get_state_dict(model) if isinstance(model, PipelineModel) else get_model_state_dict(model)
+    state = get_state_dict(model) if not interface(model).holds_every_parameter else get_model_state_dict(model)
     tied = tied_names(unwrapped)
     names = [n for n in state if n not in tied]
     sizes = [(n, state[n].numel() * state[n].element_size()) for n in names]

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .._version import __version__
 from ..config import ParallelismConfig
-from ..parallel import PipelineModel, state_module, unwrap
+from ..parallel import interface, state_module, unwrap
 from ..prepared import PreparedObjects
 from ..runtime import heartbeat
 from . import storage, validate
@@ -329,8 +329,8 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
 def _tied_copy_names(model: torch.nn.Module) -> dict[str, str]:
     """Under pipeline stages, {the last stage's copy of a tied weight: the weight's first name}: the copy's optimizer
     state is written under the first name (both copies' states are equal), as an unsplit tied model's optimizer keeps
-    it, so optimizer checkpoints look alike under every layout (`PipelineModel.tied_copy_names`)."""
-    return model.tied_copy_names() if isinstance(model, PipelineModel) else {}
+    it, so optimizer checkpoints look alike under every layout (`PreparedModel.tied_copy_names`)."""
+    return interface(model).tied_copy_names()
 
 
 def _tied_aliases(model: torch.nn.Module, directory: Path) -> dict[str, str]:
@@ -352,7 +352,7 @@ def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 
 
 def _check_layout(prepared: PreparedObjects, full: bool) -> None:
-    if full and any(isinstance(m, PipelineModel) for m in prepared.models):
+    if full and any(not interface(m).holds_every_parameter for m in prepared.models):
         raise ValueError("FULL_STATE_DICT checkpoints are written and read by rank 0, which holds only the first "
                          "pipeline stage: with pipeline stages use SHARDED_STATE_DICT (the default), which any "
                          "layout loads; `ndparallel merge-weights` makes full weights of it")

@@ -16,13 +16,8 @@ from ..mesh import ParallelMesh
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import apply_model_compilation, apply_regional_compilation, check_compilation
 from .fp8 import apply_fp8, check_fp8
-from .data_parallel import (
-    apply_data_parallel,
-    broadcast_module_states,
-    state_module,
-    unwrap,
-    uses_fsdp,
-)
+from .data_parallel import apply_data_parallel, broadcast_module_states, uses_fsdp
+from .interface import PreparedModel, interface, state_module, unwrap
 from .moe import apply_global_load_balancing
 from .options import PrepareOptions
 from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
@@ -86,4 +81,5 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     return apply_model_compilation(model, mesh, options)
 
 
-__all__ = ["PipelineModel", "PrepareOptions", "parallelize", "state_module", "unwrap", "uses_fsdp"]
+__all__ = ["PipelineModel", "PrepareOptions", "PreparedModel", "interface", "parallelize", "state_module", "unwrap",
+           "uses_fsdp"]

@@ -6,7 +6,7 @@ these are the Accelerator's and `prepare`'s own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,11 @@ class PrepareOptions:
     autocast_kwargs: Mapping[str, Any] = field(default_factory=dict)  # AutocastKwargs, where autocast casts
     dynamo_plugin: TorchDynamoPlugin | None = None  # compile the blocks or the model (`compile`)
     fp8_recipe: AORecipeKwargs | None = None  # mixed_precision="fp8": torchao's conversion (`fp8`)
+    # For a model whose call runs backward itself (pipeline stages): the factor this rank's loss is weighted by
+    # (the Accelerator's `GradientState.loss_factor`, `ndparallel.loss`) and whether the current micro-step ends the
+    # optimizer step. Read at every step, so they are functions.
+    loss_factor: Callable[[], float] = lambda: 1.0
+    sync_gradients: Callable[[], bool] = lambda: True
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -62,7 +62,8 @@ def apply_pipeline(model: nn.Module, plan: StagePlan, mesh: ParallelMesh, option
     pp_rank = mesh.rank("pp")
     stages = {s: wrap(build_stage(model, plan, s)) for s in plan.stages_of(pp_rank)}
     return PipelineModel(model, stages, plan, mesh.config.pp_handler, mesh.group("pp"), options.device,
-                         tie_group=_ends_group(mesh) if plan.tied else None)
+                         tie_group=_ends_group(mesh) if plan.tied else None, loss_factor=options.loss_factor,
+                         sync_gradients=options.sync_gradients)
 
 
 def _ends_group(mesh: ParallelMesh) -> dist.ProcessGroup | None:
