@@ -150,7 +150,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         self.gradient_state = GradientState(s.accumulation_steps, self.mesh.size("loss"))
         # This rank's part of every sequence under context/sequence parallelism (None without): the one geometry
         # the data loaders count loss tokens with and maybe_context_parallel shards with.
-        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh)
+        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh, self.parallelism_config.cp_handler)
         scaler = torch.amp.GradScaler(self.device.type, **s.scaler_kwargs) if s.mixed_precision == "fp16" else None
         self.prepared = PreparedObjects(self.gradient_state, scaler)  # what save_state / load_state cover
         self.trackers = Trackers(s.log_with, self.project_configuration.logging_dir, self.is_main_process)
@@ -244,7 +244,10 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         if isinstance(model, _PREPARED_TYPES):
             return model
         old = dict(model.named_parameters(remove_duplicate=False))  # every name of a tied parameter
+        config = self.parallelism_config
         options = parallel.PrepareOptions(self.device, self.fsdp_plugin, self.mixed_precision, tp_plan,
+                                          fsdp=self.state.is_fsdp2, tp_handler=config.tp_handler,
+                                          cp_handler=config.cp_handler, pp_handler=config.pp_handler,
                                           ddp_kwargs=self._settings.ddp_kwargs,
                                           autocast_kwargs=self._settings.autocast_kwargs,
                                           dynamo_plugin=self._settings.dynamo_plugin,

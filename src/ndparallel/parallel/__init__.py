@@ -2,8 +2,8 @@
 
 Each step is a function ``apply_x(model, mesh, options) -> model`` in its own module (a no-op when its axis has one
 rank or its option is off), preceded where it can fail on user input by ``check_x(model, mesh, options)``;
-`parallelize` only calls them in order. ``options`` is a `PrepareOptions`; the tensor- and context-parallel settings
-are the mesh config's ``tp_handler`` / ``cp_handler``.
+`parallelize` only calls them in order. ``options`` is a `PrepareOptions`: every setting comes from it, the mesh
+gives sizes, coordinates and groups.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
         if mesh.size("tp") > 1:
             # Each stage is split as the whole model would be: the whole model's plan, resolved module by module
             # (ties completed: a cut stage no longer sees its embedding tied to the last stage's head), applies to it.
-            options = dataclasses.replace(options, tp_plan=plan_styles(model, mesh.size("tp"), mesh.config.tp_handler,
+            options = dataclasses.replace(options, tp_plan=plan_styles(model, mesh.size("tp"), options.tp_handler,
                                                                        options.tp_plan)[0])
         model = cut_to_rank(model, stages, mesh.rank("pp"))
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see

@@ -147,7 +147,7 @@ def check_plugin(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> No
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """FSDP2 / HSDP, DDP, or nothing (see the module docstring): the outermost wrapper, applied last."""
-    if uses_fsdp(mesh.config, options.fsdp_plugin):
+    if options.fsdp:
         return apply_fsdp(model, mesh, options)
     if options.fsdp_plugin is not None:
         check_plugin(model, options.fsdp_plugin)

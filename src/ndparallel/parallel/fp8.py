@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import ParallelMesh
-from .data_parallel import uses_fsdp
 from .options import PrepareOptions
 
 
@@ -51,7 +50,7 @@ def check_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
     """Refuse what FP8 cannot run here, before any collective."""
     if options.mixed_precision != "fp8":
         return
-    if mesh.size("tp") > 1 and mesh.config.tp_handler.sequence_parallel and options.device.type == "cpu":
+    if mesh.size("tp") > 1 and options.tp_handler.sequence_parallel and options.device.type == "cpu":
         raise ValueError("mixed_precision='fp8' with tensor parallelism's sequence_parallel all-gathers float8 "
                          "activations, which gloo (the CPU backend) cannot send; use sequence_parallel=False on CPU, "
                          "or NCCL on GPUs")
@@ -70,7 +69,7 @@ def apply_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
 
     recipe = options.fp8_recipe
     config = recipe.config if recipe is not None and recipe.config is not None else Float8LinearConfig(
-        enable_fsdp_float8_all_gather=uses_fsdp(mesh.config, options.fsdp_plugin))
+        enable_fsdp_float8_all_gather=options.fsdp)
     convert_to_float8_training(model, config=config, module_filter_fn=_filter(model, options))
     compiled = options.dynamo_plugin is not None and options.dynamo_plugin.enabled
     if options.device.type == "cuda" and not compiled and (not dist.is_initialized() or dist.get_rank() == 0):

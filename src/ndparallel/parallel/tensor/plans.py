@@ -380,14 +380,14 @@ def check_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
     tp 1)."""
     if mesh.size("tp") > 1:
         check_not_sharded(model, mesh["tp"])
-        tensor_parallel_styles(model, mesh.size("tp"), mesh.config.tp_handler, options.tp_plan)
+        tensor_parallel_styles(model, mesh.size("tp"), options.tp_handler, options.tp_plan)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """Shard `model` over ``tp`` with the styles of its plan (`tensor_parallel_styles`); nothing at tp 1."""
     if mesh.size("tp") == 1:
         return model
-    handler = mesh.config.tp_handler
+    handler = options.tp_handler
     styles = tensor_parallel_styles(model, mesh.size("tp"), handler, options.tp_plan, strict=mesh.size("pp") == 1)
     groups = tied_groups(model)
     model = parallelize_module(model, mesh["tp"], styles)
