@@ -56,6 +56,19 @@ from .processes import ProcessesMixin
 _PREPARED_TYPES = (DistributedDataParallel, FSDPModule, AcceleratedOptimizer, PreparedDataLoader, AcceleratedScheduler)
 
 
+def _setting(field: str, doc: str, settable: bool = False) -> property:
+    """An Accelerator attribute that reads (and, where Accelerate lets scripts assign it, writes) the field `field`
+    of its one `Settings`."""
+
+    def get(self: Accelerator) -> Any:
+        return getattr(self._settings, field)
+
+    def set_(self: Accelerator, value: Any) -> None:
+        setattr(self._settings, field, value)
+
+    return property(get, set_ if settable else None, doc=doc)
+
+
 def _weak(obj: Any) -> Callable[[], Any]:
     """A weak reference to `obj`, or a strong one for the rare object that cannot be referenced weakly."""
     try:
@@ -122,8 +135,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             rng_types=rng_types, dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
             foreign={"deepspeed_plugin": deepspeed_plugin, "deepspeed_plugins": deepspeed_plugins,
                      "megatron_lm_plugin": megatron_lm_plugin, "torch_tp_plugin": torch_tp_plugin})
-        self._settings = s
-        self.project_configuration = s.project
+        self._settings = s  # the one copy: the attributes below with Accelerate's names are properties over it
         partial = PartialState(s.cpu, **s.process_group)
         # Before the first collective that depends on these settings (the mesh's process groups): ranks whose
         # settings differ all raise the same error naming them, instead of hanging (ndparallel.agreement). One
@@ -132,28 +144,19 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             s.parallelism, s.fsdp_plugin, s.mixed_precision, s.accumulation_steps, device=partial.device.type,
             dataloader=s.dataloader, loss_weighting=loss_weighting), "Accelerator(...)",
             timeout=partial.runtime.timeout)
-        self.parallelism_config = s.parallelism.resolve(partial.num_processes)
-        uses_fsdp = parallel.uses_fsdp(self.parallelism_config, s.fsdp_plugin)
-        self.mesh = ParallelMesh(self.parallelism_config, partial.device.type, fsdp=uses_fsdp)
-        for config in (parallelism_config, self.parallelism_config):  # Accelerate's config.get_device_mesh()
+        s.place(partial.num_processes)  # sizes resolved; whether FSDP2 wraps the models, decided once
+        self.mesh = ParallelMesh(s.parallelism, partial.device.type, fsdp=s.fsdp)
+        for config in (parallelism_config, s.parallelism):  # Accelerate's config.get_device_mesh()
             if config is not None:
                 config.device_mesh = self.mesh.world
-        self.state = AcceleratorState(partial, mixed_precision=s.mixed_precision,
-                                      parallelism_config=self.parallelism_config, device_mesh=self.mesh.world,
-                                      fsdp_plugin=s.fsdp_plugin, uses_fsdp=uses_fsdp)
-        self.fsdp_plugin = s.fsdp_plugin
-        self.mixed_precision = s.mixed_precision
-        self.gradient_accumulation_steps = s.accumulation_steps
-        self.device_placement = s.device_placement
-        self.dataloader_config = s.dataloader
-        self.step_scheduler_with_optimizer = s.step_scheduler_with_optimizer
+        self.state = AcceleratorState(partial, settings=s, device_mesh=self.mesh.world)
         self.gradient_state = GradientState(s.accumulation_steps, self.mesh.size("loss"))
         # This rank's part of every sequence under context/sequence parallelism (None without): the one geometry
         # the data loaders count loss tokens with and maybe_context_parallel shards with.
-        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh, self.parallelism_config.cp_handler)
+        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh, s.parallelism.cp_handler)
         scaler = torch.amp.GradScaler(self.device.type, **s.scaler_kwargs) if s.mixed_precision == "fp16" else None
         self.prepared = PreparedObjects(self.gradient_state, scaler)  # what save_state / load_state cover
-        self.trackers = Trackers(s.log_with, self.project_configuration.logging_dir, self.is_main_process)
+        self.trackers = Trackers(s.log_with, s.project.logging_dir, self.is_main_process)
         # id(original parameter) -> (weak reference to it, the parameter that replaced it in prepare()).
         self._param_map: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
         # The plain objects prepare() has taken, to refuse them a second time: id -> a weak reference (an id alone
@@ -161,7 +164,19 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         self._taken: dict[int, Callable[[], Any]] = {}
         checkpoint.announce(s.fsdp_plugin)  # cpu_ram_efficient_loading: tell transformers, as Accelerate does
 
-    # ---- settings as properties (Accelerate's names) ------------------------------------------------------------
+    # ---- settings as properties over the one copy (Accelerate's names; settable where Accelerate's are) -----------
+    parallelism_config = _setting("parallelism", "The ParallelismConfig, its sizes resolved against the world size.")
+    fsdp_plugin = _setting("fsdp_plugin", "The FSDP2 settings (None without a plugin).")
+    mixed_precision = _setting("mixed_precision", 'One of "no", "bf16", "fp16", "fp8".')
+    gradient_accumulation_steps = _setting("accumulation_steps", "Micro-steps per optimizer step.", settable=True)
+    device_placement = _setting("device_placement", "Prepared data loaders move batches to this rank's device.",
+                                settable=True)
+    dataloader_config = _setting("dataloader", "The DataLoaderConfiguration.", settable=True)
+    step_scheduler_with_optimizer = _setting("step_scheduler_with_optimizer", "The LR scheduler steps with each "
+                                             "optimizer step (else with every call).", settable=True)
+    project_configuration = _setting("project", "The ProjectConfiguration (directories, checkpoint naming).",
+                                     settable=True)
+
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
         """The gradient scaler of fp16 mixed precision (None otherwise)."""
@@ -246,7 +261,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         old = dict(model.named_parameters(remove_duplicate=False))  # every name of a tied parameter
         config = self.parallelism_config
         options = parallel.PrepareOptions(self.device, self.fsdp_plugin, self.mixed_precision, tp_plan,
-                                          fsdp=self.state.is_fsdp2, tp_handler=config.tp_handler,
+                                          fsdp=self._settings.fsdp, tp_handler=config.tp_handler,
                                           cp_handler=config.cp_handler, pp_handler=config.pp_handler,
                                           ddp_kwargs=self._settings.ddp_kwargs,
                                           autocast_kwargs=self._settings.autocast_kwargs,
