@@ -312,6 +312,22 @@ def _evaluate(extra: dict) -> tuple[float, float, bool]:
     return (out.logits - expected.logits).abs().max().item(), (out.loss - expected.loss).abs().item(), all_eval
 
 
+def _prepare_twice() -> bool:
+    from ndparallel import Accelerator, ParallelismConfig
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2))
+    torch.manual_seed(0)
+    model = accelerator.prepare(build_model("llama", num_hidden_layers=LAYERS))
+    again = accelerator.prepare(model)
+    accelerator.end_training()
+    return again is model
+
+
+def test_a_prepared_pipeline_model_comes_back_from_prepare_as_it_is():
+    """As a DDP or FSDP2 model does (it used to be prepared again, and the ranks' stages disagreed)."""
+    assert run_ranks(_prepare_twice, 2) == [True, True]
+
+
 @pytest.mark.parametrize("world,extra", [(2, {}), (4, {"dp_shard_size": 2})], ids=["pp2", "pp2_fsdp2"])
 def test_evaluation_returns_logits_and_loss_on_every_stage(world, extra):
     for logits_diff, loss_diff, all_eval in run_ranks(_evaluate, world, extra):

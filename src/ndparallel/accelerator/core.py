@@ -53,7 +53,8 @@ from .checkpointing import CheckpointingMixin
 from .collectives import CollectivesMixin
 from .processes import ProcessesMixin
 
-_PREPARED_TYPES = (DistributedDataParallel, FSDPModule, AcceleratedOptimizer, PreparedDataLoader, AcceleratedScheduler)
+_PREPARED_TYPES = (DistributedDataParallel, FSDPModule, parallel.PreparedModel, AcceleratedOptimizer, PreparedDataLoader,
+                   AcceleratedScheduler)
 
 
 def _setting(field: str, doc: str, settable: bool = False) -> property:
