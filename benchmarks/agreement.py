@@ -14,7 +14,7 @@ slowest rank.
   backend, ``check_agreement(..., group=WORLD)``, after a monitored barrier at prepare), a bare monitored barrier,
   gloo's own barrier, and one request to the store;
 - ``reduce`` and ``gather`` through the Accelerator (inside `ndparallel.agreement.watched`) and the same through
-  `ndparallel.operations` directly, and the local cost of ``watched`` alone (over 10,000 entries);
+  `ndparallel.gather_reduce` directly, and the local cost of ``watched`` alone (over 10,000 entries);
 - then ``prepare(model, optimizer, data loader, scheduler)`` of fresh objects, `--prepare-repeats` times with the
   checks and as often with ``check_agreement`` replaced by a no-op, alternating: both medians, the paired
   differences (prepare() itself varies by +-10 ms here, more than the check costs), and the check's own time inside.
@@ -55,9 +55,9 @@ def _rank(repeats: int, prepare_repeats: int) -> dict[str, list[float]]:
         FullyShardedDataParallelPlugin,
         ParallelismConfig,
         agreement,
-        operations,
         set_seed,
     )
+    from ndparallel import gather_reduce as operations
 
     accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
                               fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))

@@ -532,7 +532,7 @@ def _presharded(path: str) -> tuple:
     from transformers import LlamaForCausalLM
 
     from ndparallel import Accelerator
-    from ndparallel.parallel.presharded import is_transformers_sharded
+    from ndparallel.parallel.tensor.presharded import is_transformers_sharded
 
     acc = Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=2))
     # Accelerate's example: transformers splits the model itself, on the Accelerator's tp mesh

@@ -1,5 +1,5 @@
 """``ndparallel launch`` given what ``accelerate launch`` takes: the YAML of ``accelerate config`` and Accelerate's
-flags (ndparallel.accelerate_launch). Plans are checked without starting processes; one real launch checks that the
+flags (ndparallel.launch.accelerate_launch). Plans are checked without starting processes; one real launch checks that the
 ranks' Accelerator gets the file's settings."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ndparallel.cli import build_parser, main
-from ndparallel.launch import plan_launch
+from ndparallel.launch.cli import build_parser, main
+from ndparallel.launch.launcher import plan_launch
 from test_cli import run_cli
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_launch_report.py")

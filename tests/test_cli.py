@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from ndparallel.cli import build_parser, main
+from ndparallel.launch.cli import build_parser, main
 from ndparallel.config import ParallelismConfig
-from ndparallel.launch import WORKER, plan_launch
+from ndparallel.launch.launcher import WORKER, plan_launch
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "print_env_launch.py")
 

@@ -233,7 +233,7 @@ def test_tp_without_fsdp_keeps_parity(model):
 
 def _without(attribute: str, argv: list[str]) -> dict:
     import ndparallel.parallel as parallel
-    from ndparallel.parallel import tensor
+    from ndparallel.parallel.tensor import plans as tensor
 
     module, name = {"retie": (tensor, "_retie"), "global_load_balancing": (parallel, "apply_global_load_balancing")}[
         attribute]
@@ -251,7 +251,7 @@ def test_the_matrix_catches_a_broken_tie_or_per_rank_load_balancing(what, model,
 
 
 def _own_plan_run(model: str, argv: list[str]) -> dict:
-    from ndparallel.parallel import families
+    from ndparallel.parallel.tensor import families
 
     families.FAMILIES[model] = families.Family()  # in this forked rank only: transformers' plan, not ndparallel's
     return accelerate_style.main(argv)

@@ -127,9 +127,9 @@ def test_the_graph_reader_sees_the_package():
     def targets(module: str, statement: str) -> set[str]:
         return _targets(module, ast.parse(statement).body[0])
 
-    assert targets("ndparallel.checkpoint.state", "from .. import __version__") == {"ndparallel"}
-    assert targets("ndparallel.checkpoint.state", "from . import storage") == {"ndparallel.checkpoint.storage"}
-    assert targets("ndparallel.checkpoint.state", "from ..parallel.sequence import SequenceShards") == {
+    assert targets("ndparallel.checkpoint.training_state", "from .. import __version__") == {"ndparallel"}
+    assert targets("ndparallel.checkpoint.training_state", "from . import storage") == {"ndparallel.checkpoint.storage"}
+    assert targets("ndparallel.checkpoint.training_state", "from ..parallel.sequence import SequenceShards") == {
         "ndparallel.parallel", "ndparallel.parallel.sequence"}
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None

@@ -21,7 +21,7 @@ import accelerate_style  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from ndparallel import TorchTensorParallelConfig  # noqa: E402
 from ndparallel.parallel.tensor import plan_styles  # noqa: E402
-from ndparallel.parallel.tensor_styles import per_projection_plan  # noqa: E402
+from ndparallel.parallel.tensor.styles import per_projection_plan  # noqa: E402
 from test_families import loss_diff, train_save_load  # noqa: E402
 from test_parity import reference, run_layout  # noqa: E402
 from tiny_models import build_model  # noqa: E402
@@ -108,7 +108,7 @@ def test_packed_layers_keep_parity_in_more_layouts(model_name, world, flags):
 
 
 def _without_exchange(argv: list[str]) -> dict:
-    from ndparallel.parallel import tensor_styles
+    from ndparallel.parallel.tensor import styles as tensor_styles
 
     tensor_styles._PerProjection.apply = staticmethod(lambda y, plan, group: y)  # in this forked rank only
     return accelerate_style.main(argv)

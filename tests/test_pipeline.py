@@ -129,7 +129,7 @@ def test_schedules_needing_more_microbatches_are_refused():
 
 
 def test_a_config_file_carries_pp_size_and_says_its_pp_handler_stays_in_the_script(tmp_path):
-    from ndparallel.launch import read_config_file
+    from ndparallel.launch.launcher import read_config_file
 
     path = tmp_path / "pp.yaml"
     path.write_text("parallelism:\n  pp_size: 2\n  dp_shard_size: 2\n  pp_handler: {schedule: gpipe}\n")
@@ -310,6 +310,22 @@ def _evaluate(extra: dict) -> tuple[float, float, bool]:
         out = model(input_ids=ids, labels=labels)
     accelerator.end_training()
     return (out.logits - expected.logits).abs().max().item(), (out.loss - expected.loss).abs().item(), all_eval
+
+
+def _prepare_twice() -> bool:
+    from ndparallel import Accelerator, ParallelismConfig
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2))
+    torch.manual_seed(0)
+    model = accelerator.prepare(build_model("llama", num_hidden_layers=LAYERS))
+    again = accelerator.prepare(model)
+    accelerator.end_training()
+    return again is model
+
+
+def test_a_prepared_pipeline_model_comes_back_from_prepare_as_it_is():
+    """As a DDP or FSDP2 model does (it used to be prepared again, and the ranks' stages disagreed)."""
+    assert run_ranks(_prepare_twice, 2) == [True, True]
 
 
 @pytest.mark.parametrize("world,extra", [(2, {}), (4, {"dp_shard_size": 2})], ids=["pp2", "pp2_fsdp2"])

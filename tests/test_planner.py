@@ -24,7 +24,7 @@ sys.path.insert(0, str(BENCH))
 from planner_check import CASES, predict, run_case  # noqa: E402  (measures the library on forked ranks)
 from ndparallel.cli import main  # noqa: E402
 from ndparallel.config import ParallelismConfig  # noqa: E402
-from ndparallel.launch import read_config_file  # noqa: E402
+from ndparallel.launch.launcher import read_config_file  # noqa: E402
 from ndparallel.planner import Layout, Request, Setting, get_hardware, load_model  # noqa: E402
 from ndparallel.planner.comm import by_kind, by_link, transfers  # noqa: E402
 from ndparallel.planner.layouts import Constraints, all_layouts, valid_layouts  # noqa: E402

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import sft_run  # noqa: E402
 import trainer_run  # noqa: E402
 from harness import run_ranks  # noqa: E402
-from ndparallel.worker import attach_integrations  # noqa: E402
+from ndparallel.launch.worker import attach_integrations  # noqa: E402
 from readme_sections import read_section, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention
-from ndparallel.parallel.sequence.collectives import heads_to_seq, seq_to_heads
+from ndparallel.parallel.sequence.communication import heads_to_seq, seq_to_heads
 from ndparallel.parallel.sequence.ulysses import check_heads, kv_repeats
 
 HEADS = {2: [(4, 4), (4, 2), (6, 1)], 4: [(8, 8), (8, 4), (8, 2), (4, 1)]}  # (query, key/value heads)

@@ -8,6 +8,7 @@ Accelerate's module paths work too: `ndparallel.accelerator`, `ndparallel.parall
 
 from ._version import __version__
 from .accelerator import Accelerator
+from .batch_size import find_executable_batch_size
 from .checkpoint import CheckpointError, ProjectConfiguration, init_empty_weights
 from .config import (
     ParallelismConfig,
@@ -15,8 +16,6 @@ from .config import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
 )
-from .helpers import set_seed
-from .memory import find_executable_batch_size
 from .mesh import ParallelMesh
 from .parallel.sequence import context_parallel_attention
 from .plugins import (
@@ -29,6 +28,7 @@ from .plugins import (
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
 )
+from .seed import set_seed
 from .state import DistributedType, PartialState
 from .integrations import enable as _enable_integrations
 

@@ -26,8 +26,11 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import AXES, ParallelMesh
+from .mesh import ParallelMesh
 
+# Mesh axes, outermost first. TP is innermost: it needs the fastest links. The mesh takes them from the config
+# (`ParallelismConfig.sizes`, in this order).
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
 SIZE_FIELDS: tuple[str, ...] = tuple(f"{axis}_size" for axis in AXES)
 ENV_PREFIX = "NDPARALLEL_"
 # Settings `ndparallel launch` passes to the Accelerator of every rank (used when the script leaves them unset).

@@ -37,8 +37,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 if TYPE_CHECKING:
     from .config import ParallelismConfig
 
-# Mesh axes, outermost first. TP is innermost: it needs the fastest links.
-AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
 # Flattened views: name -> the axes they span (contiguous, outermost first).
 VIEWS: dict[str, tuple[str, ...]] = {
     "batch": ("dp_replicate", "dp_shard"),
@@ -65,12 +63,13 @@ class ParallelMesh:
         config = config.resolve(world_size)
         self.config = config
         self.device_type = device_type
-        self._sizes = config.sizes()
-        self._axes: dict[str, tuple[str, ...]] = {**{axis: (axis,) for axis in AXES}, **VIEWS}
-        dims = tuple(axis for axis in AXES if self._sizes[axis] > 1) or AXES
+        self._sizes = config.sizes()  # every axis, outermost first (`ndparallel.config.AXES`)
+        axes = tuple(self._sizes)
+        self._axes: dict[str, tuple[str, ...]] = {**{axis: (axis,) for axis in axes}, **VIEWS}
+        dims = tuple(axis for axis in axes if self._sizes[axis] > 1) or axes
         replicate_only = fsdp and world_size > 1 and self.size("fsdp") == 1
         if replicate_only:  # FSDP2 needs a (one-rank) fsdp dimension of this mesh, for HSDP or beside tp
-            dims = tuple(a for a in AXES if a in dims or a == "dp_shard")
+            dims = tuple(a for a in axes if a in dims or a == "dp_shard")
         self.world: DeviceMesh = init_device_mesh(device_type, tuple(self._sizes[a] for a in dims), mesh_dim_names=dims)
         self._views: dict[str, DeviceMesh | None] = {}
         by_axes: dict[tuple[str, ...], DeviceMesh] = {}
@@ -166,7 +165,7 @@ class ParallelMesh:
             return self.world[tuple(v.mesh_dim_names[0] for v in views)]
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{axis}={self._sizes[axis]}" for axis in AXES)
+        sizes = ", ".join(f"{axis}={size}" for axis, size in self._sizes.items())
         return f"ParallelMesh({sizes}, device_type={self.device_type!r})"
 
 

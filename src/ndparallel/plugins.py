@@ -125,7 +125,7 @@ class FullyShardedDataParallelPlugin:
       with torch.distributed.checkpoint) or "FULL_STATE_DICT" (rank 0 gathers and writes one file each); torch's
       ``StateDictType`` enum works too.
     - cpu_ram_efficient_loading: accept models whose parameters are on the meta device in ``prepare`` and load
-      their weights after sharding (see `ndparallel.checkpoint.pretrained`).
+      their weights after sharding (see `ndparallel.checkpoint.load_pretrained`).
     - FSDP1's settings (`FSDP1_ONLY`): accepted, ignored with one warning.
     """
 

@@ -218,25 +218,26 @@ class PartialState:
 
 class AcceleratorState(PartialState):
     """What an `Accelerator` decided, on top of the process state: ``mixed_precision``, ``parallelism_config`` and
-    its ``device_mesh``, ``fsdp_plugin``, ``distributed_type`` (FSDP when FSDP2 wraps the models), ``is_fsdp2``.
-    Unlike Accelerate's, one per Accelerator (the process part is shared)."""
+    its ``device_mesh``, ``fsdp_plugin``, ``distributed_type`` (FSDP when FSDP2 wraps the models), ``is_fsdp2`` --
+    read from the Accelerator's settings (`ndparallel.accelerator.settings.Settings`, its one copy of them). Unlike
+    Accelerate's, one per Accelerator (the process part is shared)."""
 
-    def __init__(self, partial: PartialState, *, mixed_precision: str, parallelism_config: Any, device_mesh: Any,
-                 fsdp_plugin: Any, uses_fsdp: bool) -> None:
+    def __init__(self, partial: PartialState, *, settings: Any, device_mesh: Any) -> None:
         self.__dict__ = dict(partial._shared)  # a snapshot of the process state, plus this Accelerator's decisions
-        self.mixed_precision = mixed_precision
-        self.parallelism_config = parallelism_config
+        self._settings = settings
         self.device_mesh = device_mesh
-        self.fsdp_plugin = fsdp_plugin
-        self._uses_fsdp = uses_fsdp
+
+    mixed_precision = property(lambda self: self._settings.mixed_precision)
+    parallelism_config = property(lambda self: self._settings.parallelism)
+    fsdp_plugin = property(lambda self: self._settings.fsdp_plugin)
 
     @property
     def is_fsdp2(self) -> bool:
-        return self._uses_fsdp
+        return self._settings.fsdp
 
     @property
     def distributed_type(self) -> DistributedType:
-        return DistributedType.FSDP if self._uses_fsdp else super().distributed_type
+        return DistributedType.FSDP if self._settings.fsdp else super().distributed_type
 
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]

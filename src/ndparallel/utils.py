@@ -1,15 +1,14 @@
 """`ndparallel.utils`: Accelerate's `accelerate.utils` names, so that changing ``accelerate`` to ``ndparallel`` on the
 import lines ports a script. Each name's real home is in the module it is imported from; nothing is defined here."""
 
+from .batch_size import find_executable_batch_size
 from .checkpoint import ProjectConfiguration
 from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from .data import move_to_device as send_to_device
-from .helpers import progress_bar, set_seed
-from .memory import find_executable_batch_size
-from .operations import broadcast, broadcast_object_list, pad_across_processes
-from .operations import gather_all as gather
-from .operations import gather_object_all as gather_object
-from .operations import reduce_all as reduce
+from .gather_reduce import broadcast, broadcast_object_list, pad_across_processes
+from .gather_reduce import gather_all as gather
+from .gather_reduce import gather_object_all as gather_object
+from .gather_reduce import reduce_all as reduce
 from .plugins import (
     AORecipeKwargs,
     AutocastKwargs,
@@ -23,8 +22,9 @@ from .plugins import (
     TERecipeKwargs,
     TorchDynamoPlugin,
 )
+from .seed import set_seed
 from .state import DistributedType
-from .tracking import GeneralTracker, LoggerType
+from .tracking import GeneralTracker, LoggerType, progress_bar
 
 __all__ = [
     "AORecipeKwargs",

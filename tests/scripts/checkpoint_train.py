@@ -41,7 +41,7 @@ def pause_after_models(marker: str) -> None:
     """Test hook, in this process only: the next save stops once its models are written (when it asks for the
     first optimizer's state), writes `marker` and sleeps until killed. It replaces the function save_state calls
     there, so the library needs no switch of its own for this."""
-    from ndparallel.checkpoint import state
+    from ndparallel.checkpoint import training_state as state
 
     def paused(*args, **kwargs):
         Path(marker).write_text("models written")

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import agreement, checkpoint, parallel
 from ..checkpoint import ProjectConfiguration
-from ..record import PreparedObjects
+from ..prepared import PreparedObjects
 from ..state import AcceleratorState
 
 

@@ -1,5 +1,5 @@
 """Collectives for metrics and logging: gather along ``batch``, reduce over ``loss``, the exact logged loss, padding,
-and Accelerate's trigger (`ndparallel.operations` does the work). Each runs inside `ndparallel.agreement.watched`:
+and Accelerate's trigger (`ndparallel.gather_reduce` does the work). Each runs inside `ndparallel.agreement.watched`:
 nothing extra while it works; when the backend fails (the process-group timeout) a `CollectiveTimeoutError` says
 which rank was in which call and which ranks were elsewhere."""
 
@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import agreement, operations
+from .. import agreement
+from .. import gather_reduce as operations
 from ..loss import GradientState
 from ..mesh import ParallelMesh
 from ..state import AcceleratorState

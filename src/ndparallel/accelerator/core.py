@@ -3,8 +3,8 @@
 It only orchestrates: settings are resolved by `settings`, the process state kept by `ndparallel.state`, the mesh
 built by `ndparallel.mesh`, models parallelised by `ndparallel.parallel`, data loaders sharded by `ndparallel.data`,
 the loss made right by `ndparallel.loss`, sequences sharded by `ndparallel.parallel.sequence`, clipping done by
-`ndparallel.clip`, metrics gathered by `ndparallel.operations`, experiments logged by `ndparallel.tracking`; what it
-prepared is kept in one `ndparallel.record.PreparedObjects`, which checkpoints read and write. The process surface,
+`ndparallel.clip`, metrics gathered by `ndparallel.gather_reduce`, experiments logged by `ndparallel.tracking`; what it
+prepared is kept in one `ndparallel.prepared.PreparedObjects`, which checkpoints read and write. The process surface,
 collectives and checkpoints live in the mixins beside this module.
 
 Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
@@ -34,27 +34,40 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .. import agreement, checkpoint, clip, metrics, parallel
+from ..batch_size import release_memory
 from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
 from ..config import ParallelismConfig, compute_dtype
 from ..data import PreparedDataLoader
-from ..helpers import progress_bar
 from ..loss import GradientState, is_causal_lm
-from ..memory import release_memory
 from ..mesh import ParallelMesh
 from ..optim import AcceleratedOptimizer, AcceleratedScheduler
 from ..parallel.sequence import SequenceSharding
 from ..plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
-from ..record import PreparedObjects
+from ..prepared import PreparedObjects
 from ..runtime import heartbeat, release_process_group
 from ..state import AcceleratorState, PartialState
-from ..tracking import GeneralTracker, Trackers
+from ..tracking import GeneralTracker, Trackers, progress_bar
 from . import settings as _settings
 from .checkpointing import CheckpointingMixin
 from .collectives import CollectivesMixin
 from .processes import ProcessesMixin
 
-_PREPARED_TYPES = (DistributedDataParallel, FSDPModule, AcceleratedOptimizer, PreparedDataLoader, AcceleratedScheduler)
+_PREPARED_TYPES = (DistributedDataParallel, FSDPModule, parallel.PreparedModel, AcceleratedOptimizer, PreparedDataLoader,
+                   AcceleratedScheduler)
+
+
+def _setting(field: str, doc: str, settable: bool = False) -> property:
+    """An Accelerator attribute that reads (and, where Accelerate lets scripts assign it, writes) the field `field`
+    of its one `Settings`."""
+
+    def get(self: Accelerator) -> Any:
+        return getattr(self._settings, field)
+
+    def set_(self: Accelerator, value: Any) -> None:
+        setattr(self._settings, field, value)
+
+    return property(get, set_ if settable else None, doc=doc)
 
 
 def _weak(obj: Any) -> Callable[[], Any]:
@@ -123,8 +136,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             rng_types=rng_types, dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
             foreign={"deepspeed_plugin": deepspeed_plugin, "deepspeed_plugins": deepspeed_plugins,
                      "megatron_lm_plugin": megatron_lm_plugin, "torch_tp_plugin": torch_tp_plugin})
-        self._settings = s
-        self.project_configuration = s.project
+        self._settings = s  # the one copy: the attributes below with Accelerate's names are properties over it
         partial = PartialState(s.cpu, **s.process_group)
         # Before the first collective that depends on these settings (the mesh's process groups): ranks whose
         # settings differ all raise the same error naming them, instead of hanging (ndparallel.agreement). One
@@ -133,28 +145,19 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             s.parallelism, s.fsdp_plugin, s.mixed_precision, s.accumulation_steps, device=partial.device.type,
             dataloader=s.dataloader, loss_weighting=loss_weighting), "Accelerator(...)",
             timeout=partial.runtime.timeout)
-        self.parallelism_config = s.parallelism.resolve(partial.num_processes)
-        uses_fsdp = parallel.uses_fsdp(self.parallelism_config, s.fsdp_plugin)
-        self.mesh = ParallelMesh(self.parallelism_config, partial.device.type, fsdp=uses_fsdp)
-        for config in (parallelism_config, self.parallelism_config):  # Accelerate's config.get_device_mesh()
+        s.place(partial.num_processes)  # sizes resolved; whether FSDP2 wraps the models, decided once
+        self.mesh = ParallelMesh(s.parallelism, partial.device.type, fsdp=s.fsdp)
+        for config in (parallelism_config, s.parallelism):  # Accelerate's config.get_device_mesh()
             if config is not None:
                 config.device_mesh = self.mesh.world
-        self.state = AcceleratorState(partial, mixed_precision=s.mixed_precision,
-                                      parallelism_config=self.parallelism_config, device_mesh=self.mesh.world,
-                                      fsdp_plugin=s.fsdp_plugin, uses_fsdp=uses_fsdp)
-        self.fsdp_plugin = s.fsdp_plugin
-        self.mixed_precision = s.mixed_precision
-        self.gradient_accumulation_steps = s.accumulation_steps
-        self.device_placement = s.device_placement
-        self.dataloader_config = s.dataloader
-        self.step_scheduler_with_optimizer = s.step_scheduler_with_optimizer
+        self.state = AcceleratorState(partial, settings=s, device_mesh=self.mesh.world)
         self.gradient_state = GradientState(s.accumulation_steps, self.mesh.size("loss"))
         # This rank's part of every sequence under context/sequence parallelism (None without): the one geometry
         # the data loaders count loss tokens with and maybe_context_parallel shards with.
-        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh)
+        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh, s.parallelism.cp_handler)
         scaler = torch.amp.GradScaler(self.device.type, **s.scaler_kwargs) if s.mixed_precision == "fp16" else None
         self.prepared = PreparedObjects(self.gradient_state, scaler)  # what save_state / load_state cover
-        self.trackers = Trackers(s.log_with, self.project_configuration.logging_dir, self.is_main_process)
+        self.trackers = Trackers(s.log_with, s.project.logging_dir, self.is_main_process)
         # id(original parameter) -> (weak reference to it, the parameter that replaced it in prepare()).
         self._param_map: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
         # The plain objects prepare() has taken, to refuse them a second time: id -> a weak reference (an id alone
@@ -162,7 +165,19 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         self._taken: dict[int, Callable[[], Any]] = {}
         checkpoint.announce(s.fsdp_plugin)  # cpu_ram_efficient_loading: tell transformers, as Accelerate does
 
-    # ---- settings as properties (Accelerate's names) ------------------------------------------------------------
+    # ---- settings as properties over the one copy (Accelerate's names; settable where Accelerate's are) -----------
+    parallelism_config = _setting("parallelism", "The ParallelismConfig, its sizes resolved against the world size.")
+    fsdp_plugin = _setting("fsdp_plugin", "The FSDP2 settings (None without a plugin).")
+    mixed_precision = _setting("mixed_precision", 'One of "no", "bf16", "fp16", "fp8".')
+    gradient_accumulation_steps = _setting("accumulation_steps", "Micro-steps per optimizer step.", settable=True)
+    device_placement = _setting("device_placement", "Prepared data loaders move batches to this rank's device.",
+                                settable=True)
+    dataloader_config = _setting("dataloader", "The DataLoaderConfiguration.", settable=True)
+    step_scheduler_with_optimizer = _setting("step_scheduler_with_optimizer", "The LR scheduler steps with each "
+                                             "optimizer step (else with every call).", settable=True)
+    project_configuration = _setting("project", "The ProjectConfiguration (directories, checkpoint naming).",
+                                     settable=True)
+
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
         """The gradient scaler of fp16 mixed precision (None otherwise)."""
@@ -245,30 +260,38 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         if isinstance(model, _PREPARED_TYPES):
             return model
         old = dict(model.named_parameters(remove_duplicate=False))  # every name of a tied parameter
+        config = self.parallelism_config
         options = parallel.PrepareOptions(self.device, self.fsdp_plugin, self.mixed_precision, tp_plan,
+                                          fsdp=self._settings.fsdp, tp_handler=config.tp_handler,
+                                          cp_handler=config.cp_handler, pp_handler=config.pp_handler,
                                           ddp_kwargs=self._settings.ddp_kwargs,
                                           autocast_kwargs=self._settings.autocast_kwargs,
                                           dynamo_plugin=self._settings.dynamo_plugin,
-                                          fp8_recipe=self._settings.fp8_recipe)
+                                          fp8_recipe=self._settings.fp8_recipe,
+                                          loss_factor=self._loss_weight_inside_the_model,
+                                          sync_gradients=self._syncs_gradients)
         # A model on the meta device (cpu_ram_efficient_loading) gets its weights after it is parallelised.
         prepared = checkpoint.parallelize_loading_weights(
             model, self.fsdp_plugin, self.device, lambda m: parallel.parallelize(m, self.mesh, options))
         new = dict(self.unwrap_model(prepared).named_parameters(remove_duplicate=False))
         kept = {id(param) for name, param in old.items() if name in new}  # under any of its names
+        split = not parallel.interface(prepared).holds_every_parameter
         for name, param in old.items():
-            if id(param) not in kept and isinstance(prepared, parallel.PipelineModel):  # another stage's: dropped
+            if id(param) not in kept and split:  # owned by another rank (another pipeline stage's): dropped
                 self._param_map[id(param)] = (weakref.ref(param), None)
             elif new.get(name) is not None and new[name] is not param:
                 self._param_map[id(param)] = (weakref.ref(param), new[name])
-        if isinstance(prepared, parallel.PipelineModel):
-            prepared.loss_factor = self.gradient_state.loss_factor  # the schedule's backward weighs the loss
-            prepared.sync_gradients = lambda: self.gradient_state.sync_gradients or self._settings.sync_each_batch
         install_save_pretrained(prepared, self.unwrap_model(prepared))  # full weights from any layout (collective)
         self.prepared.models.append(prepared)
         for opt in self.prepared.optimizers:  # optimizers prepared before this model follow its new parameters too
             self._remap(opt.optimizer)
         self.gradient_state.token_weighted = self._token_weighted()
         return prepared
+
+    def _syncs_gradients(self) -> bool:
+        """Whether the current micro-step's backward reduces gradients (read by models that run backward in their
+        call: pipeline stages sum a tied weight's two gradients then)."""
+        return self.gradient_state.sync_gradients or self._settings.sync_each_batch
 
     def _token_weighted(self) -> bool:
         """Whether `backward` and `reduce_loss` weight by loss tokens (`ndparallel.loss`): the user said so, or every
@@ -360,6 +383,13 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         return dataloader
 
     # ---- the training step ------------------------------------------------------------------------------------------
+    def _loss_weight_inside_the_model(self) -> float:
+        """What a model that runs backward inside its own call (pipeline stages) weighs this rank's loss by: the
+        factor `backward` would scale it by (`GradientState.loss_factor`). A loop that scales the loss it gets back
+        before calling `backward` -- the Hugging Face Trainer does -- needs that scale here as well
+        (`ndparallel.integrations.trainer`)."""
+        return self.gradient_state.loss_factor()
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, with the loss weighted so gradients equal the single-process ones.
 
@@ -368,10 +398,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         """
         heartbeat("backward")  # progress that `ndparallel launch --stall-timeout` watches
         kwargs.pop("learning_rate", None)  # Accelerate's LOMO argument: no LOMO optimizers here
-        pipelines = [m for m in self.prepared.models if isinstance(m, parallel.PipelineModel) and m.gradients_ready]
-        if pipelines:  # the schedule ran this step's backward in the model's call (ndparallel.parallel.pipeline)
-            for model in pipelines:
-                model.gradients_ready = False
+        # A model whose call ran this step's backward already (pipeline stages: ndparallel.parallel.pipeline) leaves
+        # nothing to do; every model is asked (a list, not a generator), so every such flag is cleared.
+        if any([parallel.interface(m).consume_backward() for m in self.prepared.models]):
             return
         loss = loss * self.gradient_state.loss_factor()
         if self.scaler is not None:
@@ -496,8 +525,7 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         # Pipeline stages hold different parameters: their parts of the norm add up over ``pp`` (a tied weight's
         # second copy, on the last stage, counted once).
         stages = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
-        twice = {id(p) for m in self.prepared.models if isinstance(m, parallel.PipelineModel)
-                 for p in m.norm_duplicates()}
+        twice = {id(p) for m in self.prepared.models for p in parallel.interface(m).norm_duplicates()}
         return clip.clip_grad_norm_(parameters, max_norm, norm_type, across=stages, counted_elsewhere=twice)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:

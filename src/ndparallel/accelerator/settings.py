@@ -1,5 +1,9 @@
 """The Accelerator's settings, resolved once from its arguments and the environment, before any collective.
 
+`Settings` is the Accelerator's one copy of them: its Accelerate-named attributes (``mixed_precision``,
+``gradient_accumulation_steps``...) and its `AcceleratorState` read this object, and `prepare` passes what the
+parallelisms need down in `PrepareOptions`.
+
 Arguments win; a setting left unset is read from what a launcher exported: ``ndparallel launch``'s ``NDPARALLEL_*``
 first, then ``accelerate launch``'s (``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``,
 ``ACCELERATE_USE_CPU``, ``ACCELERATE_USE_FSDP`` with the ``FSDP_*`` plugin fields, ``PARALLELISM_CONFIG_*``). Every
@@ -25,6 +29,7 @@ from ..config import (
     size_env_var,
 )
 from ..loss import LOSS_WEIGHTINGS
+from ..parallel import uses_fsdp
 from ..plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -52,9 +57,9 @@ FOREIGN_PLUGINS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class Settings:
-    parallelism: ParallelismConfig  # sizes may still hold one -1: resolved against the world size later
+    parallelism: ParallelismConfig  # sizes may hold one -1 until `place` resolves them against the world size
     fsdp_plugin: FullyShardedDataParallelPlugin | None
     mixed_precision: str
     accumulation_steps: int
@@ -72,6 +77,13 @@ class Settings:
     autocast_kwargs: dict[str, Any] = field(default_factory=dict)
     dynamo_plugin: TorchDynamoPlugin | None = None
     fp8_recipe: AORecipeKwargs | None = None  # mixed_precision="fp8": how torchao converts the linear layers
+    fsdp: bool = False  # FSDP2 wraps the models (`ndparallel.parallel.uses_fsdp`): decided once, by `place`
+
+    def place(self, world_size: int) -> None:
+        """Once the processes have started: resolve the sizes against `world_size` and decide whether FSDP2 wraps
+        the models -- the mesh, the parallelisms (`PrepareOptions.fsdp`) and `AcceleratorState` read this decision."""
+        self.parallelism = self.parallelism.resolve(world_size)
+        self.fsdp = uses_fsdp(self.parallelism, self.fsdp_plugin)
 
 
 def _dynamo_plugin(backend: Any, plugin: Any, environ: Mapping[str, str]) -> TorchDynamoPlugin | None:

@@ -7,16 +7,16 @@ Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `sav
 - `project`: `ProjectConfiguration`, automatic naming, ``total_limit``, the newest complete checkpoint;
 - `manifest`: the metadata file, tensor names and shapes, tied names: what is checked before anything loads;
 - `validate`: the values of the small files and metadata fields, checked before anything loads;
-- `state`: what `save_state` / `load_state` write and read, from the Accelerator's record of prepared objects;
+- `training_state`: what `save_state` / `load_state` write and read, from the Accelerator's record of prepared objects;
 - `export`: `save_model`, `get_state_dict`, `merge_weights` (``ndparallel merge-weights``);
-- `pretrained`: ``cpu_ram_efficient_loading`` and `init_empty_weights`.
+- `load_pretrained`: ``cpu_ram_efficient_loading`` and `init_empty_weights`.
 """
 
 from .export import get_state_dict, merge_weights, save_model
 from .manifest import read_metadata
-from .pretrained import announce, init_empty_weights, parallelize_loading_weights
+from .load_pretrained import announce, init_empty_weights, parallelize_loading_weights
 from .project import ProjectConfiguration, latest_checkpoint
-from .state import FULL, SHARDED, RunSettings, load_state, save_state
+from .training_state import FULL, SHARDED, RunSettings, load_state, save_state
 from .storage import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 __all__ = [

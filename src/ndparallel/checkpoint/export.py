@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ..agreement import monitored_barrier
-from ..helpers import progress_bar
-from ..parallel import PipelineModel
+from ..parallel import PreparedModel, interface
+from ..tracking import progress_bar
 from . import storage
 from .manifest import read_metadata, tied_names
 from .storage import CheckpointError, on_main, rank
@@ -104,9 +104,10 @@ def get_state_dict(model: nn.Module, unwrap: bool = True, call: str = "get_state
     named `call` (the caller's name for it), so a call made on the main process only fails, naming it, as soon as
     another rank reaches another of the library's collective calls (`ndparallel.agreement.monitored_barrier`). Keys
     are the unwrapped model's names (unless ``unwrap=False``)."""
-    if isinstance(model, PipelineModel):
+    parts = interface(model)
+    if not parts.holds_every_parameter:
         monitored_barrier(call)
-        return _pipeline_state_dict(model)
+        return _parts_state_dict(parts)
     sharded = any(isinstance(t, DTensor) for t in model.state_dict().values())
     if sharded:
         monitored_barrier(call)
@@ -116,19 +117,12 @@ def get_state_dict(model: nn.Module, unwrap: bool = True, call: str = "get_state
     return model.state_dict()
 
 
-def _pipeline_state_dict(model: PipelineModel) -> dict[str, torch.Tensor]:
-    """Collective: the full weights of every stage, on rank 0 (an empty dict elsewhere). Each stage's ranks gather
-    their stage's tensors in full; the first rank of each stage -- the pipeline group of rank 0 -- sends them to rank 0
-    (which therefore holds the whole model in CPU memory once)."""
-    import torch.distributed as dist
-
-    state = {name: _full(t).detach().cpu() for name, t in get_model_state_dict(model.module).items()}
-    members = dist.get_process_group_ranks(model.group)
-    if 0 not in members:
-        return {}
-    parts: list[Any] | None = [None] * len(members) if rank() == 0 else None
-    dist.gather_object(state, parts, dst=0, group=model.group)
-    return {name: t for part in parts for name, t in part.items()} if parts is not None else {}
+def _parts_state_dict(parts: PreparedModel) -> dict[str, torch.Tensor]:
+    """Collective, for a model whose parts live on different ranks (pipeline stages): the full weights of every part,
+    on rank 0 (an empty dict elsewhere). Each part's ranks gather their part's tensors in full, then the model sends
+    the parts to rank 0 (`PreparedModel.gather_parts`)."""
+    state = {name: _full(t).detach().cpu() for name, t in get_model_state_dict(parts.state_module()).items()}
+    return parts.gather_parts(state)
 
 
 def _progress(total: int, desc: str) -> Any:
@@ -143,7 +137,8 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
     monitored_barrier("save_model")  # every rank, or an error naming the call (see `get_state_dict`)
     # This rank's shards, named as in the unwrapped model; under pipeline stages the stages' full weights gathered
     # on rank 0 (plain tensors: the loop below then gathers nothing and only rank 0 has names to write).
-    state = _pipeline_state_dict(model) if isinstance(model, PipelineModel) else get_model_state_dict(model)
+    parts = interface(model)
+    state = _parts_state_dict(parts) if not parts.holds_every_parameter else get_model_state_dict(model)
     tied = tied_names(unwrapped)
     names = [n for n in state if n not in tied]
     sizes = [(n, state[n].numel() * state[n].element_size()) for n in names]

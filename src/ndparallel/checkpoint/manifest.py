@@ -1,6 +1,6 @@
 """What a checkpoint says about its contents, read and compared before anything is loaded: the metadata file of a
 complete checkpoint, the tensor names and shapes of a model's state, and its tied parameter names. Shared by
-`state` (save_state / load_state), `export` (merge-weights) and `pretrained` (loading safetensors)."""
+`training_state` (save_state / load_state), `export` (merge-weights) and `load_pretrained` (loading safetensors)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ..parallel import PipelineModel, state_module
+from ..parallel import interface, state_module
 from . import storage
 from .storage import CheckpointError, CheckpointNotFoundError
 
@@ -27,7 +27,7 @@ def model_tensors(model: nn.Module) -> dict[str, list[int]]:
     Collective for a model with pipeline stages: each rank holds its stages' tensors, gathered here into the whole
     model's table (every rank calls it)."""
     shapes = tensor_shapes(get_model_state_dict(state_module(model)))
-    if isinstance(model, PipelineModel) and dist.is_initialized():
+    if not interface(model).holds_every_parameter and dist.is_initialized():
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, shapes)
         shapes = {name: shape for part in parts for name, shape in part.items()}

@@ -21,14 +21,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parallel import PipelineModel
+from ..parallel import interface
 from .export import get_state_dict
 
 
 def install_save_pretrained(model: nn.Module, unwrapped: nn.Module) -> None:
     """Give `unwrapped` (a Hugging Face model whose parameters `model` shards) a collective ``save_pretrained``."""
     original = getattr(unwrapped, "save_pretrained", None)
-    split = isinstance(model, PipelineModel)  # the model cut to this rank's stages: the rest is elsewhere
+    split = not interface(model).holds_every_parameter  # e.g. this rank's pipeline stages: the rest is elsewhere
     if original is None or not (split or any(isinstance(p, DTensor) for p in unwrapped.parameters())):
         return
 

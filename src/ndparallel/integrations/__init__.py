@@ -8,7 +8,7 @@
 - `guard`: under ``ndparallel launch`` with sizes, a plain Accelerate ``Accelerator`` (which would train something
   else than the sizes asked for, without a word) is refused with what to do instead.
 
-Both attach when their module is first imported (`ndparallel.worker.after_import`): importing ndparallel (which a
+Both attach when their module is first imported (`ndparallel.launch.worker.after_import`): importing ndparallel (which a
 script that passes an ndparallel config does) registers them, and so does the launcher's worker when the launch has
 sizes, before the script imports anything. Nothing else in the library patches another project.
 """
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ..worker import INTEGRATION_HOOKS, after_import
+from ..launch.worker import INTEGRATION_HOOKS, after_import
 
 __all__ = ["enable", "on_import"]
 
 
 def on_import(module: ModuleType) -> None:
-    """Attach the integration of `module` (one of `ndparallel.worker.INTEGRATION_HOOKS`), once it is imported."""
+    """Attach the integration of `module` (one of `ndparallel.launch.worker.INTEGRATION_HOOKS`), once it is imported."""
     if module.__name__ == "transformers.trainer":
         from . import trainer
 

@@ -12,7 +12,7 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from ..worker import launch_sizes
+from ..launch.worker import launch_sizes
 
 _INSTALLED = "_ndparallel_guard"
 

@@ -58,8 +58,8 @@ from ..accelerator import Accelerator
 from ..config import ParallelismConfig
 from ..data import PreparedDataLoader
 from ..loss import IGNORE_INDEX, count_loss_tokens
-from ..record import PreparedObjects
-from ..worker import launch_sizes
+from ..prepared import PreparedObjects
+from ..launch.worker import launch_sizes
 
 SUPPORTED_TRANSFORMERS = (">=5.24", "<5.25")
 CHECKPOINT_SUBDIR = "ndparallel"  # inside the Trainer's checkpoint-<step> folder
@@ -150,6 +150,12 @@ class TrainerAccelerator(Accelerator):
         self.gradient_state.plugin_kwargs = {"num_steps": self.gradient_accumulation_steps,
                                              "sync_each_batch": self._settings.sync_each_batch}
         self.state = _TrainerView(self.state)
+        # What the Trainer multiplies the loss a model returns by before `backward` (`_get_num_items_in_batch` sets
+        # it for each accumulation window): a model that runs backward inside its call weighs its loss by it too.
+        self.loss_scale_after_the_call = 1.0
+
+    def _loss_weight_inside_the_model(self) -> float:
+        return super()._loss_weight_inside_the_model() * self.loss_scale_after_the_call
 
     @property
     def _models(self) -> list[Any]:
@@ -207,27 +213,20 @@ def get_num_items_in_batch(original: Callable[..., Any]) -> Callable[..., Any]:
         if (not batch_samples or any(count is None for count in counts)
                 or not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)):
             # The Trainer then divides each micro-batch's mean loss by the micro-batches (Accelerate's meaning).
-            _weigh_schedules(acc, 1.0 / max(1, len(batch_samples)))
+            if torch.is_grad_enabled():
+                acc.loss_scale_after_the_call = 1.0 / max(1, len(batch_samples))
             return None
         total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=acc.device)
         if acc.mesh.size("batch") > 1:
             dist.all_reduce(total, group=acc.mesh.group("batch"))
         multiplier = acc.num_processes // self.get_tp_size() if self.args.average_tokens_across_devices else 1
         if torch.is_grad_enabled():  # training: see the module docstring, item 2: X = N * M / W
-            _weigh_schedules(acc, float(multiplier))
+            acc.loss_scale_after_the_call = float(multiplier)  # pipeline stages weigh their loss by it
             ranks = acc.mesh.size("loss")
         else:  # evaluation (item 3: whole rows): the Trainer averages each batch rank's loss, S * W_batch / N
             ranks = acc.mesh.size("batch")
         return (total * multiplier / ranks).to(torch.float32).squeeze(0)
     return wrapper
-
-
-def _weigh_schedules(acc: Accelerator, weight: float) -> None:
-    """Pipeline stages run backward inside the model's call, before the Trainer scales the returned loss (by M, or
-    by 1 / micro-batches): their schedules weigh the loss by that scale themselves (`loss_factor`)."""
-    for model in acc.prepared.models:
-        if getattr(model, "gradients_ready", None) is not None:  # a model whose call runs its own backward
-            model.loss_factor = functools.partial(float, weight)
 
 
 def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..., Any]:

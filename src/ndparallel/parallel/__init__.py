@@ -2,8 +2,8 @@
 
 Each step is a function ``apply_x(model, mesh, options) -> model`` in its own module (a no-op when its axis has one
 rank or its option is off), preceded where it can fail on user input by ``check_x(model, mesh, options)``;
-`parallelize` only calls them in order. ``options`` is a `PrepareOptions`; the tensor- and context-parallel settings
-are the mesh config's ``tp_handler`` / ``cp_handler``.
+`parallelize` only calls them in order. ``options`` is a `PrepareOptions`: every setting comes from it, the mesh
+gives sizes, coordinates and groups.
 """
 
 from __future__ import annotations
@@ -16,26 +16,20 @@ from ..mesh import ParallelMesh
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import apply_model_compilation, apply_regional_compilation, check_compilation
 from .fp8 import apply_fp8, check_fp8
-from .data_parallel import (
-    apply_data_parallel,
-    broadcast_module_states,
-    state_module,
-    unwrap,
-    uses_fsdp,
-)
+from .data_parallel import apply_data_parallel, broadcast_module_states, uses_fsdp
+from .interface import PreparedModel, interface, state_module, unwrap
 from .moe import apply_global_load_balancing
 from .options import PrepareOptions
 from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
 from .precision import apply_autocast, apply_master_weights
-from .presharded import gather_presharded
 from .sequence import apply_sequence_parallel, check_sequence_parallel
-from .tensor import apply_tensor_parallel, check_tensor_parallel, plan_styles
+from .tensor import apply_tensor_parallel, check_tensor_parallel, gather_presharded, plan_styles
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """Apply every configured parallelism to `model` and return the module to train."""
     # A model transformers already tensor-parallelised (from_pretrained(tp_plan="auto")), on a mesh of its own, is
-    # gathered back to full weights: the layout below applies to it as to any model (`presharded`).
+    # gathered back to full weights: the layout below applies to it as to any model (`tensor.presharded`).
     model = gather_presharded(model)
     # Checks only, on every rank, before the first collective: a plan or model the layout cannot split raises here.
     stages = plan_pipeline(model, mesh, options)  # None without pipeline stages
@@ -49,11 +43,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
         if mesh.size("tp") > 1:
             # Each stage is split as the whole model would be: the whole model's plan, resolved module by module
             # (ties completed: a cut stage no longer sees its embedding tied to the last stage's head), applies to it.
-            options = dataclasses.replace(options, tp_plan=plan_styles(model, mesh.size("tp"), mesh.config.tp_handler,
+            options = dataclasses.replace(options, tp_plan=plan_styles(model, mesh.size("tp"), options.tp_handler,
                                                                        options.tp_plan)[0])
         model = cut_to_rank(model, stages, mesh.rank("pp"))
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
-    # ndparallel.checkpoint.pretrained) stay there.
+    # ndparallel.checkpoint.load_pretrained) stay there.
     model._apply(lambda t: t if t.is_meta else t.to(options.device))
     # Every rank starts from its stage's first rank's weights (rank 0's without stages), so ranks that were
     # initialised differently still train one model (each tensor-parallel rank then slices its own shard of the
@@ -87,4 +81,5 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     return apply_model_compilation(model, mesh, options)
 
 
-__all__ = ["PipelineModel", "PrepareOptions", "parallelize", "state_module", "unwrap", "uses_fsdp"]
+__all__ = ["PipelineModel", "PrepareOptions", "PreparedModel", "interface", "parallelize", "state_module", "unwrap",
+           "uses_fsdp"]

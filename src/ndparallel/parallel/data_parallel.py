@@ -37,7 +37,6 @@ from ..mesh import ParallelMesh
 from ..plugins import FullyShardedDataParallelPlugin
 from .blocks import block_classes, modules_to_wrap
 from .options import PrepareOptions
-from .pipeline.runner import PipelineModel
 
 
 def uses_fsdp(config: ParallelismConfig, plugin: FullyShardedDataParallelPlugin | None) -> bool:
@@ -148,7 +147,7 @@ def check_plugin(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> No
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """FSDP2 / HSDP, DDP, or nothing (see the module docstring): the outermost wrapper, applied last."""
-    if uses_fsdp(mesh.config, options.fsdp_plugin):
+    if options.fsdp:
         return apply_fsdp(model, mesh, options)
     if options.fsdp_plugin is not None:
         check_plugin(model, options.fsdp_plugin)
@@ -156,15 +155,3 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOp
         return apply_ddp(model, mesh, options)
     return model
 
-
-def state_module(model: nn.Module) -> nn.Module:
-    """The module whose state dict a checkpoint holds, under the model's own names: the prepared model itself
-    (torch's state-dict functions see through DDP and FSDP2), or under pipeline stages the model cut to this rank's
-    stages -- each rank then holds only its stages' part, and the parts together make the model."""
-    return model.module if isinstance(model, PipelineModel) else model
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model without its DDP or pipeline wrapper (FSDP2 and activation checkpointing change no parameter
-    names; under pipeline stages, the model cut to this rank's stages)."""
-    return model.module if isinstance(model, (DistributedDataParallel, PipelineModel)) else model

@@ -7,7 +7,7 @@ them), except the model's first and last linear layers, which stay in high preci
 LM head's logits are sensitive to it); `AORecipeKwargs.module_filter_func` chooses otherwise. Under FSDP2 the
 default recipe all-gathers the weights in float8 (half the bytes of bf16). Layers are swapped in place, so
 parameter names and checkpoints stay the model's own. Under tensor parallelism the float8 layers' colwise and
-rowwise styles are torchao's float8 ones (`tensor_styles.build_style`); with Megatron-style sequence parallelism
+rowwise styles are torchao's float8 ones (`tensor.styles.build_style`); with Megatron-style sequence parallelism
 they all-gather float8 activations, which gloo cannot send: refused on CPU.
 
 Speed needs compilation: eagerly, torchao's scaling and casts run as separate kernels around every matmul. On one
@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import ParallelMesh
-from .data_parallel import uses_fsdp
 from .options import PrepareOptions
 
 
@@ -51,7 +50,7 @@ def check_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
     """Refuse what FP8 cannot run here, before any collective."""
     if options.mixed_precision != "fp8":
         return
-    if mesh.size("tp") > 1 and mesh.config.tp_handler.sequence_parallel and options.device.type == "cpu":
+    if mesh.size("tp") > 1 and options.tp_handler.sequence_parallel and options.device.type == "cpu":
         raise ValueError("mixed_precision='fp8' with tensor parallelism's sequence_parallel all-gathers float8 "
                          "activations, which gloo (the CPU backend) cannot send; use sequence_parallel=False on CPU, "
                          "or NCCL on GPUs")
@@ -70,7 +69,7 @@ def apply_fp8(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
 
     recipe = options.fp8_recipe
     config = recipe.config if recipe is not None and recipe.config is not None else Float8LinearConfig(
-        enable_fsdp_float8_all_gather=uses_fsdp(mesh.config, options.fsdp_plugin))
+        enable_fsdp_float8_all_gather=options.fsdp)
     convert_to_float8_training(model, config=config, module_filter_fn=_filter(model, options))
     compiled = options.dynamo_plugin is not None and options.dynamo_plugin.enabled
     if options.device.type == "cuda" and not compiled and (not dist.is_initialized() or dist.get_rank() == 0):

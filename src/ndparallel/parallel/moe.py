@@ -20,7 +20,7 @@ own auxiliary loss, so a forward on one rank alone cannot hang on the all-gather
 
 Expert layouts: FSDP2 shards the experts' stacked weights along the expert dimension over ``fsdp`` (each rank stores
 num_experts / fsdp of them and all-gathers them for compute, as every FSDP parameter); under tensor parallelism the
-experts stay whole on every tp rank (`tensor_styles.ALIASES`: transformers' ``moe_tp_experts``) while attention and
+experts stay whole on every tp rank (`tensor.styles.ALIASES`: transformers' ``moe_tp_experts``) while attention and
 dense layers are split. Expert parallelism (experts placed on ranks, tokens exchanged all-to-all) is not offered.
 """
 

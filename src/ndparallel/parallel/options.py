@@ -1,18 +1,19 @@
 """What `prepare` applies to one model besides the mesh: the third argument of every ``apply_x(model, mesh, options)``.
 
-The mesh's config (``mesh.config``) holds the tensor- and context-parallel settings (``tp_handler``, ``cp_handler``);
-these are the Accelerator's and `prepare`'s own.
+Every setting the steps read comes from here -- the handlers of the `ParallelismConfig` (``tp_handler``,
+``cp_handler``, ``pp_handler``), whether FSDP2 wraps the model (``fsdp``, decided once by the Accelerator), the
+Accelerator's and `prepare`'s own; the mesh gives the sizes, coordinates and groups only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import compute_dtype
+from ..config import PipelineParallelConfig, TorchContextParallelConfig, TorchTensorParallelConfig, compute_dtype
 from ..plugins import AORecipeKwargs, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 
@@ -26,6 +27,17 @@ class PrepareOptions:
     autocast_kwargs: Mapping[str, Any] = field(default_factory=dict)  # AutocastKwargs, where autocast casts
     dynamo_plugin: TorchDynamoPlugin | None = None  # compile the blocks or the model (`compile`)
     fp8_recipe: AORecipeKwargs | None = None  # mixed_precision="fp8": torchao's conversion (`fp8`)
+    # The ParallelismConfig's handlers, and whether FSDP2 wraps the model (`data_parallel.uses_fsdp`, decided once by
+    # the Accelerator).
+    fsdp: bool = False
+    tp_handler: TorchTensorParallelConfig = field(default_factory=TorchTensorParallelConfig)
+    cp_handler: TorchContextParallelConfig = field(default_factory=TorchContextParallelConfig)
+    pp_handler: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
+    # For a model whose call runs backward itself (pipeline stages): the factor this rank's loss is weighted by
+    # (the Accelerator's `GradientState.loss_factor`, `ndparallel.loss`) and whether the current micro-step ends the
+    # optimizer step. Read at every step, so they are functions.
+    loss_factor: Callable[[], float] = lambda: 1.0
+    sync_gradients: Callable[[], bool] = lambda: True
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ..mesh import ParallelMesh
-from .data_parallel import uses_fsdp
 from .options import PrepareOptions
 
 
@@ -41,7 +40,7 @@ def apply_master_weights(model: nn.Module, mesh: ParallelMesh, options: PrepareO
 def apply_autocast(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """Run ``model.forward`` under ``torch.autocast`` in the mixed-precision dtype, unless FSDP2 casts instead."""
     dtype = options.dtype
-    if dtype is None or uses_fsdp(mesh.config, options.fsdp_plugin):
+    if dtype is None or options.fsdp:
         return model
     kwargs = dict(options.autocast_kwargs)
     enabled = kwargs.pop("enabled", True)

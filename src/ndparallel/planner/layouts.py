@@ -21,9 +21,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+from ..config import AXES  # the mesh's order, outermost first
 from .model import ModelSpec
-
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")  # the mesh's order, outermost first (ndparallel.mesh)
 
 
 @dataclass(frozen=True)

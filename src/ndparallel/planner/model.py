@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-# Families whose plan is the Megatron split above (`ndparallel.parallel.families`, transformers' own plans).
+# Families whose plan is the Megatron split above (`ndparallel.parallel.tensor.families`, transformers' own plans).
 KNOWN_TYPES = ("llama", "mistral", "qwen2")
 BUILTIN_ALIASES = {"mistral-7b": "mistral-7b-v0.3", "llama-3-8b": "llama-3.1-8b", "llama-3-70b": "llama-3.1-70b"}
 

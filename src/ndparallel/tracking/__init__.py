@@ -15,10 +15,12 @@ base.py      GeneralTracker, LoggerType, importing a tracker's library, plain va
 files.py     the trackers that write files: JSON lines, TensorBoard
 services.py  the trackers of tracking services and their libraries
 trackers.py  Trackers (what the Accelerator holds: choice, main-process rule, init/log/get/finish), registry
+progress.py  the main process's progress bar
 """
 
 from .base import GeneralTracker, LoggerType
 from .files import JSONLinesTracker, TensorBoardTracker
+from .progress import progress_bar
 from .services import (
     AimTracker,
     ClearMLTracker,
@@ -47,5 +49,6 @@ __all__ = [
     "TrackioTracker",
     "WandBTracker",
     "get_available_trackers",
+    "progress_bar",
     "register_tracker_class",
 ]

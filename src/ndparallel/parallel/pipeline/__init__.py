@@ -26,9 +26,8 @@ def plan_pipeline(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions)
     pp = mesh.size("pp")
     if pp == 1:
         return None
-    config = mesh.config
-    handler = config.pp_handler
-    if config.tp_handler.loss_parallel:
+    handler = options.pp_handler
+    if options.tp_handler.loss_parallel:
         raise ValueError(f"pp_size={pp}: loss_parallel is not supported with pipeline stages (the last stage "
                          "computes the loss from whole logits); set TorchTensorParallelConfig(loss_parallel=False)")
     if options.mixed_precision == "fp16":
@@ -61,8 +60,9 @@ def apply_pipeline(model: nn.Module, plan: StagePlan, mesh: ParallelMesh, option
     runs the schedule."""
     pp_rank = mesh.rank("pp")
     stages = {s: wrap(build_stage(model, plan, s)) for s in plan.stages_of(pp_rank)}
-    return PipelineModel(model, stages, plan, mesh.config.pp_handler, mesh.group("pp"), options.device,
-                         tie_group=_ends_group(mesh) if plan.tied else None)
+    return PipelineModel(model, stages, plan, options.pp_handler, mesh.group("pp"), options.device,
+                         tie_group=_ends_group(mesh) if plan.tied else None, loss_factor=options.loss_factor,
+                         sync_gradients=options.sync_gradients)
 
 
 def _ends_group(mesh: ParallelMesh) -> dist.ProcessGroup | None:

@@ -5,18 +5,18 @@ rank's batch into micro-batches and runs the schedule -- every micro-batch's for
 torch's `torch.distributed.pipelining`; gradients are in the parameters when it returns. ``outputs.loss`` is this
 data rank's mean loss over its whole batch (as ``model(**batch).loss`` is without stages), the same tensor on every
 stage, so logging, ``accelerator.reduce_loss`` and ``accelerator.gather`` work unchanged. ``accelerator.backward``
-knows the gradients are there and does nothing more. Without gradients (``torch.no_grad()`` or ``model.eval()``)
+knows the gradients are there (`consume_backward`) and does nothing more. Without gradients (``torch.no_grad()`` or ``model.eval()``)
 the call runs a forward-only schedule and returns the loss (when labels are given) and the logits on every stage.
 
 The loss is made right here, as `ndparallel.loss` makes it elsewhere. Each micro-batch j of the last stage gives the
 sum S_j of its token losses (the model's own loss function, summed); what flows into backward is
-``S_j * f / n`` -- f the factor `backward` would have scaled this rank's mean loss by (`GradientState.loss_factor`),
-n the rank's loss tokens -- so the gradients are exactly those of ``f * (sum_j S_j) / n``, the rank's mean loss
-weighted as without stages, whatever the micro-batches' shares of tokens. Given ``num_items_in_batch`` (as
-transformers' Trainer passes it), that count takes n's place, as it does in a Hugging Face model's own loss. A model
-without a loss of its own (an nn.Sequential) uses ``PipelineParallelConfig(loss_fn=...)``, a mean over the
-micro-batch; its micro-batches weigh alike (``f / m`` each), which is the rank's mean when micro-batches are equal in
-size, as they are.
+``S_j * f / n`` -- f the factor `backward` would have scaled this rank's mean loss by (`GradientState.loss_factor`,
+given at construction), n the rank's loss tokens (`ndparallel.loss.count_loss_tokens`) -- so the gradients are
+exactly those of ``f * (sum_j S_j) / n``, the rank's mean loss weighted as without stages, whatever the
+micro-batches' shares of tokens. Given ``num_items_in_batch`` (as transformers' Trainer passes it), that count takes
+n's place, as it does in a Hugging Face model's own loss. A model without a loss of its own (an nn.Sequential) uses
+``PipelineParallelConfig(loss_fn=...)``, a mean over the micro-batch; its micro-batches weigh alike (``f / m``
+each), which is the rank's mean when micro-batches are equal in size, as they are.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from torch import nn
 from torch.distributed import pipelining
 
 from ...config import PP_SCHEDULES, PipelineParallelConfig
-from ...loss import IGNORE_INDEX, loss_labels
+from ...loss import count_loss_tokens
+from ..interface import PreparedModel
 from ..sequence import active
 from .split import StagePlan
 
@@ -38,13 +39,18 @@ from .split import StagePlan
 _DECODER_INPUTS = ("attention_mask", "position_ids")
 
 
-class PipelineModel(nn.Module):
+class PipelineModel(nn.Module, PreparedModel):
     """This rank's stages of a model and the schedule that runs them (see the module docstring). ``module`` is the
-    model cut to this rank's stages, under its own parameter names (`unwrap` returns it)."""
+    model cut to this rank's stages, under its own parameter names (`unwrap` returns it). `loss_factor`: the
+    Accelerator's `GradientState.loss_factor`; `sync_gradients`: whether the current micro-step ends the optimizer
+    step."""
+
+    holds_every_parameter = False  # the other stages' parameters live on the other ranks of the pipeline
 
     def __init__(self, module: nn.Module, stages: dict[int, nn.Module], plan: StagePlan,
                  handler: PipelineParallelConfig, group: dist.ProcessGroup, device: torch.device,
-                 tie_group: dist.ProcessGroup | None = None) -> None:
+                 tie_group: dist.ProcessGroup | None = None, loss_factor: Callable[[], float] = lambda: 1.0,
+                 sync_gradients: Callable[[], bool] = lambda: True) -> None:
         super().__init__()
         self.module = module
         self._stage_modules = stages  # stage index -> its module (FSDP2 / DDP roots); not registered twice
@@ -53,12 +59,35 @@ class PipelineModel(nn.Module):
         self.group = group
         self.device = device
         self.microbatches = handler.microbatches or plan.num_stages
-        self.loss_factor: Callable[[], float] = lambda: 1.0  # the Accelerator's GradientState.loss_factor
-        self.sync_gradients: Callable[[], bool] = lambda: True  # whether this micro-step ends the optimizer step
+        self.loss_factor = loss_factor
+        self.sync_gradients = sync_gradients
         self.tie_group = tie_group  # this rank's copy of a tied embedding / head and the other end's
-        self.gradients_ready = False  # the last call ran backward: accelerator.backward has nothing left to do
+        self._backward_ran = False  # the last call ran backward: accelerator.backward has nothing left to do
         self._schedules: dict[Any, Any] = {}
         self.config = getattr(module, "config", None)
+
+    # ---- the prepared-model interface (`ndparallel.parallel.interface`) ----------------------------------------
+    def state_module(self) -> nn.Module:
+        """The model cut to this rank's stages: each rank holds its stages' part, and the parts make the model."""
+        return self.module
+
+    def unwrapped(self) -> nn.Module:
+        return self.module
+
+    def consume_backward(self) -> bool:
+        ran, self._backward_ran = self._backward_ran, False
+        return ran
+
+    def gather_parts(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Collective: every stage's `state` (full tensors), on rank 0 (an empty dict elsewhere). The first rank of
+        each stage -- the pipeline group of rank 0 -- sends its stage's to rank 0 (which therefore holds the whole
+        model in CPU memory once)."""
+        members = dist.get_process_group_ranks(self.group)
+        if 0 not in members:
+            return {}
+        parts: list[Any] | None = [None] * len(members) if dist.get_rank() == 0 else None
+        dist.gather_object(state, parts, dst=0, group=self.group)
+        return {name: t for part in parts for name, t in part.items()} if parts is not None else {}
 
     # ---- the stage modules ------------------------------------------------------------------------------------
     @property
@@ -134,7 +163,7 @@ class PipelineModel(nn.Module):
         sums: list[torch.Tensor] = []
         if self.plan.kind == "decoder":
             tokens = items if items is not None else \
-                int((loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum())
+                count_loss_tokens({"shift_labels" if shifted else "labels": target})
             scale = self.loss_factor() / tokens if tokens else 0.0
 
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -152,7 +181,7 @@ class PipelineModel(nn.Module):
         schedule.step(input_ids, target=target, return_outputs=False, **inputs)
         if self.tie_group is not None and self.sync_gradients():
             self._sum_tied_gradients()
-        self.gradients_ready = True
+        self._backward_ran = True
         if sums:  # the last stage: this rank's mean loss over its batch
             # A new schedule's first step also runs the loss once while it learns the stages' shapes: the step's
             # own micro-batches are the last m calls.
@@ -173,7 +202,7 @@ class PipelineModel(nn.Module):
         if target is not None:
             if self.plan.kind == "decoder":
                 tokens = items if items is not None else \
-                    int((loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum())
+                    count_loss_tokens({"shift_labels" if shifted else "labels": target})
                 loss = self._token_loss_sum(logits, target, shifted) / tokens if tokens else \
                     logits.new_tensor(float("nan"))
             else:

@@ -4,7 +4,7 @@ exact over the whole sequence. One module per concern, each importing only those
 - `layout`: which positions of a sequence each rank holds (`SequenceLayout` for cp, `SequenceShards` for cp x sp);
 - `kernels`: attention of one query block against one key block, with its log-sum-exp, and the merge of partial
   results;
-- `collectives`: K/V all-gather and its reduce-scatter, the ring's point-to-point exchange, Ulysses' all-to-alls;
+- `communication`: K/V all-gather and its reduce-scatter, the ring's point-to-point exchange, Ulysses' all-to-alls;
 - `allgather`, `ring`: the two context-parallel strategies; `ulysses`: head sharding around them;
 - `attention`: `sequence_parallel_attention`, the one function they all meet in (shapes checked once);
 - `sharding`: `SequenceSharding`, this rank's geometry built once from the mesh -- it counts each shard's loss tokens

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import gather_pair, reduce_scatter_pair
+from .communication import gather_pair, reduce_scatter_pair
 from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish
 from .layout import SequenceLayout
 from .masking import DocumentMask, plan_block

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import Ring
+from .communication import Ring
 from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish
 from .layout import SequenceLayout
 from .masking import DocumentMask, plan_block

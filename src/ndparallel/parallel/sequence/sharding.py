@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ...config import TorchContextParallelConfig
 from ...loss import count_loss_tokens
 from ...mesh import ParallelMesh
 from .attention import sequence_parallel_attention
@@ -51,12 +52,11 @@ class SequenceSharding:
     balance_documents: bool = False  # deal packed rows' chunks over cp by attention work (`plan`)
 
     @classmethod
-    def from_mesh(cls, mesh: ParallelMesh) -> SequenceSharding | None:
-        """This rank's sharding on `mesh` (settings from its config's ``cp_handler``); None without CP or SP."""
+    def from_mesh(cls, mesh: ParallelMesh, handler: TorchContextParallelConfig) -> SequenceSharding | None:
+        """This rank's sharding on `mesh`, with the settings of `handler`; None without CP or SP."""
         cp, sp = mesh.size("cp"), mesh.size("sp")
         if cp == 1 and sp == 1:
             return None
-        handler = mesh.config.cp_handler
         return cls(cp, mesh.rank("cp"), sp, mesh.rank("sp"), handler.load_balance, handler.cp_comm_strategy,
                    mesh.group("cp") if cp > 1 else None, mesh.group("sp") if sp > 1 else None,
                    handler.balance_documents)

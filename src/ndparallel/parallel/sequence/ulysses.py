@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .collectives import HeadsToSeq, SeqToHeads
+from .communication import HeadsToSeq, SeqToHeads
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp_size: int, tp_size: int = 1, where: str = "") -> None:

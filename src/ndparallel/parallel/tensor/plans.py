@@ -5,7 +5,7 @@ A plan is a dict from module-name pattern to style name. ``*`` in a pattern matc
 it after a whole segment (``"layers.*.mlp.up_proj"`` matches ``model.layers.0.mlp.up_proj``). Where a module
 matches several patterns, the first one wins.
 
-Styles (`tensor_styles.STYLES`, with transformers' names in `tensor_styles.ALIASES`): each maps to a torch
+Styles (`styles.STYLES`, with transformers' names in `styles.ALIASES`): each maps to a torch
 ``ParallelStyle``, with different layouts when Megatron-style sequence parallelism is on. With it, the activations
 between tensor-parallel regions (the residual stream, norms, dropout) are split along the sequence (dim 1) over
 ``tp``; column-wise layers all-gather them, row-wise layers reduce-scatter back into them:
@@ -35,12 +35,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
-from ..config import TorchTensorParallelConfig
-from ..mesh import ParallelMesh
+from ...config import TorchTensorParallelConfig
+from ...mesh import ParallelMesh
+from ..options import PrepareOptions
 from .families import BUILTIN_PLANS, FAMILIES, Fused
-from .options import PrepareOptions
-from .tensor_styles import (ALIASES, STYLES, PackedColwise, ShardSequenceOutput, build_style, is_conv1d, is_norm,
-                            param_placements, split_dims)
+from .styles import (ALIASES, STYLES, PackedColwise, ShardSequenceOutput, build_style, is_conv1d, is_norm,
+                     param_placements, split_dims)
 
 __all__ = ["ALIASES", "BUILTIN_PLANS", "STYLES", "apply_tensor_parallel", "check_plan", "check_tensor_parallel",
            "choose_plan", "hf_plan", "plan_styles", "resolve_plan", "tensor_parallel_styles", "tie_styles",
@@ -318,7 +318,7 @@ def with_sequence_parallel(model: nn.Module, resolved: dict[str, str]) -> dict[s
 def with_shared_inputs(model: nn.Module, resolved: dict[str, str]) -> dict[str, str]:
     """Without SP: the parent block of a Hugging Face attention/MLP's column-wise layers hands them its input as
     one replicated DTensor, so their input gradients are all-reduced once per block
-    (`tensor_styles._GatherSequence`)."""
+    (`styles._GatherSequence`)."""
     return _with_block_inputs(model, resolved, "share_input")
 
 
@@ -380,14 +380,14 @@ def check_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
     tp 1)."""
     if mesh.size("tp") > 1:
         check_not_sharded(model, mesh["tp"])
-        tensor_parallel_styles(model, mesh.size("tp"), mesh.config.tp_handler, options.tp_plan)
+        tensor_parallel_styles(model, mesh.size("tp"), options.tp_handler, options.tp_plan)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """Shard `model` over ``tp`` with the styles of its plan (`tensor_parallel_styles`); nothing at tp 1."""
     if mesh.size("tp") == 1:
         return model
-    handler = mesh.config.tp_handler
+    handler = options.tp_handler
     styles = tensor_parallel_styles(model, mesh.size("tp"), handler, options.tp_plan, strict=mesh.size("pp") == 1)
     groups = tied_groups(model)
     model = parallelize_module(model, mesh["tp"], styles)

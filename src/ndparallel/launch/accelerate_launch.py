@@ -73,7 +73,7 @@ def is_accelerate_file(data: Mapping[str, Any]) -> bool:
 
 @dataclass
 class Translated:
-    """Settings for `ndparallel.launch.plan_launch`: sizes, launch settings (its keys: ``num_processes``,
+    """Settings for `ndparallel.launch.launcher.plan_launch`: sizes, launch settings (its keys: ``num_processes``,
     ``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``rdzv_backend``, ``mixed_precision``, ``cpu``), environment
     variables for the ranks, and warnings."""
 
@@ -237,7 +237,7 @@ def _translate_parallelism(given: Mapping[str, Any], source: str, out: Translate
 
 # ---- flags -----------------------------------------------------------------------------------------------------------
 # Flags of `accelerate launch` that ndparallel's own flags do not already spell (those are aliases in
-# `ndparallel.cli`): key -> (argparse keyword arguments, help). Each is accepted as --a_b and --a-b.
+# `ndparallel.launch.cli`): key -> (argparse keyword arguments, help). Each is accepted as --a_b and --a-b.
 FLAGS: dict[str, dict[str, Any]] = {
     "num_processes": dict(type=int, help="total processes over all nodes (accelerate launch's; --nproc-per-node is "
                                          "per node)"),

@@ -5,7 +5,7 @@ own), and the names of its fused layers -- layers whose weight packs several pro
 (Phi-3's ``qkv_proj`` and ``gate_up_proj``, GPT-2's ``c_attn``). Tied input/output embeddings, per-head q/k norms
 and mixtures of experts need no entry: the plan resolution handles them for every model (`ndparallel.parallel.tensor`).
 
-Fused layers ("packed_colwise", `tensor_styles.PackedColwise`): each rank ends up with its slice of every projection
+Fused layers ("packed_colwise", `styles.PackedColwise`): each rank ends up with its slice of every projection
 packed in the layer -- its heads of q, of k and of v; its part of gate and of up -- so the model's own slicing and
 attention run on this rank's heads alone, and the layer after it is an ordinary "rowwise" one. The weight itself is
 split as one matrix (contiguous rows) and the layer's output re-laid per projection by one all-to-all over tp: a

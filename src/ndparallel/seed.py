@@ -1,11 +1,9 @@
-"""Small process-level helpers with Accelerate's names: `set_seed` and a main-process progress bar."""
+"""`set_seed`, Accelerate's name and meaning: one seed for Python, NumPy and torch."""
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -28,10 +26,3 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     if deterministic:
         torch.use_deterministic_algorithms(True)
 
-
-def progress_bar(iterable: Iterable[Any] | None = None, *, main_process: bool = True, **kwargs: Any):
-    """A tqdm progress bar, shown only when `main_process` is True."""
-    from tqdm.auto import tqdm
-
-    disable = kwargs.pop("disable", False)
-    return tqdm(iterable, disable=disable or not main_process, **kwargs)

@@ -8,7 +8,7 @@ script starts and checked against the race with an early death); elsewhere (macO
 thread checks every second that the launcher is still its parent, and kills the rank otherwise. On Windows nothing is
 done (no parent-death signal, and ``os.kill(pid, 0)`` there is not a probe).
 
-torchrun runs this file by path (``python -u .../ndparallel/worker.py [-m] TARGET ARGS``), so it imports nothing but
+torchrun runs this file by path (``python -u .../ndparallel/launch/worker.py [-m] TARGET ARGS``), so it imports nothing but
 the standard library before the script, and the script sees the ``sys.argv``, ``sys.path[0]`` and ``__main__`` it
 would see if Python ran it directly.
 
@@ -86,7 +86,7 @@ def die_with_launcher() -> str:
 
 class _PostImportHooks(importlib.abc.MetaPathFinder):
     """Runs callbacks on a module right after its first import (`after_import`). One instance on ``sys.meta_path``
-    (recognised by ``ndparallel_post_import``: this file is loaded both as a script and as ``ndparallel.worker``)."""
+    (recognised by ``ndparallel_post_import``: this file is loaded both as a script and as ``ndparallel.launch.worker``)."""
 
     ndparallel_post_import = True
 

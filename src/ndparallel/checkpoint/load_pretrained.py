@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from ..parallel import PipelineModel, state_module
+from ..parallel import interface, state_module
 from .manifest import compare_tensors, model_tensors
 from .storage import CheckpointError, agree, is_distributed, on_main, rank
 
@@ -209,7 +209,7 @@ def parallelize_loading_weights(model: nn.Module, plugin: Any, device: torch.dev
     _materialize(prepared, device)
     if plan.mode == "broadcast":
         # Under pipeline stages rank 0's full weights hold other stages' tensors too: each rank keeps its own.
-        split = isinstance(prepared, PipelineModel)
+        split = not interface(prepared).holds_every_parameter
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not split)
         set_model_state_dict(state_module(prepared), plan.source, options=options)
         plan.source.clear()

@@ -26,7 +26,7 @@ and leaves the prepared objects as they were. ``load_state()`` of a project skip
 for the newest one that verifies. A save writes into a staging directory (`storage`); a failed write raises on
 every rank, saying why (disk full, permission), and leaves previous checkpoints untouched.
 
-What is saved is the Accelerator's `ndparallel.record.PreparedObjects`; the run's settings that the metadata
+What is saved is the Accelerator's `ndparallel.prepared.PreparedObjects`; the run's settings that the metadata
 records come as a `RunSettings`.
 """
 
@@ -56,8 +56,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from .._version import __version__
 from ..config import ParallelismConfig
-from ..parallel import PipelineModel, state_module, unwrap
-from ..record import PreparedObjects
+from ..parallel import interface, state_module, unwrap
+from ..prepared import PreparedObjects
 from ..runtime import heartbeat
 from . import storage, validate
 from .manifest import compare_tensors, model_tensors, read_metadata, tied_names
@@ -329,8 +329,8 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
 def _tied_copy_names(model: torch.nn.Module) -> dict[str, str]:
     """Under pipeline stages, {the last stage's copy of a tied weight: the weight's first name}: the copy's optimizer
     state is written under the first name (both copies' states are equal), as an unsplit tied model's optimizer keeps
-    it, so optimizer checkpoints look alike under every layout (`PipelineModel.tied_copy_names`)."""
-    return model.tied_copy_names() if isinstance(model, PipelineModel) else {}
+    it, so optimizer checkpoints look alike under every layout (`PreparedModel.tied_copy_names`)."""
+    return interface(model).tied_copy_names()
 
 
 def _tied_aliases(model: torch.nn.Module, directory: Path) -> dict[str, str]:
@@ -352,7 +352,7 @@ def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 
 
 def _check_layout(prepared: PreparedObjects, full: bool) -> None:
-    if full and any(isinstance(m, PipelineModel) for m in prepared.models):
+    if full and any(not interface(m).holds_every_parameter for m in prepared.models):
         raise ValueError("FULL_STATE_DICT checkpoints are written and read by rank 0, which holds only the first "
                          "pipeline stage: with pipeline stages use SHARDED_STATE_DICT (the default), which any "
                          "layout loads; `ndparallel merge-weights` makes full weights of it")

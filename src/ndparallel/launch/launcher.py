@@ -13,7 +13,7 @@ Accelerator read them): ``NDPARALLEL_<SIZE_FIELD>``, ``NDPARALLEL_MIXED_PRECISIO
 ``NDPARALLEL_LAUNCHER_PID`` and (with ``--stall-timeout``) ``NDPARALLEL_HEARTBEAT_DIR``.
 
 Beyond torchrun:
-- every rank runs the script through `ndparallel.worker`, which kills it when this launcher dies, even by SIGKILL;
+- every rank runs the script through `ndparallel.launch.worker`, which kills it when this launcher dies, even by SIGKILL;
 - with ``--nnodes N > 1`` and the static backend, the nodes first meet in a roll call at ``--rdzv-endpoint`` (node 0
   hosts it; torchrun's store then reuses the same server): a node rank claimed twice, a node 0 started on another host,
   a port already taken, and nodes that do not arrive within ``--rdzv-timeout`` seconds end the launch with a message
@@ -52,10 +52,10 @@ from ndparallel.config import (
     load_yaml,
     size_env_var,
 )
-from ndparallel import accelerate_launch
-from ndparallel.accelerate_launch import Translated
+from ndparallel.launch import accelerate_launch
+from ndparallel.launch.accelerate_launch import Translated
 from ndparallel.runtime import CPU_ENV, HEARTBEAT_ENV
-from ndparallel.worker import LAUNCHER_PID_ENV, alive
+from ndparallel.launch.worker import LAUNCHER_PID_ENV, alive
 
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 WORKER = str(Path(__file__).resolve().parent / "worker.py")  # what torchrun runs; it runs the script
@@ -93,7 +93,7 @@ def check_launch_settings(data: Any, source: str) -> dict[str, Any]:
 
 
 def read_config_file(path: str | os.PathLike, flags: dict[str, Any] | None = None) -> Translated:
-    """Read a config file of ``ndparallel config`` or of ``accelerate config`` (`ndparallel.accelerate_launch`;
+    """Read a config file of ``ndparallel config`` or of ``accelerate config`` (`ndparallel.launch.accelerate_launch`;
     `flags`, accelerate launch's in the file's shape, are merged over it): the sizes, launch settings, environment
     and warnings it gives."""
     source = f"config file {str(path)!r}"
