@@ -122,6 +122,7 @@ SFT_CASES = [  # (sizes, SFTConfig fields, what the rows are, slow)
     ({"sp": 2}, {"packing": True}, "packed (`packing=True`)", False),
     ({"sp": 2}, {"padding_free": True, "max_length": None}, "padding-free", False),
     ({"cp": 2, "sp": 2}, {"padding_free": True, "max_length": None}, "padding-free", True),
+    ({"tp": 2}, {"lora": True}, "padded; LoRA on every projection (`peft_config`)", False),
 ]
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from corpus_tokenizer import corpus_lines, corpus_tokenizer  # noqa: E402
 
 
-def sft(output_dir: str, per_device: int = 2, steps: int = 4, **config: Any) -> dict[str, Any]:
+def sft(output_dir: str, per_device: int = 2, steps: int = 4, lora: bool = False, **config: Any) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
@@ -31,7 +31,16 @@ def sft(output_dir: str, per_device: int = 2, steps: int = 4, **config: Any) -> 
                      learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False, seed=0,
                      save_strategy="no", disable_tqdm=True, dataloader_drop_last=True, **{"max_length": 48, **config})
     dataset = Dataset.from_list([{"text": text} for text in corpus_lines(96)])
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    peft_config = None
+    if lora:  # PEFT's LoRA on every projection, B initialised nonzero so the first steps move the loss
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, init_lora_weights=False,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
+        torch.manual_seed(1)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                         peft_config=peft_config)
     trainer.train()
     return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "accelerator": type(trainer.accelerator).__module__}

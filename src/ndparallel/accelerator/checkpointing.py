@@ -69,10 +69,21 @@ class CheckpointingMixin:
                                       plugin.state_dict_type if plugin is not None else checkpoint.SHARDED)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> str:
-        """Write `model`'s full weights from any layout as a Hugging Face directory. Collective."""
-        return str(checkpoint.save_model(model, parallel.unwrap(model), save_directory, max_shard_size,
-                                         safe_serialization))
+                   safe_serialization: bool = True, *, merge_adapters: bool = False) -> str:
+        """Write `model`'s full weights from any layout as a Hugging Face directory. Collective.
+
+        A PEFT model is written as PEFT writes it: the adapter (``adapter_config.json`` and its weights, which
+        ``PeftModel.from_pretrained`` loads); with ``merge_adapters=True`` (ndparallel's), the adapted transformers
+        model with its LoRA merged in instead, which plain transformers loads (`ndparallel.checkpoint.adapters`)."""
+        unwrapped = parallel.unwrap(model)
+        if checkpoint.is_peft_model(unwrapped):
+            agreement.monitored_barrier("save_model", self.state.runtime.timeout)
+            checkpoint.save_adapter(model, unwrapped, save_directory, merge_adapters, safe_serialization)
+            self.wait_for_everyone()
+            return str(save_directory)
+        if merge_adapters:
+            raise ValueError("save_model(merge_adapters=True): the model is not a PEFT model; it has no adapters")
+        return str(checkpoint.save_model(model, unwrapped, save_directory, max_shard_size, safe_serialization))
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on the main process (an empty dict elsewhere when parameters are sharded)."""

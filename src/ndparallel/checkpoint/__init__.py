@@ -9,9 +9,11 @@ Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `sav
 - `validate`: the values of the small files and metadata fields, checked before anything loads;
 - `training_state`: what `save_state` / `load_state` write and read, from the Accelerator's record of prepared objects;
 - `export`: `save_model`, `get_state_dict`, `merge_weights` (``ndparallel merge-weights``);
+- `adapters`: PEFT models saved as PEFT saves them (the adapter), or with their LoRA merged in;
 - `load_pretrained`: ``cpu_ram_efficient_loading`` and `init_empty_weights`.
 """
 
+from .adapters import adapter_state_dict, is_peft_model, save_adapter
 from .export import get_state_dict, merge_weights, save_model
 from .manifest import read_metadata
 from .load_pretrained import announce, init_empty_weights, parallelize_loading_weights
@@ -20,6 +22,9 @@ from .training_state import FULL, SHARDED, RunSettings, load_state, save_state
 from .storage import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 __all__ = [
+    "adapter_state_dict",
+    "is_peft_model",
+    "save_adapter",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",

@@ -143,6 +143,11 @@ def _plan(model: nn.Module, plugin: Any) -> _Plan | None:
             error = (f"prepare(): non-persistent buffer(s) {stuck[:5]} of {type(model).__name__} are on the meta "
                      "device and no checkpoint holds them; build the model under ndparallel.init_empty_weights() "
                      "(buffers stay real) instead of torch.device('meta')")
+    if error is None and flags[0] and hasattr(model, "peft_config"):
+        error = (f"prepare(): every rank's {type(model).__name__} (PEFT) is on the meta device, and the adapter's "
+                 "weights are in no pretrained file: with cpu_ram_efficient_loading, load the base's real weights on "
+                 "rank 0 (from_pretrained there, init_empty_weights elsewhere) before get_peft_model, so that the "
+                 "base and the adapter are broadcast")
     agree(error)
     if flags[0]:  # no rank holds real weights: each reads its own slices
         return _Plan("files", path=on_main(lambda: _weights_dir(model)))

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..agreement import monitored_barrier
 from ..parallel import interface
+from .adapters import adapter_state_dict, is_peft_model
 from .export import get_state_dict
 
 
@@ -35,9 +37,14 @@ def install_save_pretrained(model: nn.Module, unwrapped: nn.Module) -> None:
     @functools.wraps(original)
     def save_pretrained(save_directory: Any, *args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
         if state_dict is None:
-            # Collective: the full state on the main process, {} elsewhere. Called on the main process only, it fails
-            # naming save_pretrained once another rank reaches the library's next collective call.
-            state_dict = get_state_dict(model, call="save_pretrained")
+            # Collective: the full state on the main process, {} elsewhere (of a PEFT model, the adapter's only).
+            # Called on the main process only, it fails naming save_pretrained once another rank reaches the
+            # library's next collective call.
+            if is_peft_model(unwrapped):
+                monitored_barrier("save_pretrained")
+                state_dict = adapter_state_dict(model)
+            else:
+                state_dict = get_state_dict(model, call="save_pretrained")
             kwargs["is_main_process"] = not dist.is_initialized() or dist.get_rank() == 0
         return original(save_directory, *args, state_dict=state_dict, **kwargs)
 

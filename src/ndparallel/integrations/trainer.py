@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import checkpoint, plugins
+from ..agreement import monitored_barrier
 from ..accelerator import Accelerator
 from ..config import ParallelismConfig
 from ..data import PreparedDataLoader
@@ -305,7 +306,11 @@ def save_model(original: Callable[..., Any]) -> Callable[..., Any]:
         if not taken_over(self):
             return original(self, output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        state_dict = self.accelerator.get_state_dict(self.model_wrapped)  # collective: every rank, here
+        if checkpoint.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped)):
+            monitored_barrier("save_model")  # the adapter only, as PEFT saves it (collective: every rank, here)
+            state_dict = checkpoint.adapter_state_dict(self.model_wrapped)
+        else:
+            state_dict = self.accelerator.get_state_dict(self.model_wrapped)  # collective: every rank, here
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()

@@ -31,6 +31,7 @@ from torch.distributed import pipelining
 
 from ...config import PP_SCHEDULES, PipelineParallelConfig
 from ...loss import count_loss_tokens
+from ..adapted import adapter_free
 from ..interface import PreparedModel
 from ..sequence import active
 from .split import StagePlan
@@ -53,6 +54,9 @@ class PipelineModel(nn.Module, PreparedModel):
                  sync_gradients: Callable[[], bool] = lambda: True) -> None:
         super().__init__()
         self.module = module
+        # The causal LM whose parts the stages run: the module itself, or under PEFT the transformers model it adapts
+        # (an attribute, not a submodule: `module` holds it under its own names).
+        object.__setattr__(self, "adapted", adapter_free(module))
         self._stage_modules = stages  # stage index -> its module (FSDP2 / DDP roots); not registered twice
         self.plan = plan
         self.handler = handler
@@ -215,7 +219,7 @@ class PipelineModel(nn.Module, PreparedModel):
         the last (their values stay equal: both get the sum of both gradients, and the same optimizer update)."""
         if not self.plan.tied:
             return []
-        inner, head = self.module.model, self.module.lm_head
+        inner, head = self.adapted.model, self.adapted.lm_head
         return [m.weight for m in (getattr(inner, "embed_tokens", None), head) if m is not None]
 
     def _sum_tied_gradients(self) -> None:
@@ -232,20 +236,21 @@ class PipelineModel(nn.Module, PreparedModel):
     def norm_duplicates(self) -> list[nn.Parameter]:
         """Parameters whose gradient another stage holds too (the head's copy of a tied weight): left out of the
         gradient norm so the weight counts once, as in one process."""
-        return [self.module.lm_head.weight] if self.tied_copy_names() else []
+        return [self.adapted.lm_head.weight] if self.tied_copy_names() else []
 
     def tied_copy_names(self) -> dict[str, str]:
         """{name of this rank's second copy of a tied weight: the weight's first name} -- the head's copy on the last
         stage, ``{"lm_head.weight": "model.embed_tokens.weight"}``; empty elsewhere. An unsplit tied model's optimizer
         keeps the weight's state under the first name, and so do checkpoints written under stages."""
-        if not self.plan.tied or self.module.lm_head is None:
+        if not self.plan.tied or self.adapted.lm_head is None:
             return {}
-        return {"lm_head.weight": "model.embed_tokens.weight"}
+        prefix = next(f"{name}." for name, m in self.module.named_modules() if m is self.adapted).lstrip(".")
+        return {f"{prefix}lm_head.weight": f"{prefix}model.embed_tokens.weight"}
 
     # ---- losses ---------------------------------------------------------------------------------------------------
     def _token_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
         """The sum of a micro-batch's token losses, by the model's own loss function (its mean times 1 item)."""
-        model = self.module
+        model = self.adapted
         vocab = logits.shape[-1]
         one = torch.ones((), device=logits.device)
         if shifted:

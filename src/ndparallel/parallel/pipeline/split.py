@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...config import PP_SCHEDULES, PipelineParallelConfig
+from ..adapted import adapter_free
 
 # Attributes of a decoder's inner model that hold positions added to the embeddings in its forward: a later stage
 # that is handed hidden states would add them again, so such models are split by the user (an nn.Sequential).
@@ -97,6 +98,7 @@ def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
 def check_splittable(model: nn.Module, pp: int) -> str:
     """The plan kind for `model` ("decoder" or "sequential"), or raise saying why it cannot be split."""
     where = f"pp_size={pp}"
+    model = adapter_free(model)  # under PEFT: the transformers model it adapts (its layers hold the adapters)
     parts = decoder_parts(model)
     if parts is None:
         if isinstance(model, nn.Sequential):
@@ -153,6 +155,7 @@ def plan_stages(model: nn.Module, pp: int, handler: PipelineParallelConfig) -> S
     """The `StagePlan` of `model` over `pp` ranks under `handler`; raises (naming what works) for a split that
     leaves a stage empty, names units the model lacks, or asks for more stages than the model has units."""
     kind = check_splittable(model, pp)
+    model = adapter_free(model)
     stages = pp * handler.stages_per_rank
     if kind == "decoder":
         inner, layers = decoder_parts(model)
@@ -207,13 +210,14 @@ def cut_to_rank(model: nn.Module, plan: StagePlan, pp_rank: int) -> nn.Module:
     kept = {u for s in stages for u in plan.stage_units(s)}
     first, last = 0 in stages, plan.num_stages - 1 in stages
     if plan.kind == "decoder":
-        inner, layers = decoder_parts(model)
+        adapted = adapter_free(model)  # under PEFT, cut in place inside it: the PEFT model keeps its names
+        inner, layers = decoder_parts(adapted)
         inner.layers = StageLayers({str(i): layer for i, layer in enumerate(layers) if str(i) in kept})
         if not first:
             inner.embed_tokens = None
         if not last:
             inner.norm = None
-            model.lm_head = None
+            adapted.lm_head = None
     else:
         for name in [n for n, _ in model.named_children() if n not in kept]:
             delattr(model, name)

@@ -19,6 +19,7 @@ import copy
 import torch
 from torch import nn
 
+from ..adapted import adapter_free
 from .split import StageLayers, StagePlan
 
 
@@ -89,6 +90,6 @@ class SequentialStage(nn.Sequential):
 
 def build_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
     units = list(plan.stage_units(stage))
-    if plan.kind == "decoder":
-        return DecoderStage(model, units, first=stage == 0, last=stage == plan.num_stages - 1)
+    if plan.kind == "decoder":  # under PEFT, the transformers model it adapts (its layers hold the adapters)
+        return DecoderStage(adapter_free(model), units, first=stage == 0, last=stage == plan.num_stages - 1)
     return SequentialStage(model, units)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...loss import count_loss_tokens
+from ..adapted import adapter_free
 from .masking import DocumentMask, attention_work, check_document_lengths, document_ids
 from .sharding import ShardedSequence, active, context_parallel_attention
 
@@ -179,7 +180,9 @@ class _InputCheck:
     def __init__(self, hf_model: nn.Module | None, sizes: str) -> None:
         self.config = getattr(hf_model, "config", None)
         self.is_hf = hf_model is not None
-        self.accepts = set(inspect.signature(hf_model.forward).parameters) if hf_model is not None else set()
+        # What the model's forward takes by name (under PEFT, whose forward passes **kwargs on: the adapted model's).
+        self.accepts = set(inspect.signature(adapter_free(hf_model).forward).parameters) if hf_model is not None \
+            else set()
         self.sizes = sizes  # e.g. "cp_size=2 x sp_size=2", for messages
 
     @torch.compiler.disable

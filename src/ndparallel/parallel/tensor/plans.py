@@ -38,6 +38,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, para
 from ...config import TorchTensorParallelConfig
 from ...mesh import ParallelMesh
 from ..options import PrepareOptions
+from ..adapted import adapter_free
+from .adapters import expand_adapters, layer_of
 from .families import BUILTIN_PLANS, FAMILIES, Fused
 from .styles import (ALIASES, STYLES, PackedColwise, ShardSequenceOutput, build_style, is_conv1d, is_norm,
                      param_placements, split_dims)
@@ -64,7 +66,7 @@ def hf_plan(model: nn.Module) -> dict[str, str] | None:
 
 
 def _model_type(model: nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "model_type", None)
+    return getattr(getattr(adapter_free(model), "config", None), "model_type", None)
 
 
 def choose_plan(model: nn.Module, *user_plans: Mapping[str, str] | None) -> tuple[dict[str, str], str]:
@@ -80,7 +82,7 @@ def choose_plan(model: nn.Module, *user_plans: Mapping[str, str] | None) -> tupl
     family = FAMILIES.get(model_type)
     if family is not None and family.plan and family.replaces_own_plan:
         return dict(family.plan), f"ndparallel's plan for {model_type!r} (used because {family.replaces_own_plan})"
-    plan = hf_plan(model)
+    plan = hf_plan(adapter_free(model))  # under PEFT, the adapted model's plan (its patterns match the wrappers)
     if plan:
         return plan, f"{type(model).__name__}'s own plan (config.base_model_tp_plan)"
     if model_type in BUILTIN_PLANS:
@@ -206,7 +208,7 @@ def _divisors_of(*numbers: int) -> list[int]:
 def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int) -> None:
     """Raise, naming the module and a tp size that would work, where a style cannot split a module evenly, and where
     a fused layer's output would stay split."""
-    config = getattr(model, "config", None)
+    config = getattr(adapter_free(model), "config", None)
     heads = {field: getattr(config, field) for field in ("num_attention_heads", "num_key_value_heads")
              if isinstance(getattr(config, field, None), int)}
     for field, count in heads.items():
@@ -239,10 +241,11 @@ def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int) -> None:
 
 
 def _fused_entry(model: nn.Module, name: str) -> Fused | None:
-    """The family's description of the fused layer `name`, if it is one."""
+    """The family's description of the fused layer `name` (or of the layer an adapter's part `name` belongs to), if it
+    is one."""
     family = FAMILIES.get(_model_type(model))
     for pattern, fused in (family.fused if family else {}).items():
-        if _pattern_regex(pattern).fullmatch(name):
+        if _pattern_regex(pattern).fullmatch(layer_of(name)):
             return fused
     return None
 
@@ -257,7 +260,7 @@ def packed_sizes(model: nn.Module, name: str, tp: int) -> tuple[int, ...]:
                          "'colwise_gather_output' and 'rowwise_split_input' after it")
     module = dict(model.named_modules())[name]
     features = module.nf if is_conv1d(module) else module.out_features
-    parts = fused.parts(model.config)
+    parts = fused.parts(adapter_free(model).config)
     if features % sum(parts):
         raise ValueError(f"{name!r} has {features} output features, not {fused.what} in the proportions {parts}")
     sizes = tuple(features // sum(parts) * part for part in parts)
@@ -298,7 +301,7 @@ def _with_block_inputs(model: nn.Module, resolved: dict[str, str], style_name: s
     out = dict(resolved)
     if hasattr(model, "config") and hasattr(model, "base_model_prefix"):  # HF blocks: attention and MLP
         for name, style in resolved.items():
-            parent = name.rpartition(".")[0]
+            parent = layer_of(name).rpartition(".")[0]  # an adapter's parts: the block around the wrapped layer
             if style == "colwise" and parent and parent not in out:
                 out[parent] = style_name
     return out
@@ -341,6 +344,7 @@ def plan_styles(model: nn.Module, tp: int, config: TorchTensorParallelConfig,
     chosen, source = choose_plan(model, plan, config.plan)
     resolved = resolve_plan(model, chosen, source, strict=strict and source in USER_SOURCES)
     resolved = tie_styles(model, resolved, config.sequence_parallel)
+    resolved = expand_adapters(model, resolved, config.sequence_parallel)  # PEFT's LoRA layers: their parts
     check_plan(model, resolved, tp)
     return resolved, source
 
@@ -419,11 +423,14 @@ class _ConfigView:
 
 
 def _localize_packed(model: nn.Module, tp: int, names: list[str]) -> None:
-    """Tell the parent of each packed_colwise layer the sizes it now sees (`families.Fused.local`), divided by tp."""
+    """Tell the parent of each packed_colwise layer the sizes it now sees (`families.Fused.local`), divided by tp (once
+    per layer: an adapter's B, split with its base layer, tells nobody)."""
     modules = dict(model.named_modules())
     for name in names:
+        if layer_of(name) != name and not name.endswith(".base_layer"):
+            continue
         fused = _fused_entry(model, name)
-        parent = modules[name.rpartition(".")[0]]
+        parent = modules[layer_of(name).rpartition(".")[0]]
         for attr in fused.local if fused else ():
             if attr.startswith("config."):
                 field = attr.removeprefix("config.")

@@ -37,6 +37,8 @@ STYLES: dict[str, str] = {
                            "takes its slice of the input, partial outputs summed",
     "embedding_rowwise": "Embedding split along the vocabulary; each rank looks up its rows, results summed",
     "replicate": "parameters replicated over tp (as DTensors); inputs and outputs replicated",
+    "replicate_dtensor_output": "replicate, with DTensor inputs and outputs kept as DTensors (a LoRA B after a "
+                                "rowwise A under Megatron SP, whose outputs stay sequence-split DTensors)",
     "replicated_with_grad_allreduce": "parameters replicated over tp; the module runs on activations a colwise "
                                       "layer split (e.g. per-head q/k norms), so their gradients are summed over tp",
     "sharded_norm": "a norm over the features a colwise layer split (OLMo 2's q/k norms over the whole "
@@ -70,7 +72,8 @@ def is_norm(module: nn.Module) -> bool:
 
 def split_dims(module: nn.Module, style: str) -> list[tuple[str, int]] | None:
     """The (attribute, size) pairs `style` splits over tp; None where the style does not apply to `module`."""
-    if style in ("replicate", "replicated_with_grad_allreduce", "unsplit", "sequence_parallel", "gather_sequence"):
+    if style in ("replicate", "replicate_dtensor_output", "replicated_with_grad_allreduce", "unsplit",
+                 "sequence_parallel", "gather_sequence"):
         return []
     colwise = style in ("colwise", "colwise_gather_output", "packed_colwise")
     rowwise = style in ("rowwise", "rowwise_split_input")
@@ -103,7 +106,7 @@ def param_placements(module: nn.Module, style: str | None, sequence_parallel: bo
     names = [n for n, _ in module.named_parameters(recurse=False)]
     if style is None or style in ("unsplit", "gather_sequence"):
         return {}
-    if style in ("replicate", "replicated_with_grad_allreduce"):
+    if style in ("replicate", "replicate_dtensor_output", "replicated_with_grad_allreduce"):
         return dict.fromkeys(names, Replicate())
     if style == "sequence_parallel":
         return dict.fromkeys(names, Replicate()) if sequence_parallel else {}
@@ -148,6 +151,8 @@ def build_style(style: str, module: nn.Module, sequence_parallel: bool, gathered
                                                              use_local_output=not sequence_parallel)
     if style == "replicate":
         return _Replicate()
+    if style == "replicate_dtensor_output":
+        return _Replicate(use_local_output=False)
     if style == "replicated_with_grad_allreduce":
         return _ReplicatedSummedGrad()
     if style == "sharded_norm":
@@ -318,7 +323,12 @@ class ShardSequenceOutput(ParallelStyle):
 
 
 class _Replicate(ParallelStyle):
-    """Parameters become replicated DTensors; tensor inputs are wrapped as replicated, outputs made local."""
+    """Parameters become replicated DTensors; tensor inputs are wrapped as replicated, outputs made local (or kept as
+    DTensors, `use_local_output=False`)."""
+
+    def __init__(self, use_local_output: bool = True) -> None:
+        super().__init__()
+        self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def inputs(_mod, args, mesh):
@@ -326,7 +336,7 @@ class _Replicate(ParallelStyle):
                          if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
 
         def outputs(_mod, out, _mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
+            return out.to_local() if isinstance(out, DTensor) and self.use_local_output else out
 
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
 

@@ -1,0 +1,88 @@
+"""What a LoRA fine-tune reduces and keeps per step, against a full fine-tune of the same model, in one run.
+
+    python benchmarks/adapters.py [--hidden 256] [--layers 4] [--rank 8] [--seq 64] [--batch 2]
+
+For FSDP2 (dp_shard 2) and DDP (dp_replicate 2), on forked gloo ranks (tests/harness.py), a Llama with LoRA on
+every projection and the same Llama trained in full: the bytes one rank sends in gradient reductions during a
+training step (`comm_count.CollectiveCounter`: FSDP2's reduce-scatters, DDP's all-reduces), next to the bytes the
+trainable parameters' gradients alone would need (the ring formulas of comm_count: reduce-scatter (n-1)/n x bytes,
+all-reduce 2(n-1)/n x bytes); and the rank's parameter, gradient and optimizer-state bytes. A frozen base that were
+reduced or given optimizer state would show as reduced bytes above the adapters' and as optimizer bytes above
+2 x the adapters'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "scripts"), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from comm_count import CollectiveCounter, model_state_bytes  # noqa: E402
+from harness import run_ranks  # noqa: E402
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def step(options: dict, sizes: dict[str, int], lora: bool) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+
+    fsdp = "dp_shard" in sizes
+    acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2) if fsdp else None)
+    torch.manual_seed(0)
+    hidden = options["hidden"]
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden,
+                                         num_hidden_layers=options["layers"], num_attention_heads=8,
+                                         num_key_value_heads=4, max_position_embeddings=options["seq"]))
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=options["rank"], lora_alpha=2 * options["rank"],
+                                                 target_modules=PROJECTIONS, lora_dropout=0.0))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    model, optimizer = acc.prepare(model, optimizer)
+    ids = torch.randint(0, 1024, (options["batch"], options["seq"]), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the second step is measured (the first creates the optimizer state)
+        with CollectiveCounter() as counter:
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    memory = model_state_bytes(model, optimizer)
+    reduced = counter.bytes.get("reduce_scatter", 0) + counter.bytes.get("all_reduce", 0)
+    n = acc.num_processes
+    needed = trainable_bytes * ((n - 1) / n if fsdp else 2 * (n - 1) / n)
+    return {"reduced": reduced, "needed": needed, "trainable": trainable_bytes, **memory}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("hidden", 256), ("layers", 4), ("rank", 8), ("seq", 64), ("batch", 2)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    options = vars(p.parse_args(argv))
+    print(f"Llama hidden {options['hidden']}, {options['layers']} layers; LoRA r {options['rank']} on every "
+          "projection; bytes per rank for one training step (fp32)")
+    print(f"{'layout':14s} {'run':5s} {'trainable':>11s} {'reduced':>11s} {'grads need':>11s} {'ratio':>6s} "
+          f"{'params':>11s} {'grads':>11s} {'optimizer':>11s}")
+    for label, sizes in (("FSDP2 2", {"dp_shard": 2}), ("DDP 2", {"dp_replicate": 2})):
+        for lora in (True, False):
+            r = run_ranks(step, 2, options, sizes, lora, timeout=900)[0]
+            print(f"{label:14s} {'LoRA' if lora else 'full':5s} {r['trainable']:11,d} {r['reduced']:11,d} "
+                  f"{int(r['needed']):11,d} {r['reduced'] / r['needed']:6.3f} {r['params']:11,d} {r['grads']:11,d} "
+                  f"{r['optimizer']:11,d}")
+    print("ratio: bytes reduced / bytes the trainable gradients need (1.000: nothing frozen is reduced; FSDP2 pads "
+          "each shard to equal sizes, which shows as a little above 1)")
+
+
+if __name__ == "__main__":
+    main()
