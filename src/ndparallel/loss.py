@@ -35,9 +35,9 @@ and the gradient that results is (1/W) * sum_r sum_a f_{a,r} * grad(l_{a,r}) = (
 The prepared data loader supplies the counts: it reads one accumulation window of batches ahead, counts each
 batch's tokens, and all-reduces the window's total over ``batch`` (ranks with distinct samples; context- and
 sequence-parallel peers share samples, so summing over them would count tokens twice). When the counts are
-unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back to
-1 / (micro-batches in the window) -- Accelerate's 1 / gradient_accumulation_steps -- which is exact when every
-micro-batch has the same number of tokens.
+unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back to Accelerate's
+1 / gradient_accumulation_steps -- also in a short last window, as Accelerate divides -- which is exact when every
+micro-batch has the same number of tokens and the window is whole.
 
 The logged loss (`GradientState.log_loss`, behind ``Accelerator.reduce_loss``). Each rank adds S_{a,r} = l_{a,r} *
 n_{a,r} and n_{a,r} of every micro-step of a window; summed over the ``loss`` ranks, their ratio is the token mean of
@@ -124,11 +124,12 @@ class BatchInfo:
 
 def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps: int,
                 token_weighted: bool = True) -> float:
-    """f = n * W / N for the micro-batch `info` describes (see the module docstring), else 1 / micro-batches."""
+    """f = n * W / N for the micro-batch `info` describes (see the module docstring), else Accelerate's
+    1 / accumulation steps."""
     if info is None:
         return 1.0 / accumulation_steps
     if not token_weighted or info.local_tokens is None or info.window_tokens is None:
-        return 1.0 / info.window_batches
+        return 1.0 / accumulation_steps
     if info.window_tokens == 0:
         return 0.0
     return info.local_tokens * loss_world_size / info.window_tokens
@@ -150,6 +151,11 @@ class GradientState:
         self._batches: dict[Hashable, BatchInfo] = {}
         self._fresh: set[Hashable] = set()  # loaders whose latest batch no micro-step has started on yet
         self._logged: dict[Hashable, tuple[torch.Tensor, BatchInfo | None, bool]] = {}  # log_loss's running sums
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's: forget the process's shared gradient state. Each Accelerator has its own here, so there
+        is nothing shared to forget (a new Accelerator starts afresh)."""
 
     # ---- data loaders ------------------------------------------------------------------------------------------
     def enter(self, loader: Hashable) -> None:

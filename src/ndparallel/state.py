@@ -230,13 +230,33 @@ class AcceleratorState(PartialState):
         self.fsdp_plugin = fsdp_plugin
         self._uses_fsdp = uses_fsdp
 
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Accelerate's: each Accelerator keeps its own state here, so only the shared process part can be
+        forgotten (`reset_partial_state`, after the process group was destroyed)."""
+        if reset_partial_state:
+            PartialState._reset_state()
+
     @property
     def is_fsdp2(self) -> bool:
         return self._uses_fsdp
 
     @property
     def distributed_type(self) -> DistributedType:
+        """FSDP when FSDP2 wraps the models, else the process state's; a value assigned (as Accelerate's scripts do)
+        is what the Accelerator reports from then on (its models stay as they were prepared)."""
+        override = self.__dict__.get("_distributed_type")
+        if override is not None:
+            return override
         return DistributedType.FSDP if self._uses_fsdp else super().distributed_type
+
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType | str) -> None:
+        try:
+            self._distributed_type = DistributedType(value)
+        except ValueError:
+            raise ValueError(f"distributed_type must be one of {[t.value for t in DistributedType]}, got "
+                             f"{value!r}") from None
 
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]

@@ -314,6 +314,10 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         # data loader's generator seed if either has one, else its torch seed -- so ranks seeded differently (or
         # not at all) still draw one order.
         config = self.dataloader_config
+        if config.dispatch_batches and isinstance(data_loader.dataset, torch.utils.data.IterableDataset):
+            raise ValueError("prepare(): dispatch_batches=True with an iterable dataset is not supported: every rank "
+                             "reads its own share, so the dataset must yield the same order on every rank (not "
+                             "only on rank 0, which dispatching reads); make it so and set dispatch_batches=False")
         sampler = getattr(data_loader.batch_sampler, "sampler", None) or data_loader.sampler
         generator = getattr(sampler, "generator", None) or data_loader.generator
         seed = config.data_seed if config.data_seed is not None else (
@@ -348,7 +352,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
                 "in the same call or before the scheduler"
             )
         wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state,
-                                       step_with_optimizer=self.step_scheduler_with_optimizer)
+                                       step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       steps_per_update=1 if self.split_batches else self.mesh.size("batch"),
+                                       adjust_scheduler=self._settings.adjust_scheduler)
         self.prepared.schedulers.append(wrapped)
         return wrapped
 
@@ -417,12 +423,15 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
     def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
         """Reduce gradients in the backward passes inside even on an accumulation micro-step."""
         if isinstance(model, DistributedDataParallel):
-            before = model.require_backward_grad_sync
+            before = (model.require_backward_grad_sync, model.require_forward_param_sync)
             model.require_backward_grad_sync = model.require_forward_param_sync = True
+            # A forward run under no_sync did not arm DDP's reducer for this backward: arm it now (every parameter
+            # expected, as DDP does after a synchronising forward without find_unused_parameters).
+            model.reducer.prepare_for_backward([])
             try:
                 yield
             finally:
-                model.require_backward_grad_sync = before
+                model.require_backward_grad_sync, model.require_forward_param_sync = before
         elif isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(True)
             try:
