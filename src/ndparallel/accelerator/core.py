@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
@@ -442,17 +441,6 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             yield
 
     @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
-        """torch's `Join` over DDP models, for loaders with ``even_batches=False`` whose ranks run out of batches
-        at different steps. FSDP2 cannot join: its loaders must keep even batches."""
-        ddp = [j for j in joinables if isinstance(j, DistributedDataParallel)]
-        if not ddp or self.num_processes == 1:
-            yield
-            return
-        with Join(ddp):
-            yield
-
-    @contextlib.contextmanager
     def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
                                buffer_seq_dims: list[int] | None = None,
                                no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
@@ -568,6 +556,13 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             self.wait_for_everyone()
             release_process_group()
         PartialState._reset_state()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the identity records of prepare (weak references to this process's objects by id, which
+        mean nothing elsewhere); process groups travel by name (`ndparallel.runtime.group_name`)."""
+        state = dict(self.__dict__)
+        state["_param_map"], state["_taken"] = {}, {}
+        return state
 
     def __repr__(self) -> str:
         return (f"Accelerator({self.mesh!r}, rank={self.process_index}/{self.num_processes}, "
