@@ -105,6 +105,15 @@ CP_STRATEGIES = ("allgather", "ring", "alltoall")
 CP_STRATEGY_ENV = "PARALLELISM_CONFIG_CP_COMM_STRATEGY"  # what `accelerate launch` exports
 
 
+def strategy_from_env(environ: Mapping[str, str]) -> str:
+    """The context-parallel strategy `environ` sets (``PARALLELISM_CONFIG_CP_COMM_STRATEGY``), else "allgather"."""
+    strategy = environ.get(CP_STRATEGY_ENV) or "allgather"
+    if strategy not in CP_STRATEGIES:
+        raise ValueError(f"Invalid cp_comm_strategy: {strategy} (from ${CP_STRATEGY_ENV}). Must be one of "
+                         f"{list(CP_STRATEGIES)}")
+    return strategy
+
+
 @dataclass
 class TorchContextParallelConfig:
     """How context parallelism (cp_size > 1) shards sequences and computes attention over them.
@@ -126,13 +135,10 @@ class TorchContextParallelConfig:
     balance_documents: bool = False
 
     def __post_init__(self) -> None:
-        where = ""
         if self.cp_comm_strategy is None:  # as Accelerate's: what `accelerate launch` exported, else all-gather
-            self.cp_comm_strategy = os.environ.get(CP_STRATEGY_ENV) or "allgather"
-            where = f" (from ${CP_STRATEGY_ENV})" if os.environ.get(CP_STRATEGY_ENV) else ""
-        if self.cp_comm_strategy not in CP_STRATEGIES:
-            raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy}{where}. Must be one of "
-                             f"{list(CP_STRATEGIES)}")
+            self.cp_comm_strategy = strategy_from_env(os.environ)
+        elif self.cp_comm_strategy not in CP_STRATEGIES:
+            raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy}. Must be one of {list(CP_STRATEGIES)}")
         if not isinstance(self.load_balance, bool):
             raise TypeError(f"load_balance must be a bool, got {self.load_balance!r}")
         if not isinstance(self.balance_documents, bool):
@@ -228,11 +234,7 @@ def _env_values(unset: frozenset[str], environ: Mapping[str, str]) -> dict[str, 
         if name in unset and environ.get(ACCELERATE_ENV_PREFIX + name.upper()):
             values[name] = environ[ACCELERATE_ENV_PREFIX + name.upper()]
     if "cp_handler" in unset:
-        strategy = environ.get(CP_STRATEGY_ENV) or "allgather"
-        try:
-            values["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=strategy)
-        except ValueError as exc:
-            raise ValueError(f"{exc} (from ${CP_STRATEGY_ENV})") from None
+        values["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=strategy_from_env(environ))
     return values
 
 
