@@ -219,6 +219,10 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
     project = project_config or ProjectConfiguration()
     if project_dir is not None:
         project.set_directories(project_dir)
+    if project.automatic_checkpoint_naming and project.project_dir is None:  # checked here, as Accelerate does:
+        # the directory may come with the Accelerator rather than the configuration
+        raise ValueError("automatic_checkpoint_naming needs a project_dir: pass Accelerator(project_dir=...) or "
+                         "ProjectConfiguration(project_dir=...)")
 
     process_group: dict[str, Any] = {}
     if InitProcessGroupKwargs in handlers:
