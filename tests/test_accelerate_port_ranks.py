@@ -274,3 +274,42 @@ def _fsdp_ignored_params() -> list:
 
 def test_an_fsdp_wrapped_model_names_its_ignored_parameters():
     assert run_ranks(_fsdp_ignored_params, 2) == [["1.bias", "1.weight"]] * 2
+
+
+def _saved_before_the_first_step(tmp: str) -> dict:
+    from ndparallel import Accelerator
+
+    def run(save: bool) -> tuple[torch.Tensor, dict]:
+        acc = Accelerator()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        model, optimizer = acc.prepare(model, optimizer)
+        if save:  # before any step: the optimizer has no state, and must keep none
+            acc.save_state(f"{tmp}/fresh")
+            acc.load_state(f"{tmp}/fresh")
+        stateless = not optimizer.state
+        for _ in range(3):
+            acc.backward(model(torch.ones(4, 2)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        return model.weight.detach().clone(), stateless
+
+    (plain, _), (saved, stateless) = run(False), run(True)
+    out = {"same_training": torch.equal(plain, saved), "stateless": stateless}
+    acc = Accelerator()
+    try:
+        acc.register_for_checkpointing(torch.nn.Linear(1, 1), [1], torch.ones(1))
+    except ValueError as exc:
+        out["registration"] = str(exc)
+    acc.end_training()
+    return out
+
+
+def test_a_checkpoint_before_the_first_step_leaves_the_optimizer_fresh(tmp_path):
+    """torch's optimizer state dict steps a fresh optimizer to give it state (Adam's step count 1, which shifts its
+    bias correction): saving and loading then must not change the training that follows."""
+    (res,) = run_ranks(_saved_before_the_first_step, 1, str(tmp_path))
+    assert res["same_training"] and res["stateless"]
+    assert res["registration"] == ("register_for_checkpointing takes objects with state_dict and load_state_dict "
+                                   "methods; these have not: Item at index 1 (list), Item at index 2 (Tensor)")

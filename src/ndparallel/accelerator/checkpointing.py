@@ -41,8 +41,9 @@ class CheckpointingMixin:
         """Save and restore `objects` (anything with ``state_dict`` / ``load_state_dict``) with the state."""
         bad = [i for i, o in enumerate(objects) if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
         if bad:
-            raise ValueError(f"register_for_checkpointing: object(s) at position(s) {bad} have no state_dict and "
-                             "load_state_dict methods")
+            raise ValueError("register_for_checkpointing takes objects with state_dict and load_state_dict methods; "
+                             "these have not: " + ", ".join(f"Item at index {i} ({type(objects[i]).__name__})"
+                                                             for i in bad))
         self.prepared.custom_objects.extend(objects)
 
     def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
