@@ -258,3 +258,18 @@ def test_a_process_group_pickled_elsewhere_is_refused_clearly():
                                            r"object that holds a process group can only be unpickled where"):
         resolve_group("no-such-group")
     assert resolve_group(None) is None
+
+
+def test_singletons_called_without_arguments_need_an_accelerator():
+    from ndparallel.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    for cls in (AcceleratorState, GradientState):
+        with pytest.raises(RuntimeError, match=rf"{cls.__name__}\(\) with no arguments is the state of this "
+                                               r"process's Accelerator, and none exists: create the Accelerator first"):
+            cls()
+    with pytest.raises(TypeError, match=r"AcceleratorState\(\.\.\.\) is made by the Accelerator; call "
+                                        r"AcceleratorState\(\) with no arguments for the current one"):
+        AcceleratorState(mixed_precision="bf16")
+

@@ -218,6 +218,12 @@ def _pickle_and_checkpoints(tmp: str) -> dict:
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(32)), batch_size=2, shuffle=True))
     copy_ = pickle.loads(pickle.dumps(acc))
     out["state_equal"] = copy_.state.__dict__ == acc.state.__dict__
+    from ndparallel.state import AcceleratorState, GradientState
+
+    # Accelerate's singletons, called with no arguments: this Accelerator's (an unpickled copy has its own objects)
+    out["singletons"] = (AcceleratorState() is acc.state, GradientState() is acc.gradient_state,
+                         copy_.state is not acc.state, copy_.gradient_state is not acc.gradient_state)
+    out["max"] = acc.reduce(torch.tensor([float(acc.process_index), -float(acc.process_index)]), "max").tolist()
     out["same_group"] = copy_.prepared.dataloaders[0].window_group is loader.window_group is not None
     # save mid-epoch into one directory, read on: load_state comes back to the batches after the save
     rest, resumed = [], []
@@ -249,6 +255,7 @@ def test_pickling_checkpoint_directories_and_dispatch_batches(tmp_path):
     res = run_ranks(_pickle_and_checkpoints, 2, str(tmp_path))
     for rank, r in enumerate(res):
         assert r["state_equal"] and r["same_group"] and r["resumed"]
+        assert r["singletons"] == (True, True, True, True) and r["max"] == [1.0, 0.0]
         assert r["different_dirs"].startswith("save_state (a checkpoint is one directory that every rank writes into: "
                                               "pass the same path on every rank): the ranks disagree")
         assert "rank0" in r["different_dirs"] and "rank1" in r["different_dirs"]

@@ -1,4 +1,5 @@
-"""Small process-level helpers with Accelerate's names: `set_seed` and a main-process progress bar."""
+"""Small process-level helpers with Accelerate's names: `set_seed` and a main-process progress bar; `current`, the
+newest Accelerator's state object for Accelerate code that calls its singleton classes with no arguments."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def progress_bar(iterable: Iterable[Any] | None = None, *, main_process: bool = 
 
     disable = kwargs.pop("disable", False)
     return tqdm(iterable, disable=disable or not main_process, **kwargs)
+
+
+def current(cls: type, what: str) -> Any:
+    """The instance of `cls` that the newest Accelerator of this process made (``cls._latest``, a weak reference), for
+    Accelerate code that reaches its singletons by calling the class with no arguments (``AcceleratorState()``); a
+    clear error when there is none."""
+    latest = cls.__dict__.get("_latest")
+    found = latest() if latest is not None else None
+    if found is None:
+        raise RuntimeError(f"{what}() with no arguments is the state of this process's Accelerator, and none exists: "
+                           "create the Accelerator first")
+    return found

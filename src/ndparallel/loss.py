@@ -52,6 +52,7 @@ Outside any loop they follow the loader that yielded last.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .helpers import current
 
 IGNORE_INDEX = -100
 LOSS_WEIGHTINGS = ("auto", "tokens", "mean")
@@ -139,7 +142,18 @@ class GradientState:
     """Accumulation bookkeeping: when gradients synchronise, which data loader's batch the step is on, and the
     running sums of the logged loss."""
 
-    def __init__(self, accumulation_steps: int, loss_world_size: int) -> None:
+    def __new__(cls, accumulation_steps: int | None = None, loss_world_size: int | None = None) -> GradientState:
+        if accumulation_steps is None and loss_world_size is None:  # Accelerate's singleton: the newest Accelerator's
+            return current(GradientState, "GradientState")
+        return super().__new__(cls)
+
+    def __getnewargs__(self) -> tuple[int, int]:
+        return (self.accumulation_steps, self.loss_world_size)  # pickle makes a new object, not the current one
+
+    def __init__(self, accumulation_steps: int | None = None, loss_world_size: int | None = None) -> None:
+        if accumulation_steps is None and loss_world_size is None:  # the current one, returned by __new__
+            return
+        GradientState._latest = weakref.ref(self)
         self.accumulation_steps = accumulation_steps
         self.loss_world_size = loss_world_size
         self.token_weighted = True  # the loss is a mean over LM tokens (the Accelerator decides; `is_causal_lm`)
@@ -154,8 +168,9 @@ class GradientState:
 
     @staticmethod
     def _reset_state() -> None:
-        """Accelerate's: forget the process's shared gradient state. Each Accelerator has its own here, so there
-        is nothing shared to forget (a new Accelerator starts afresh)."""
+        """Accelerate's: forget the process's shared gradient state. Each Accelerator has its own here (a new one
+        starts afresh), so only ``GradientState()``'s answer is forgotten."""
+        GradientState._latest = None
 
     # ---- data loaders ------------------------------------------------------------------------------------------
     def enter(self, loader: Hashable) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import monitored_barrier
+from .helpers import current
 from .loss import GradientState
 from .runtime import Runtime, init_runtime
 
@@ -219,10 +221,26 @@ class PartialState:
 class AcceleratorState(PartialState):
     """What an `Accelerator` decided, on top of the process state: ``mixed_precision``, ``parallelism_config`` and
     its ``device_mesh``, ``fsdp_plugin``, ``distributed_type`` (FSDP when FSDP2 wraps the models), ``is_fsdp2``.
-    Unlike Accelerate's, one per Accelerator (the process part is shared)."""
+    Unlike Accelerate's, one per Accelerator (the process part is shared); ``AcceleratorState()`` with no arguments is
+    that of the newest Accelerator, as Accelerate's singleton is."""
 
-    def __init__(self, partial: PartialState, *, mixed_precision: str, parallelism_config: Any, device_mesh: Any,
-                 fsdp_plugin: Any, uses_fsdp: bool) -> None:
+    def __new__(cls, partial: PartialState | None = None, **settings: Any) -> AcceleratorState:
+        if partial is None:
+            if settings:
+                raise TypeError("AcceleratorState(...) is made by the Accelerator; call AcceleratorState() with no "
+                                "arguments for the current one, or pass the settings to Accelerator(...)")
+            return current(AcceleratorState, "AcceleratorState")
+        return super().__new__(cls)
+
+    def __getnewargs__(self) -> tuple[str]:
+        return ("<unpickled>",)  # pickle makes a new object (no arguments would mean the current one)
+
+    def __init__(self, partial: PartialState | None = None, *, mixed_precision: str = "no",
+                 parallelism_config: Any = None, device_mesh: Any = None, fsdp_plugin: Any = None,
+                 uses_fsdp: bool = False) -> None:
+        if partial is None:  # the current state, returned by __new__ as it is
+            return
+        AcceleratorState._latest = weakref.ref(self)
         self.__dict__ = dict(partial._shared)  # a snapshot of the process state, plus this Accelerator's decisions
         self.mixed_precision = mixed_precision
         self.parallelism_config = parallelism_config
@@ -234,6 +252,7 @@ class AcceleratorState(PartialState):
     def _reset_state(reset_partial_state: bool = False) -> None:
         """Accelerate's: each Accelerator keeps its own state here, so only the shared process part can be
         forgotten (`reset_partial_state`, after the process group was destroyed)."""
+        AcceleratorState._latest = None
         if reset_partial_state:
             PartialState._reset_state()
 
