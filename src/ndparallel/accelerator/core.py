@@ -8,8 +8,8 @@ prepared is kept in one `ndparallel.record.PreparedObjects`, which checkpoints r
 collectives and checkpoints live in the mixins beside this module.
 
 Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
-- the LR scheduler steps once per optimizer step (Accelerate steps it once per process), so a run on N
-  processes follows the same schedule as one process on the global batch;
+- a prepared LR scheduler steps once per data-parallel rank and optimizer step, as Accelerate's steps once per
+  process, but tensor/context/sequence-parallel peers, which share their batches, do not count;
 - `backward` weights a causal LM's loss by each rank's share of the optimizer step's loss tokens (see
   `ndparallel.loss`), so unequal numbers of -100 labels over ranks and micro-steps give the single-process gradient;
 - `reduce` and `gather` run over the ranks that hold distinct data (the ``loss`` and ``batch`` views), never
@@ -76,7 +76,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             `kwargs_handlers`; `ndparallel.parallel.fp8`), bf16 elsewhere.
         gradient_accumulation_steps: micro-steps per optimizer step (None: the launchers' variables, then 1).
         cpu: train on the CPU with gloo even where CUDA is available.
-        dataloader_config: a `DataLoaderConfiguration` (split_batches, even_batches, non_blocking, data_seed).
+        dataloader_config: a `DataLoaderConfiguration` (split_batches, even_batches, non_blocking, data_seed,
+            dispatch_batches: refused for iterable datasets).
         fsdp_plugin: FSDP2 settings (fields it leaves unset: from ``FSDP_*``). FSDP2 wraps the model when parameters
             are sharded (``dp_shard * cp * sp > 1``), when a plugin is given (or ``ACCELERATE_USE_FSDP`` is set)
             and there is more than one process -- on one process only for CPU offload, a mixed-precision policy or
@@ -86,14 +87,16 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         log_with: trackers (`ndparallel.tracking`): names, `LoggerType`s, `GeneralTracker` objects, or "all".
         project_dir / project_config: where checkpoints and logs go (`ProjectConfiguration`).
         gradient_accumulation_plugin: a `GradientAccumulationPlugin` (num_steps, sync_each_batch).
-        step_scheduler_with_optimizer: True (default): the LR scheduler steps with each optimizer step; False: every
-            call to its ``step()`` steps it.
+        step_scheduler_with_optimizer: True (default): the LR scheduler steps only when the optimizer stepped, then
+            once per data-parallel rank (once with split_batches), as Accelerate's; False: every call to its
+            ``step()`` steps it once.
         kwargs_handlers: `InitProcessGroupKwargs`, `DistributedDataParallelKwargs`, `GradScalerKwargs`,
             `AutocastKwargs`, `GradientAccumulationPlugin`.
         parallelism_config: sizes of each parallelism; sizes it leaves unset are read from what the launcher passed
             (`ParallelismConfig.from_env`). All sizes 1 (or no config): DDP over every process.
         rng_types: accepted and ignored (prepared loaders seed their samplers alike on every rank).
-        deepspeed_plugin(s), megatron_lm_plugin, torch_tp_plugin, dynamo_backend / dynamo_plugin: refused when given.
+        dynamo_backend / dynamo_plugin: compilation (`TorchDynamoPlugin`, `ndparallel.parallel.compile`).
+        deepspeed_plugin(s), megatron_lm_plugin, torch_tp_plugin: refused when given.
 
     ndparallel's own:
         loss_weighting: "auto" (default: token-weighted for causal language models, see `ndparallel.loss`), "tokens"
