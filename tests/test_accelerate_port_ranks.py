@@ -256,8 +256,9 @@ def test_pickling_checkpoint_directories_and_dispatch_batches(tmp_path):
     for rank, r in enumerate(res):
         assert r["state_equal"] and r["same_group"] and r["resumed"]
         assert r["singletons"] == (True, True, True, True) and r["max"] == [1.0, 0.0]
-        assert r["different_dirs"].startswith("save_state (a checkpoint is one directory that every rank writes into: "
-                                              "pass the same path on every rank): the ranks disagree")
+        assert r["different_dirs"].startswith("save_state: the ranks disagree on 1 setting(s)")
+        assert "directory (a checkpoint is one directory that every rank writes into: pass the same path on every " \
+               "rank): rank 0: " in r["different_dirs"]
         assert "rank0" in r["different_dirs"] and "rank1" in r["different_dirs"]
         # dispatching rank 0's batches or reading them on each rank: the same batches
         assert r["dispatched"] == [[0, 1], [4, 5]] if rank == 0 else r["dispatched"] == [[2, 3], [6, 7]]

@@ -68,8 +68,8 @@ class CheckpointingMixin:
         ranks write into (rank 0 the files they share), so ranks given different paths (a temporary directory made
         on each) would write a checkpoint none of them could load. The same error on every rank otherwise."""
         path = None if directory is None else os.path.abspath(os.fspath(directory))
-        agreement.check_agreement({"directory": path}, f"{what} (a checkpoint is one directory that every rank "
-                                  "writes into: pass the same path on every rank)", timeout=self.state.runtime.timeout)
+        key = "directory (a checkpoint is one directory that every rank writes into: pass the same path on every rank)"
+        agreement.check_agreement({key: path}, what, timeout=self.state.runtime.timeout)
 
     def _run_settings(self) -> checkpoint.RunSettings:
         plugin = self.state.fsdp_plugin
