@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                    activation_checkpointing=args.activation_checkpointing),
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.grad_accum,
+        # The schedule below counts optimizer steps, stepped by hand (Accelerate's default steps a prepared scheduler
+        # once per data-parallel rank, counting the loader's batches).
+        step_scheduler_with_optimizer=False,
     )
     summary = train(accelerator, args)  # steps 2 to 4, below
     if args.json_out is not None and accelerator.is_main_process:
@@ -229,8 +232,9 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> dict[str, Any]:
                         accelerator.backward(loss)  # scaled so gradients match one process on the global batch
                     if accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                    optimizer.step()  # these three do nothing until the accumulation window ends
-                    scheduler.step()
+                    optimizer.step()  # these do nothing until the accumulation window ends
+                    if accelerator.sync_gradients:
+                        scheduler.step()  # once per optimizer step
                     optimizer.zero_grad()
                 step_loss = accelerator.reduce_loss(loss)  # global token mean of the step so far (collective)
                 interval_tokens += tokens_per_micro_step

@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
         fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
         project_config=ProjectConfiguration(project_dir=args.project_dir, automatic_checkpoint_naming=True,
                                             total_limit=args.keep),
+        step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, stepped by hand below
     )
     set_seed(0)
     model = build_model({"seq_len": args.seq_len})
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()  # once per optimizer step
                 optimizer.zero_grad()
             step_loss = accelerator.reduce_loss(loss)  # global token mean of the step so far (collective)
             if not accelerator.sync_gradients:

@@ -4,9 +4,8 @@
 The cases follow Accelerate's tests -- the ParallelismConfig tests of its ``tests/test_dataclasses.py``, the FSDP2
 plugin class of ``tests/fsdp/test_fsdp.py``, and its torchrun scripts ``test_sync.py`` and
 ``test_distributed_data_loop.py`` -- written anew for ndparallel. Where ndparallel differs on purpose the test asserts
-ndparallel's behaviour, and the README's "Differences from Accelerate" says why: constructors read no environment
-(``ParallelismConfig.from_env`` / ``FullyShardedDataParallelPlugin.from_env`` do, and the Accelerator calls them),
-FSDP2 is the default version, and the default wrap policy shards each transformer block.
+ndparallel's behaviour, and the README's "Differences from Accelerate" says why: FSDP2 is the default version, and the
+default wrap policy shards each transformer block. (More of the same behaviours, issue 25: test_accelerate_port.py.)
 """
 
 from __future__ import annotations
@@ -101,14 +100,16 @@ def test_build_device_mesh_has_accelerates_flattened_names(sizes, shape, names):
 
 
 @pytest.mark.parametrize("sizes", [c[0] for c in MESH_CASES])
-def test_from_env_reads_accelerates_variables(sizes):
+def test_from_env_reads_accelerates_variables(sizes, monkeypatch):
     r, s, t, c = sizes
     env = {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": str(r), "PARALLELISM_CONFIG_DP_SHARD_SIZE": str(s),
            "PARALLELISM_CONFIG_TP_SIZE": str(t), "PARALLELISM_CONFIG_CP_SIZE": str(c)}
     config = ParallelismConfig.from_env(environ=env)
     assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size) == sizes
-    # Deliberately different: the constructor itself reads no environment (see the module docstring).
-    assert ParallelismConfig().sizes() == dict.fromkeys(("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp"), 1)
+    for name, value in env.items():  # as Accelerate's, the constructor reads them too (issue 25)
+        monkeypatch.setenv(name, value)
+    config = ParallelismConfig()
+    assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size) == sizes
     # ndparallel's own variables come first
     ours = ParallelismConfig.from_env(environ={**env, "NDPARALLEL_TP_SIZE": "16"})
     assert ours.tp_size == 16
@@ -121,6 +122,9 @@ def test_cp_handler_strategies_and_environment():
         pc = ParallelismConfig.from_env(ParallelismConfig(cp_size=2),
                                         environ={"PARALLELISM_CONFIG_CP_COMM_STRATEGY": setting})
         assert pc.cp_handler.cp_comm_strategy == setting
+        with pytest.MonkeyPatch.context() as mp:  # the constructor reads it too, as Accelerate's (issue 25)
+            mp.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", setting)
+            assert ParallelismConfig(cp_size=2).cp_handler.cp_comm_strategy == setting
     for setting in ("invalid", "unsupported"):
         with pytest.raises(ValueError, match=f"Invalid cp_comm_strategy: {setting}"):
             TorchContextParallelConfig(cp_comm_strategy=setting)
@@ -185,13 +189,13 @@ def test_backward_prefetch_is_ignored_with_a_warning(prefetch):
 
 @pytest.mark.parametrize("name", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
 def test_state_dict_type(name):
-    assert _from_env(FSDP_STATE_DICT_TYPE=name).state_dict_type == name
-    assert FullyShardedDataParallelPlugin(state_dict_type=StateDictType[name]).state_dict_type == name
+    assert _from_env(FSDP_STATE_DICT_TYPE=name).state_dict_type == StateDictType[name]
+    assert FullyShardedDataParallelPlugin(state_dict_type=StateDictType[name]).state_dict_type == StateDictType[name]
     with pytest.raises(ValueError, match=r"state_dict_type='LOCAL_STATE_DICT' is not one of"):
         _from_env(FSDP_STATE_DICT_TYPE="LOCAL_STATE_DICT")
     plugin = FullyShardedDataParallelPlugin(state_dict_type="FULL_STATE_DICT")
     plugin.set_state_dict_type("SHARDED_STATE_DICT")  # train sharded, save the last one full -- or the reverse
-    assert plugin.state_dict_type == "SHARDED_STATE_DICT"
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
 
 
 def test_auto_wrap_policy_from_env_and_arguments():
@@ -211,10 +215,10 @@ def test_auto_wrap_policy_from_env_and_arguments():
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_cpu_offload(flag):
-    assert _from_env(FSDP_OFFLOAD_PARAMS=str(flag).lower()).cpu_offload is flag
-    assert FullyShardedDataParallelPlugin(cpu_offload=flag).cpu_offload is flag
     policy = CPUOffloadPolicy() if flag else OffloadPolicy()  # OffloadPolicy() means "no offload"
-    assert FullyShardedDataParallelPlugin(cpu_offload=policy).cpu_offload is flag
+    assert _from_env(FSDP_OFFLOAD_PARAMS=str(flag).lower()).cpu_offload == policy
+    assert FullyShardedDataParallelPlugin(cpu_offload=flag).cpu_offload == policy
+    assert FullyShardedDataParallelPlugin(cpu_offload=policy).offloads_to_cpu is flag
 
 
 @pytest.mark.parametrize("flag", ["True", "False"])
@@ -225,9 +229,9 @@ def test_cpu_ram_efficient_loading_and_ignored_modules(flag):
 
 def test_mixed_precision_policy_from_names_and_dicts():
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
-        # Deliberately different: gradients are reduced in fp32 unless the policy says otherwise
+        # As Accelerate (issue 25): a name computes, reduces and outputs in that dtype
         assert FullyShardedDataParallelPlugin(mixed_precision_policy=name).mixed_precision_policy == \
-            MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
         policy = {"param_dtype": dtype, "reduce_dtype": dtype, "output_dtype": dtype}
         assert FullyShardedDataParallelPlugin(mixed_precision_policy=policy).mixed_precision_policy == \
             MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)

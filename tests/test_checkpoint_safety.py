@@ -241,5 +241,9 @@ def test_automatic_naming_keeps_the_newest_total_limit_checkpoints(tmp_path):
 def test_project_configuration_is_checked():
     with pytest.raises(ValueError, match="total_limit must be an int >= 1"):
         ProjectConfiguration(project_dir=".", total_limit=0)
-    with pytest.raises(ValueError, match="automatic_checkpoint_naming needs a project_dir"):
-        ProjectConfiguration(automatic_checkpoint_naming=True)
+    # The directory may come with the Accelerator (as in Accelerate): checked there, before any process group.
+    from ndparallel import Accelerator
+
+    with pytest.raises(ValueError, match=r"automatic_checkpoint_naming needs a project_dir: pass "
+                                         r"Accelerator\(project_dir=\.\.\.\) or ProjectConfiguration"):
+        Accelerator(project_config=ProjectConfiguration(automatic_checkpoint_naming=True))

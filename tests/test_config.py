@@ -10,9 +10,10 @@ import re
 
 import pytest
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, StateDictType
 
 from ndparallel.config import (
+    AXES,
     CP_STRATEGIES,
     ParallelismConfig,
     PipelineParallelConfig,
@@ -121,7 +122,7 @@ def test_bad_handlers(kwargs, error, match):
         ParallelismConfig(**kwargs)
 
 
-# ---- environment variables (read by from_env only) ------------------------------------------------------
+# ---- environment variables (read for unset fields, by the constructor and by from_env) -------------------------
 @pytest.mark.parametrize("field", SIZE_FIELDS)
 def test_env_var_used_when_field_is_none(field):
     pc = ParallelismConfig.from_env(environ={f"NDPARALLEL_{field.upper()}": "4"})
@@ -129,10 +130,19 @@ def test_env_var_used_when_field_is_none(field):
     assert all(getattr(pc, f) == 1 for f in SIZE_FIELDS if f != field)
 
 
-def test_constructor_reads_no_environment(monkeypatch):
+def test_constructor_reads_the_environment_for_unset_sizes(monkeypatch):
+    """As Accelerate's constructor (issue 25): a size left unset comes from the launcher's variables -- ndparallel's
+    first, then Accelerate's -- and an explicit one wins; from_env reads a mapping given instead."""
     monkeypatch.setenv("NDPARALLEL_TP_SIZE", "4")
-    assert ParallelismConfig().tp_size == 1
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "8")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    assert (ParallelismConfig().tp_size, ParallelismConfig().cp_size) == (4, 2)
+    assert ParallelismConfig(tp_size=1).tp_size == 1
     assert ParallelismConfig.from_env().tp_size == 4  # os.environ by default
+    assert ParallelismConfig.from_env(ParallelismConfig(), environ={}).sizes() == dict.fromkeys(AXES, 1)
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "x")
+    with pytest.raises(ValueError, match=r"environment variable PARALLELISM_CONFIG_DP_SHARD_SIZE='x' is not an integer"):
+        ParallelismConfig()
 
 
 def test_env_var_minus_one_and_empty():
@@ -342,7 +352,9 @@ def test_fsdp_defaults():
     assert plugin.transformer_cls_names_to_wrap is None
     assert plugin.reshard_after_forward is True
     assert plugin.mixed_precision_policy is None
-    assert plugin.state_dict_type == "SHARDED_STATE_DICT"
+    # Accelerate's types: torch's enum and offload policies (issue 25)
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    assert plugin.cpu_offload == OffloadPolicy() and not plugin.offloads_to_cpu
 
 
 @pytest.mark.parametrize(
@@ -352,8 +364,8 @@ def test_fsdp_defaults():
         # Accelerate's configs spell the policies in upper case
         (dict(auto_wrap_policy="TRANSFORMER_BASED_WRAP"), "auto_wrap_policy", "transformer_based_wrap"),
         (dict(auto_wrap_policy="NO_WRAP"), "auto_wrap_policy", "no_wrap"),
-        (dict(state_dict_type="full_state_dict"), "state_dict_type", "FULL_STATE_DICT"),
-        (dict(state_dict_type="SHARDED_STATE_DICT"), "state_dict_type", "SHARDED_STATE_DICT"),
+        (dict(state_dict_type="full_state_dict"), "state_dict_type", StateDictType.FULL_STATE_DICT),
+        (dict(state_dict_type="SHARDED_STATE_DICT"), "state_dict_type", StateDictType.SHARDED_STATE_DICT),
         (dict(transformer_cls_names_to_wrap="LlamaDecoderLayer"), "transformer_cls_names_to_wrap", ["LlamaDecoderLayer"]),
         (dict(transformer_cls_names_to_wrap=" LlamaDecoderLayer, MistralDecoderLayer ,"),
          "transformer_cls_names_to_wrap", ["LlamaDecoderLayer", "MistralDecoderLayer"]),
@@ -393,16 +405,23 @@ def test_fsdp_errors(kwargs, error, match):
     "policy, expected",
     [
         (None, None),
-        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
-        ("BF16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
-        ("fp16", MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)),
+        # A name means what it means in Accelerate: compute, reduce and output in that dtype (issue 25)
+        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                      output_dtype=torch.bfloat16)),
+        ("BF16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                      output_dtype=torch.bfloat16)),
+        ("fp16", MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16,
+                                      output_dtype=torch.float16)),
+        ("fp8", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                     output_dtype=torch.bfloat16)),
         ({"param_dtype": "bfloat16", "reduce_dtype": "fp32"},
          MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
         ({"param_dtype": torch.float16, "output_dtype": "float32", "cast_forward_inputs": False},
          MixedPrecisionPolicy(param_dtype=torch.float16, output_dtype=torch.float32, cast_forward_inputs=False)),
         ({}, MixedPrecisionPolicy()),
         (MixedPrecisionPolicy(param_dtype=torch.bfloat16), MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
-        (torch.bfloat16, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        (torch.bfloat16, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                              output_dtype=torch.bfloat16)),
     ],
 )
 def test_mixed_precision_policy_valid(policy, expected):
@@ -415,7 +434,7 @@ def test_mixed_precision_policy_valid(policy, expected):
         ({"param_dtype": "bf16", "buffer_dtype": "bf16"}, ValueError,
          r"mixed_precision_policy: unknown field\(s\) \['buffer_dtype'\]; valid: "
          r"\['cast_forward_inputs', 'output_dtype', 'param_dtype', 'reduce_dtype'\]"),
-        ("fp8", ValueError, r"mixed_precision_policy: unknown dtype 'fp8'; use one of \[.*'bf16'.*\] or a torch\.dtype"),
+        ("fp4", ValueError, r"mixed_precision_policy: unknown dtype 'fp4'; use one of \[.*'bf16'.*\] or a torch\.dtype"),
         ({"param_dtype": "half-ish"}, ValueError, r"mixed_precision_policy\.param_dtype: unknown dtype 'half-ish'"),
         ({"reduce_dtype": 32}, ValueError, r"mixed_precision_policy\.reduce_dtype: unknown dtype 32"),
         (16, TypeError,

@@ -253,7 +253,7 @@ CASES: list[Case] = [
                      r"FullyShardedDataParallelPlugin\(transformer_cls_names_to_wrap=\[\.\.\.\]\)"),
     # -- collectives and the mesh --
     Case("reduce-avg", lambda: Accelerator().reduce(torch.ones(2), "avg"),
-         ValueError, r"^reduction must be one of \['sum', 'mean', 'none'\], got 'avg'$"),
+         ValueError, r"^reduction must be one of \['sum', 'mean', 'none', 'max'\], got 'avg'$"),
     Case("mesh[nope]", lambda: Accelerator().mesh["nope"],
          KeyError, r"no mesh view named 'nope'; valid names: pp, dp_replicate, dp_shard, cp, sp, tp, batch, fsdp, "
                    "loss"),

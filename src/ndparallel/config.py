@@ -2,10 +2,11 @@
 
 `ParallelismConfig` keeps Hugging Face Accelerate's field names so a script written for Accelerate's
 ND-parallel API runs with only its imports changed. Every size defaults to 1; at most one may be -1,
-meaning "the ranks that are left". A size left unset (``None``) is 1, unless the Accelerator reads it from the
-environment variable ``NDPARALLEL_<FIELD>`` (``NDPARALLEL_DP_SHARD_SIZE``...), which ``ndparallel launch`` sets:
-`ParallelismConfig.from_env`, the only place that reads them. So a launched script that builds
-``ParallelismConfig()`` with no arguments runs with the launch's sizes.
+meaning "the ranks that are left". A size left unset (``None``) is read, as Accelerate's constructor reads it, from
+the environment: ``NDPARALLEL_<FIELD>`` (``NDPARALLEL_DP_SHARD_SIZE``..., which ``ndparallel launch`` sets), else
+Accelerate's ``PARALLELISM_CONFIG_<FIELD>`` (which ``accelerate launch`` sets), else 1. So a launched script that
+builds ``ParallelismConfig()`` with no arguments runs with the launch's sizes. `ParallelismConfig.from_env` does the
+same from a mapping given explicitly (the Accelerator's settings, tests).
 
 Validation happens twice: when the object is built (types, -1 at most once) and in `resolve`, against the
 world size, with errors that show every factor.
@@ -13,6 +14,7 @@ world size, with errors that show every factor.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -26,7 +28,6 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import ParallelMesh
 
 # Mesh axes, outermost first. TP is innermost: it needs the fastest links. The mesh takes them from the config
 # (`ParallelismConfig.sizes`, in this order).
@@ -103,6 +104,16 @@ class TorchTensorParallelConfig:
 # Context-parallel strategies; Accelerate's "alltoall" (torch's rotation of K/V blocks between the cp ranks) is
 # ndparallel's ring.
 CP_STRATEGIES = ("allgather", "ring", "alltoall")
+CP_STRATEGY_ENV = "PARALLELISM_CONFIG_CP_COMM_STRATEGY"  # what `accelerate launch` exports
+
+
+def strategy_from_env(environ: Mapping[str, str]) -> str:
+    """The context-parallel strategy `environ` sets (``PARALLELISM_CONFIG_CP_COMM_STRATEGY``), else "allgather"."""
+    strategy = environ.get(CP_STRATEGY_ENV) or "allgather"
+    if strategy not in CP_STRATEGIES:
+        raise ValueError(f"Invalid cp_comm_strategy: {strategy} (from ${CP_STRATEGY_ENV}). Must be one of "
+                         f"{list(CP_STRATEGIES)}")
+    return strategy
 
 
 @dataclass
@@ -126,9 +137,9 @@ class TorchContextParallelConfig:
     balance_documents: bool = False
 
     def __post_init__(self) -> None:
-        if self.cp_comm_strategy is None:
-            self.cp_comm_strategy = "allgather"
-        if self.cp_comm_strategy not in CP_STRATEGIES:
+        if self.cp_comm_strategy is None:  # as Accelerate's: what `accelerate launch` exported, else all-gather
+            self.cp_comm_strategy = strategy_from_env(os.environ)
+        elif self.cp_comm_strategy not in CP_STRATEGIES:
             raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy}. Must be one of {list(CP_STRATEGIES)}")
         if not isinstance(self.load_balance, bool):
             raise TypeError(f"load_balance must be a bool, got {self.load_balance!r}")
@@ -201,9 +212,32 @@ class PipelineParallelConfig:
 
 CP_BACKENDS = ("torch",)  # Accelerate's name for torch-native context parallelism: here, ndparallel's own
 SP_BACKENDS = ("ndparallel", "deepspeed")  # "deepspeed": Accelerate's default, refused when sp_size > 1
-# Accelerate's environment variables (`accelerate launch` exports them), read by `ParallelismConfig.from_env`
+# Accelerate's environment variables (`accelerate launch` exports them), read for the fields a config leaves unset
 # after ndparallel's own NDPARALLEL_<FIELD>.
 ACCELERATE_ENV_PREFIX = "PARALLELISM_CONFIG_"
+ENV_FIELDS = (*SIZE_FIELDS, "cp_backend", "sp_backend", "cp_handler")  # what the environment may fill when unset
+
+
+def _env_values(unset: frozenset[str], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The fields in `unset` that `environ` sets: each size from ``NDPARALLEL_<FIELD>``, else
+    ``PARALLELISM_CONFIG_<FIELD>``; the backends from ``PARALLELISM_CONFIG_CP_BACKEND`` / ``_SP_BACKEND``; the
+    context-parallel handler from ``PARALLELISM_CONFIG_CP_COMM_STRATEGY``."""
+    values: dict[str, Any] = {}
+    for name in sorted(unset & set(SIZE_FIELDS)):
+        for var in (size_env_var(name), ACCELERATE_ENV_PREFIX + name.upper()):
+            raw = environ.get(var, "")
+            if raw != "":
+                try:
+                    values[name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"environment variable {var}={raw!r} is not an integer") from None
+                break
+    for name in ("cp_backend", "sp_backend"):
+        if name in unset and environ.get(ACCELERATE_ENV_PREFIX + name.upper()):
+            values[name] = environ[ACCELERATE_ENV_PREFIX + name.upper()]
+    if "cp_handler" in unset:
+        values["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=strategy_from_env(environ))
+    return values
 
 
 @dataclass
@@ -242,8 +276,15 @@ class ParallelismConfig:
     device_mesh = None  # Accelerate's: the world DeviceMesh, once built (`get_device_mesh`, or by the Accelerator)
 
     def __post_init__(self) -> None:
-        self.unset = frozenset(name for name in (*SIZE_FIELDS, "cp_backend", "sp_backend", "cp_handler")
-                               if getattr(self, name) is None)
+        self.unset = frozenset(name for name in ENV_FIELDS if getattr(self, name) is None)
+        self._apply_env(os.environ)
+
+    def _apply_env(self, environ: Mapping[str, str]) -> None:
+        """Fill the fields the caller left unset from `environ` (`_env_values`), then validate every field."""
+        for name, value in _env_values(self.unset, environ).items():
+            setattr(self, name, value)
+        if "sp_backend" in self.unset and self.sp_size in (None, 1):
+            self.sp_backend = None  # Accelerate exports its default "deepspeed" even without sp
         for name in SIZE_FIELDS:
             value = getattr(self, name)
             setattr(self, name, _check_size(name, 1 if value is None else value))
@@ -281,31 +322,20 @@ class ParallelismConfig:
     @classmethod
     def from_env(cls, config: ParallelismConfig | None = None,
                  environ: Mapping[str, str] | None = None) -> ParallelismConfig:
-        """`config` (default: all unset) with each size it left unset read from ``NDPARALLEL_<FIELD>``
-        (`size_env_var`, which ``ndparallel launch`` sets), else from Accelerate's ``PARALLELISM_CONFIG_<FIELD>``
-        (which ``accelerate launch`` sets); 1 where neither is set. ``PARALLELISM_CONFIG_CP_BACKEND`` /
-        ``_SP_BACKEND`` / ``_CP_COMM_STRATEGY`` fill the backends and the context-parallel strategy likewise."""
-        config = cls() if config is None else config
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-        for name in sorted(config.unset & set(SIZE_FIELDS)):
-            for var in (size_env_var(name), ACCELERATE_ENV_PREFIX + name.upper()):
-                raw = environ.get(var, "")
-                if raw != "":
-                    try:
-                        values[name] = int(raw)
-                    except ValueError:
-                        raise ValueError(f"environment variable {var}={raw!r} is not an integer") from None
-                    break
-        for name in ("cp_backend", "sp_backend"):
-            if name in config.unset and environ.get(ACCELERATE_ENV_PREFIX + name.upper()):
-                values[name] = environ[ACCELERATE_ENV_PREFIX + name.upper()]
-        strategy = environ.get(ACCELERATE_ENV_PREFIX + "CP_COMM_STRATEGY")
-        if "cp_handler" in config.unset and strategy:
-            values["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=strategy)
-        if values["sp_size"] == 1 and "sp_backend" in config.unset:
-            values["sp_backend"] = None  # Accelerate exports its default "deepspeed" even without sp
-        return cls(**values)
+        """A copy of `config` (default: every field unset) whose unset fields are read from `environ` (default:
+        ``os.environ``) rather than from the environment the config was built in: each size from
+        ``NDPARALLEL_<FIELD>`` (`size_env_var`, which ``ndparallel launch`` sets), else Accelerate's
+        ``PARALLELISM_CONFIG_<FIELD>`` (which ``accelerate launch`` sets), else 1; ``PARALLELISM_CONFIG_CP_BACKEND``
+        / ``_SP_BACKEND`` / ``_CP_COMM_STRATEGY`` fill the backends and the context-parallel strategy likewise."""
+        if config is None:
+            config = cls(**dict.fromkeys(SIZE_FIELDS, 1), cp_backend="torch", sp_backend="ndparallel",
+                         cp_handler=TorchContextParallelConfig(cp_comm_strategy="allgather"))
+            config.unset = frozenset(ENV_FIELDS)
+        out = copy.copy(config)
+        for name in config.unset:  # unset again, then read from `environ`
+            setattr(out, name, None)
+        out._apply_env(os.environ if environ is None else environ)
+        return out
 
     # ---- sizes --------------------------------------------------------------------------------------
     def sizes(self) -> dict[str, int]:
@@ -404,11 +434,25 @@ class ParallelismConfig:
         enabled = [axis for axis in AXES if getattr(self, f"{axis}_size") != 1]
         return tuple(enabled), tuple(getattr(self, f"{axis}_size") for axis in enabled)
 
-    def build_device_mesh(self, device_type: str) -> DeviceMesh:
-        """The world `DeviceMesh` of these sizes (the initialised process group's), with every view of more than one
-        rank reachable by name (Accelerate's ``dp``, ``dp_shard_cp``, ``dp_cp`` and ndparallel's ``batch``,
-        ``fsdp``, ``loss``); see `ndparallel.mesh.ParallelMesh`."""
-        return ParallelMesh(self, device_type).world
+    def build_device_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Accelerate's: ``init_device_mesh`` over the enabled dimensions (`_get_mesh`; it starts torch.distributed
+        from the launcher's variables if nothing has yet), with ``dp``, ``dp_shard_cp`` and ``dp_cp`` flattened where
+        their dimensions are enabled. None when every size is 1. (The Accelerator builds its own mesh, with
+        ndparallel's views too: `ndparallel.mesh.ParallelMesh`, ``accelerator.mesh``.)"""
+        from torch.distributed import device_mesh as torch_device_mesh  # looked up at call time, as Accelerate's
+
+        if any(size == -1 for size in self.sizes().values()):
+            raise ValueError(f"build_device_mesh: a size is -1 ({self.formula()}); resolve it against the world size "
+                             "first (ParallelismConfig.resolve(world_size))")
+        names, shape = self._get_mesh()
+        if not names:
+            return None
+        mesh = torch_device_mesh.init_device_mesh(device_type, shape, mesh_dim_names=names)
+        for flat, dims in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
+                           ("dp_cp", self.dp_cp_dim_names)):
+            if dims:
+                mesh[dims]._flatten(flat)
+        return mesh
 
     def get_device_mesh(self, device_type: str | None = None) -> DeviceMesh:
         """The mesh built for this config (by the Accelerator, or by `build_device_mesh` on first call)."""

@@ -25,7 +25,7 @@ Options (Accelerate's `DataLoaderConfiguration`). ``split_batches=True``: the lo
 and each rank takes its 1/D of it (the batch size must divide by D) -- the same samples as above with batches of B/D.
 ``even_batches=False``: the samples left at the end are not topped up; a rank may get a short batch or none. Ranks
 then run different numbers of steps (DDP needs ``Accelerator.join_uneven_inputs``), so no window totals are agreed
-on: the loss keeps Accelerate's meaning (1 / micro-steps) for that loader. A DataLoader with ``batch_size=None``
+on: the loss keeps Accelerate's meaning (1 / accumulation steps) for that loader. A DataLoader with ``batch_size=None``
 (its dataset yields whole batches) gives each rank every D-th item.
 
 Iterable datasets. Every rank iterates the whole dataset (it must yield the same order on every rank) and
@@ -46,6 +46,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .loss import BatchInfo, GradientState, count_loss_tokens
+from .runtime import group_name, resolve_group
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -67,12 +68,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.resume_samples = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Make every random sampler draw from a generator seeded with (seed + epoch): the same on all ranks."""
-        for obj in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+        """Make every random sampler draw from a generator seeded with (seed + epoch): the same on all ranks. Samplers
+        nest (a BatchSampler given as a DataLoader's sampler holds a RandomSampler): each level is seeded."""
+        obj, seen = self.batch_sampler, set()
+        while obj is not None and id(obj) not in seen:
+            seen.add(id(obj))
             if hasattr(obj, "set_epoch"):
                 obj.set_epoch(epoch)
             if hasattr(obj, "generator"):  # RandomSampler, SubsetRandomSampler, WeightedRandomSampler
                 obj.generator = torch.Generator().manual_seed((self.seed + epoch) % 2**63)
+            obj = getattr(obj, "sampler", None)
 
     def __iter__(self) -> Iterator[list[int]]:
         # The resume position is taken when iteration starts (DataLoader calls iter() on its sampler right away).
@@ -239,10 +244,9 @@ class PreparedDataLoader:
         self.put_on_device = put_on_device
         self.non_blocking = non_blocking
         self.window = window
-        self.even_batches = even_batches
         # Ranks with distinct samples (None: this rank alone). With uneven batches ranks may run different numbers
         # of steps, so nothing is agreed on per window (and token counts stay unknown: see the module docstring).
-        self.window_group = window_group if even_batches else None
+        self._window_group = window_group
         self.gradient_state = gradient_state  # told which batch is current, while this loader is iterated
         # Loss tokens this rank's model sees in a batch, when it sees only part of each sequence (context/sequence
         # parallelism: `SequenceSharding.count_loss_tokens`); None: the whole batch. Window totals always count whole
@@ -256,8 +260,18 @@ class PreparedDataLoader:
         self.shard_index = shard_index
         # Progress through the current pass, for checkpoints: in samples when batches have a fixed size (then a
         # position means the same under any data-parallel size and batch size), else in original batches.
-        self.position_unit = "samples" if loader.batch_size is not None else "batches"
-        batch_size = loader.batch_size  # of this rank's batches
+        # The loader's batch size when it is fixed: its batch_size, or that of a torch BatchSampler it was given
+        # (``DataLoader(batch_sampler=BatchSampler(s, B, d))`` batches as ``DataLoader(sampler=s, batch_size=B,
+        # drop_last=d)`` does); None for another batch sampler, or batch_size=None (no batching).
+        fixed = loader.batch_size
+        if fixed is None and type(loader.batch_sampler) is BatchSampler:
+            fixed = loader.batch_sampler.batch_size
+        self.position_unit = "samples" if fixed is not None else "batches"
+        batch_size = fixed  # of this rank's batches
+        if split_batches and batch_size is None and loader.batch_sampler is not None:
+            raise ValueError(f"prepare(): split_batches=True needs batches of a fixed size to split, and this "
+                             f"DataLoader's batch_sampler ({type(loader.batch_sampler).__name__}) has none; give it a "
+                             "batch_size (or a torch BatchSampler)")
         if split_batches and batch_size is not None:
             if batch_size % num_shards:
                 raise ValueError(f"prepare(): split_batches=True needs a batch_size divisible by the {num_shards} "
@@ -286,7 +300,7 @@ class PreparedDataLoader:
             self._shard = IterableDatasetShard(loader.dataset, batch_size, num_shards, shard_index,
                                                loader.drop_last, even_batches)
             self.loader = DataLoader(self._shard, batch_size=batch_size, drop_last=False, **kwargs)
-        elif loader.batch_size is None:  # the dataset yields whole batches: shard the items
+        elif loader.batch_sampler is None:  # batch_size=None: the dataset yields whole batches: shard the items
             self._check_sampler(loader.sampler)
             single = BatchSampler(loader.sampler, 1, drop_last=False)
             self._shard = ShardedBatchSampler(single, num_shards, shard_index, False, seed, even_batches)
@@ -295,10 +309,43 @@ class PreparedDataLoader:
             batch_sampler = loader.batch_sampler
             self._check_sampler(getattr(batch_sampler, "sampler", None))
             drop_last = getattr(batch_sampler, "drop_last", False)
-            if batch_size != loader.batch_size:  # split_batches: batches of B/D, taken D at a time
+            if batch_size != fixed:  # split_batches: batches of B/D, taken D at a time
                 batch_sampler = BatchSampler(batch_sampler.sampler, batch_size, drop_last)
             self._shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last, seed, even_batches)
             self.loader = DataLoader(loader.dataset, batch_sampler=self._shard, **kwargs)
+
+    # ---- Accelerate's surface: even_batches (join_uneven_inputs overrides it), batch_sampler ----------------------
+    @property
+    def even_batches(self) -> bool:
+        return self._shard.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self._shard.even_batches = bool(value)
+
+    @property
+    def iterable(self) -> bool:
+        """Whether the dataset is an iterable one (its samples are sharded as they come, not through a sampler)."""
+        return isinstance(self._shard, IterableDatasetShard)
+
+    @property
+    def window_group(self) -> dist.ProcessGroup | None:
+        return self._window_group if self.even_batches else None
+
+    @property
+    def batch_sampler(self) -> Any:
+        """This rank's batch sampler (`ShardedBatchSampler`, with Accelerate's ``even_batches``); an iterable dataset's
+        loader has torch's."""
+        return self.loader.batch_sampler if self.iterable else self._shard
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_window_group"] = group_name(self._window_group)  # a process group travels by its name
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["_window_group"] = resolve_group(state["_window_group"])
+        self.__dict__.update(state)
 
     @staticmethod
     def _check_sampler(sampler: Any) -> None:

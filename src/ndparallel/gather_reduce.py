@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .mesh import ParallelMesh
 
-REDUCTIONS = ("sum", "mean", "none")
+REDUCTIONS = ("sum", "mean", "none", "max")
 
 
 def map_tensors(obj: Any, fn) -> Any:
@@ -61,7 +61,8 @@ def gather_object(obj: Any, mesh: ParallelMesh, view: str) -> list[Any]:
 def reduce(obj: Any, mesh: ParallelMesh, view: str, reduction: str = "sum", scale: float = 1.0) -> Any:
     """All-reduce every tensor of `obj` over `view`; returns new tensors.
 
-    "sum" adds, "mean" averages (integers become floats); "none" sums too, as Accelerate's `reduce` does.
+    "sum" adds, "mean" averages (integers become floats); "none" sums too, as Accelerate's `reduce` does; "max"
+    takes the elementwise largest.
     """
     return _all_reduce(obj, mesh.group(view) if mesh.size(view) > 1 else None, mesh.size(view), reduction, scale)
 
@@ -76,7 +77,7 @@ def _all_reduce(obj: Any, group: dist.ProcessGroup | None, size: int, reduction:
         if not out.is_floating_point() and reduction == "mean":
             out = out.float()
         if size > 1:
-            dist.all_reduce(out, group=group)
+            dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM, group=group)
         if reduction == "mean":
             out /= size
         return out * scale if scale != 1.0 else out
@@ -135,7 +136,7 @@ def gather_object_all(obj: Any) -> list[Any]:
 
 
 def reduce_all(obj: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
-    """All-reduce every tensor of `obj` over every process ("mean", "sum" or "none", which sums)."""
+    """All-reduce every tensor of `obj` over every process ("mean", "sum", "none", which sums, or "max")."""
     return _all_reduce(obj, None, _world_size(), reduction, scale)
 
 

@@ -35,9 +35,9 @@ and the gradient that results is (1/W) * sum_r sum_a f_{a,r} * grad(l_{a,r}) = (
 The prepared data loader supplies the counts: it reads one accumulation window of batches ahead, counts each
 batch's tokens, and all-reduces the window's total over ``batch`` (ranks with distinct samples; context- and
 sequence-parallel peers share samples, so summing over them would count tokens twice). When the counts are
-unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back to
-1 / (micro-batches in the window) -- Accelerate's 1 / gradient_accumulation_steps -- which is exact when every
-micro-batch has the same number of tokens.
+unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back to Accelerate's
+1 / gradient_accumulation_steps -- also in a short last window, as Accelerate divides -- which is exact when every
+micro-batch has the same number of tokens and the window is whole.
 
 The logged loss (`GradientState.log_loss`, behind ``Accelerator.reduce_loss``). Each rank adds S_{a,r} = l_{a,r} *
 n_{a,r} and n_{a,r} of every micro-step of a window; summed over the ``loss`` ranks, their ratio is the token mean of
@@ -52,6 +52,7 @@ Outside any loop they follow the loader that yielded last.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .singletons import current
 
 IGNORE_INDEX = -100
 LOSS_WEIGHTINGS = ("auto", "tokens", "mean")
@@ -127,11 +130,12 @@ class BatchInfo:
 
 def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps: int,
                 token_weighted: bool = True) -> float:
-    """f = n * W / N for the micro-batch `info` describes (see the module docstring), else 1 / micro-batches."""
+    """f = n * W / N for the micro-batch `info` describes (see the module docstring), else Accelerate's
+    1 / accumulation steps."""
     if info is None:
         return 1.0 / accumulation_steps
     if not token_weighted or info.local_tokens is None or info.window_tokens is None:
-        return 1.0 / info.window_batches
+        return 1.0 / accumulation_steps
     if info.window_tokens == 0:
         return 0.0
     return info.local_tokens * loss_world_size / info.window_tokens
@@ -141,7 +145,18 @@ class GradientState:
     """Accumulation bookkeeping: when gradients synchronise, which data loader's batch the step is on, and the
     running sums of the logged loss."""
 
-    def __init__(self, accumulation_steps: int, loss_world_size: int) -> None:
+    def __new__(cls, accumulation_steps: int | None = None, loss_world_size: int | None = None) -> GradientState:
+        if accumulation_steps is None and loss_world_size is None:  # Accelerate's singleton: the newest Accelerator's
+            return current(GradientState, "GradientState")
+        return super().__new__(cls)
+
+    def __getnewargs__(self) -> tuple[int, int]:
+        return (self.accumulation_steps, self.loss_world_size)  # pickle makes a new object, not the current one
+
+    def __init__(self, accumulation_steps: int | None = None, loss_world_size: int | None = None) -> None:
+        if accumulation_steps is None and loss_world_size is None:  # the current one, returned by __new__
+            return
+        GradientState._latest = weakref.ref(self)
         self.accumulation_steps = accumulation_steps
         self.loss_world_size = loss_world_size
         self.token_weighted = True  # the loss is a mean over LM tokens (the Accelerator decides; `is_causal_lm`)
@@ -154,6 +169,12 @@ class GradientState:
         self._fresh: set[Hashable] = set()  # loaders whose latest batch no micro-step has started on yet
         self._logged: dict[Hashable, tuple[torch.Tensor, BatchInfo | None, bool]] = {}  # log_loss's running sums
         self.plugin_kwargs: dict[str, Any] = {"num_steps": accumulation_steps}  # Accelerate's: the plugin's settings
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's: forget the process's shared gradient state. Each Accelerator has its own here (a new one
+        starts afresh), so only ``GradientState()``'s answer is forgotten."""
+        GradientState._latest = None
 
     # ---- data loaders ------------------------------------------------------------------------------------------
     def enter(self, loader: Hashable) -> None:

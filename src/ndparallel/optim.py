@@ -127,29 +127,42 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 
 class AcceleratedScheduler:
-    """Wraps an LR scheduler: it steps once per optimizer step that really happened.
+    """Wraps an LR scheduler, as Accelerate's: it steps only when the optimizer really stepped, and then once per
+    data-parallel rank (`steps_per_update`) unless batches are split.
 
-    Unlike Accelerate (which steps the scheduler once per process when batches are not split), the schedule
-    advances once per global optimizer step, exactly as the single-process run on the global batch does. With
-    ``step_with_optimizer=False`` (Accelerate's ``step_scheduler_with_optimizer=False``) every call steps it.
+    Each of the D ranks of the ``batch`` view draws its own batch, so one optimizer step consumes D of the loader's
+    batches: a schedule written for one process (in loader batches) advances D steps, as Accelerate's does with D
+    processes (under tensor, context or sequence parallelism D is the data-parallel degree, not the process count:
+    those ranks share their batches). With ``split_batches=True`` one step consumes one loader batch: it steps once.
+    With ``step_with_optimizer=False`` (Accelerate's ``step_scheduler_with_optimizer=False``) every call steps it.
+    On an accumulation micro-step the schedule stays where it is (with ``adjust_scheduler``, torch's own step count
+    still moves, as Accelerate's does, so torch does not warn that the optimizer did not step).
     """
 
     def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: GradientState,
-                 step_with_optimizer: bool = True) -> None:
+                 step_with_optimizer: bool = True, steps_per_update: int = 1, adjust_scheduler: bool = True) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
+        self.steps_per_update = steps_per_update
+        self.adjust_scheduler = adjust_scheduler
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
             return
         if not self.gradient_state.sync_gradients:
+            if self.adjust_scheduler and hasattr(self.scheduler, "_step_count"):
+                self.scheduler._step_count += 1
             return
         if any(opt.step_was_skipped for opt in self.optimizers):
             return
-        self.scheduler.step(*args, **kwargs)
+        for _ in range(self.steps_per_update):
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR raises past its last step
+            if total is not None and self.scheduler._step_count > total:
+                break
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()

@@ -2,16 +2,18 @@
 `DataLoaderConfiguration` and the kwargs handlers (`InitProcessGroupKwargs`, `DistributedDataParallelKwargs`,
 `GradScalerKwargs`, `AutocastKwargs`), with Accelerate's field names.
 
-As `ParallelismConfig`, constructors read no environment: `FullyShardedDataParallelPlugin.from_env` fills the fields
-a plugin leaves unset from the ``FSDP_*`` variables ``accelerate launch`` exports (the Accelerator calls it). Fields
-that mean nothing for FSDP2 (``sharding_strategy``, ``backward_prefetch``, ``use_orig_params``, ...) are accepted and
-ignored with one warning, as Accelerate does.
+As Accelerate's, the FSDP plugin's constructor fills the fields it is not given from the ``FSDP_*`` variables
+``accelerate launch`` exports; `FullyShardedDataParallelPlugin.from_env` does the same from a mapping given explicitly.
+Fields that mean nothing for FSDP2 (``sharding_strategy``, ``backward_prefetch``, ``use_orig_params``, ...) are
+accepted and ignored with one warning, as Accelerate does.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
+import functools
 import os
 import re
 import warnings
@@ -21,12 +23,23 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp.fully_sharded_data_parallel import (
+    BackwardPrefetch,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
 
 from .config import parse_dtype
 
 AUTO_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+# Accelerate's names of a plugin's mixed precision (`mixed_precision_policy="bf16"`): fp8 keeps its weights in bf16.
+PLUGIN_PRECISIONS = {"fp8": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Accelerate's FSDP1 fields: accepted, warned about once, then ignored (FSDP2 has no such setting).
 FSDP1_ONLY = ("sharding_strategy", "backward_prefetch", "state_dict_config", "optim_state_dict_config",
               "limit_all_gathers", "use_orig_params", "param_init_fn", "sync_module_states", "forward_prefetch")
@@ -100,6 +113,22 @@ def _enum_name(value: Any) -> Any:
     return value.name if isinstance(value, enum.Enum) else value
 
 
+def _parse_enum(value: Any, kind: type[enum.Enum], what: str) -> enum.Enum:
+    """A member of torch's FSDP enum `kind` from the member, its name (any case) or its number (also as a string),
+    as Accelerate takes them."""
+    if isinstance(value, kind):
+        return value
+    try:
+        if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, str) and value.isdigit():
+            return kind(int(value))
+        if isinstance(value, str):
+            return kind[value.strip().upper()]
+    except (KeyError, ValueError):
+        pass
+    raise ValueError(f"{what}={value!r} is not one of {[m.name for m in kind]} (or their numbers "
+                     f"{[m.value for m in kind]})")
+
+
 @dataclass
 class FullyShardedDataParallelPlugin:
     """Settings of FSDP2 (`torch.distributed.fsdp.fully_shard`), with every field of Accelerate's plugin.
@@ -154,6 +183,15 @@ class FullyShardedDataParallelPlugin:
 
     def __post_init__(self) -> None:
         self.unset = frozenset(f.name for f in dataclasses.fields(self) if f.init and getattr(self, f.name) is None)
+        self._apply_env(os.environ)
+
+    def _apply_env(self, environ: Mapping[str, str]) -> None:
+        """Fill the fields the caller left unset from ``FSDP_<FIELD>`` in `environ`, then parse and check them all."""
+        given = [name for name in FSDP1_ONLY if name not in self.unset]  # explicitly: warned about below
+        for name, var in _FSDP_ENV.items():
+            raw = environ.get(FSDP_ENV_PREFIX + var, "")
+            if name in self.unset and raw != "":
+                setattr(self, name, raw)
         if self.fsdp_version is None:
             self.fsdp_version = 2
         if isinstance(self.fsdp_version, str) and self.fsdp_version.isdigit():
@@ -163,12 +201,18 @@ class FullyShardedDataParallelPlugin:
                 f"fsdp_version={self.fsdp_version!r} is not supported: ndparallel uses FSDP2 (fully_shard) only; "
                 "set fsdp_version=2"
             )
-        ignored = [name for name in FSDP1_ONLY if getattr(self, name) is not None
-                   and not (name == "backward_prefetch" and str(_enum_name(self.backward_prefetch)).upper()
-                            == "NO_PREFETCH")]
-        if ignored:
-            warnings.warn(f"FullyShardedDataParallelPlugin: {', '.join(ignored)} mean(s) nothing for FSDP2 and "
-                          "are ignored", stacklevel=3)
+        if self.sharding_strategy is not None:  # FSDP1's; kept as torch's enum (from the launcher: silently)
+            self.sharding_strategy = _parse_enum(self.sharding_strategy, ShardingStrategy, "sharding_strategy")
+        if self.backward_prefetch is not None:  # FSDP1's: as Accelerate under FSDP2, warned about and dropped
+            if str(_enum_name(self.backward_prefetch)).strip().upper() != "NO_PREFETCH":
+                _parse_enum(self.backward_prefetch, BackwardPrefetch, "backward_prefetch")
+                given = [n for n in FSDP1_ONLY if n in given or n == "backward_prefetch"]
+            else:
+                given = [n for n in given if n != "backward_prefetch"]
+            self.backward_prefetch = None
+        if given:
+            warnings.warn(f"FullyShardedDataParallelPlugin: {', '.join(given)} mean(s) nothing for FSDP2 and are "
+                          "ignored", stacklevel=4)
         self.reshard_after_forward = parse_bool(
             True if self.reshard_after_forward is None else self.reshard_after_forward, "reshard_after_forward")
         self.auto_wrap_policy = self._parse_wrap_policy(self.auto_wrap_policy)
@@ -200,31 +244,80 @@ class FullyShardedDataParallelPlugin:
 
     # ---- Accelerate's methods -----------------------------------------------------------------------------------
     def set_state_dict_type(self, state_dict_type: Any = None) -> None:
-        """Change how `save_state` writes models and optimizers (e.g. train sharded, save the last one full)."""
-        value = _enum_name(state_dict_type) if state_dict_type is not None else "SHARDED_STATE_DICT"
-        value = value.upper() if isinstance(value, str) else value
-        if value not in STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={value!r} is not one of {list(STATE_DICT_TYPES)} (FSDP2 has no "
-                             "LOCAL_STATE_DICT)")
-        self.state_dict_type = value
+        """Change how `save_state` writes models and optimizers (e.g. train sharded, save the last one full): a
+        ``StateDictType`` or its name; None keeps the current one (default ``SHARDED_STATE_DICT``). The FSDP1
+        ``state_dict_config`` / ``optim_state_dict_config`` the plugin was not given describe that choice:
+        gathered on rank 0 and offloaded to the CPU for the full one."""
+        value = state_dict_type if state_dict_type is not None else self.state_dict_type
+        name = _enum_name(value) if value is not None else "SHARDED_STATE_DICT"
+        name = name.strip().upper() if isinstance(name, str) and not name.isdigit() else name
+        try:
+            parsed = _parse_enum(name, StateDictType, "state_dict_type")
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed.name not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={parsed.name if parsed else name!r} is not one of "
+                             f"{list(STATE_DICT_TYPES)} (FSDP2 has no LOCAL_STATE_DICT)")
+        self.state_dict_type = parsed
+        full = parsed == StateDictType.FULL_STATE_DICT
+        if "state_dict_config" in self.unset:
+            self.state_dict_config = (FullStateDictConfig(offload_to_cpu=True, rank0_only=True) if full
+                                      else ShardedStateDictConfig())
+        if "optim_state_dict_config" in self.unset:
+            self.optim_state_dict_config = (FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True) if full
+                                            else ShardedOptimStateDictConfig())
+
+    def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
+        """Turn the policy into the callable Accelerate's method makes for `model`: torch's
+        ``transformer_auto_wrap_policy`` over the block classes (`transformer_cls_names_to_wrap`, else the model's
+        ``_no_split_modules``; a name the model lacks raises), ``size_based_auto_wrap_policy`` with
+        `min_num_params`, or None for "no_wrap". `prepare` wraps by the result as it would by the name."""
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+        if self.auto_wrap_policy == "transformer_based_wrap":
+            names = self.transformer_cls_names_to_wrap
+            if names is None:
+                names = self.transformer_cls_names_to_wrap = list(getattr(model, "_no_split_modules", None) or [])
+            present = {type(m).__name__: type(m) for m in model.modules()}
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"Could not find the transformer layer class {name} in the model. Its module "
+                                     f"classes are: {sorted(present)}")
+            self.auto_wrap_policy = functools.partial(transformer_auto_wrap_policy,
+                                                      transformer_layer_cls={present[n] for n in names})
+        elif self.auto_wrap_policy == "size_based_wrap":
+            self.auto_wrap_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.min_num_params)
+        elif self.auto_wrap_policy == "no_wrap":
+            self.auto_wrap_policy = None
+
+    @property
+    def offloads_to_cpu(self) -> bool:
+        """Whether `cpu_offload` keeps parameters on the CPU (``CPUOffloadPolicy``; ``OffloadPolicy()`` is off)."""
+        return isinstance(self.cpu_offload, CPUOffloadPolicy)
 
     @classmethod
     def from_env(cls, plugin: FullyShardedDataParallelPlugin | None = None,
                  environ: Mapping[str, str] | None = None) -> FullyShardedDataParallelPlugin:
-        """`plugin` (default: all fields unset) with each field it left unset read from ``FSDP_<FIELD>`` as
-        ``accelerate launch`` exports them (``FSDP_VERSION``, ``FSDP_AUTO_WRAP_POLICY``, ``FSDP_OFFLOAD_PARAMS``,
-        ``FSDP_TRANSFORMER_CLS_TO_WRAP``...)."""
-        environ = os.environ if environ is None else environ
-        base = cls() if plugin is None else plugin
-        given = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-        for name, var in _FSDP_ENV.items():
-            raw = environ.get(FSDP_ENV_PREFIX + var, "")
-            if name in base.unset and raw != "":
-                given[name] = raw
-        with warnings.catch_warnings():
-            if plugin is not None:  # the plugin warned already about what it was given
+        """A copy of `plugin` (default: every field unset) whose unset fields are read from ``FSDP_<FIELD>`` in
+        `environ` (default: ``os.environ``) as ``accelerate launch`` exports them (``FSDP_VERSION``,
+        ``FSDP_AUTO_WRAP_POLICY``, ``FSDP_OFFLOAD_PARAMS``, ``FSDP_TRANSFORMER_CLS_TO_WRAP``...), rather than from
+        the environment it was built in."""
+        if plugin is None:
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-            return cls(**given)
+                plugin = cls(fsdp_version=2)  # its fields are all reset and read from `environ` below
+            plugin.unset = frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+            quiet = False
+        else:
+            quiet = True  # the plugin warned already about what it was given
+        out = copy.copy(plugin)
+        for name in plugin.unset:
+            setattr(out, name, None)
+        with warnings.catch_warnings():
+            if quiet:
+                warnings.simplefilter("ignore")
+            out._apply_env(os.environ if environ is None else environ)
+        return out
 
     # ---- parsing ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -239,14 +332,15 @@ class FullyShardedDataParallelPlugin:
                          "callable policy(module=, recurse=, nonwrapped_numel=)")
 
     @staticmethod
-    def _parse_offload(value: Any) -> bool:
-        if value is None:
-            return False
+    def _parse_offload(value: Any) -> OffloadPolicy:
+        """As Accelerate's: ``CPUOffloadPolicy()`` (on) or ``OffloadPolicy()`` (off), from a bool, "true"/"false",
+        FSDP1's ``CPUOffload`` or one of those policies (kept as given)."""
         if isinstance(value, OffloadPolicy):  # CPUOffloadPolicy subclasses OffloadPolicy, which means "no offload"
-            return type(value).__name__ == "CPUOffloadPolicy"
+            return value
         if hasattr(value, "offload_params"):  # FSDP1's CPUOffload
-            return bool(value.offload_params)
-        return parse_bool(value, "cpu_offload")
+            value = bool(value.offload_params)
+        on = False if value is None else parse_bool(value, "cpu_offload")
+        return CPUOffloadPolicy() if on else OffloadPolicy()
 
     @staticmethod
     def _module_list(value: Any) -> list[torch.nn.Module]:
@@ -264,11 +358,16 @@ class FullyShardedDataParallelPlugin:
 
     @staticmethod
     def _parse_mp_policy(policy: Any) -> MixedPrecisionPolicy | None:
+        """As Accelerate's: a name ("bf16", "fp16", "fp32", "fp8") or dtype computes, reduces and outputs in that
+        dtype; a dict gives ``MixedPrecisionPolicy``'s fields (dtypes by name too)."""
         if policy is None or isinstance(policy, MixedPrecisionPolicy):
             return policy
         if isinstance(policy, (str, torch.dtype)):
-            dtype = parse_dtype(policy, "mixed_precision_policy")
-            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            if isinstance(policy, str) and policy.lower() in PLUGIN_PRECISIONS:
+                dtype = PLUGIN_PRECISIONS[policy.lower()]
+            else:
+                dtype = parse_dtype(policy, "mixed_precision_policy")
+            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
         if isinstance(policy, dict):
             valid = {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
             unknown = sorted(set(policy) - valid)
@@ -283,14 +382,15 @@ class FullyShardedDataParallelPlugin:
         )
 
 
-# Plugin field -> the FSDP_* variable `accelerate launch` exports for it.
+# Plugin field -> the FSDP_* variable `accelerate launch` exports for it. FSDP1's use_orig_params, sync_module_states and
+# forward_prefetch are not read (Accelerate reads them for FSDP1 only); sharding_strategy is, silently (it always
+# exports one).
 _FSDP_ENV = {
     "fsdp_version": "VERSION", "reshard_after_forward": "RESHARD_AFTER_FORWARD",
     "sharding_strategy": "SHARDING_STRATEGY", "backward_prefetch": "BACKWARD_PREFETCH",
     "cpu_offload": "OFFLOAD_PARAMS", "state_dict_type": "STATE_DICT_TYPE", "auto_wrap_policy": "AUTO_WRAP_POLICY",
     "transformer_cls_names_to_wrap": "TRANSFORMER_CLS_TO_WRAP", "min_num_params": "MIN_NUM_PARAMS",
-    "use_orig_params": "USE_ORIG_PARAMS", "sync_module_states": "SYNC_MODULE_STATES",
-    "forward_prefetch": "FORWARD_PREFETCH", "activation_checkpointing": "ACTIVATION_CHECKPOINTING",
+    "activation_checkpointing": "ACTIVATION_CHECKPOINTING",
     "ignored_modules": "IGNORED_MODULES", "cpu_ram_efficient_loading": "CPU_RAM_EFFICIENT_LOADING",
 }
 
@@ -358,7 +458,8 @@ class AutocastKwargs(KwargsHandler):
 class GradientAccumulationPlugin(KwargsHandler):
     """Accumulation settings: ``num_steps`` micro-steps per optimizer step; ``sync_with_dataloader``: the end of the
     data loader ends a window (always so here); ``sync_each_batch``: reduce gradients on every micro-step (less
-    memory, more communication); ``adjust_scheduler``: accepted (the scheduler steps once per optimizer step here)."""
+    memory, more communication); ``adjust_scheduler``: on accumulation micro-steps the LR scheduler's step count
+    moves (its learning rate does not), as in Accelerate."""
 
     num_steps: int | None = None
     adjust_scheduler: bool = True
@@ -385,8 +486,10 @@ class DataLoaderConfiguration:
     - use_seedable_sampler / data_seed: every random sampler draws from a generator seeded alike on all ranks
       (always so here); ``data_seed`` fixes that seed.
     - non_blocking: copy batches to the device asynchronously (with ``pin_memory=True`` loaders).
-    - dispatch_batches, use_stateful_dataloader: accepted; None/False only (each rank reads its own batches, and
-      prepared loaders checkpoint their position themselves).
+    - dispatch_batches: True is taken for map-style datasets, whose ranks each read the batch rank 0 would have sent
+      them (every rank reads its own share; rank 0 does not read for all); refused at `prepare` for an iterable
+      dataset, whose order only rank 0's reading would fix.
+    - use_stateful_dataloader: accepted (prepared loaders have ``state_dict`` / ``load_state_dict`` either way).
     """
 
     split_batches: bool = False
@@ -396,11 +499,6 @@ class DataLoaderConfiguration:
     data_seed: int | None = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dispatch_batches:
-            raise ValueError("DataLoaderConfiguration(dispatch_batches=True) is not supported: every rank reads its "
-                             "own share of the data; leave dispatch_batches unset")
 
 
 __all__ = [

@@ -119,6 +119,23 @@ def init_runtime(cpu: bool = False, timeout: datetime.timedelta | float | None =
     return Runtime(rank, world_size, local_rank, local_world_size, device, str(backend), timeout)
 
 
+def group_name(group: dist.ProcessGroup | None) -> str | None:
+    """The name torch registered `group` under in this process (None for None): how a group is pickled."""
+    return None if group is None else dist.distributed_c10d._get_process_group_name(group)
+
+
+def resolve_group(name: str | None) -> dist.ProcessGroup | None:
+    """The process group named `name` in this process (`group_name`); a clear error where there is none (an object
+    pickled in one process and unpickled in another that has not built the same groups)."""
+    if name is None:
+        return None
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError or KeyError depending on the version
+        raise RuntimeError(f"process group {name!r} does not exist in this process: a prepared object that holds a "
+                           "process group can only be unpickled where its Accelerator runs") from exc
+
+
 def release_process_group() -> None:
     """Destroy the default process group (and every group made from it), if one exists, after freeing the finished
     gloo work objects that reference it. Local: no collective, so it cannot wait for another rank."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import monitored_barrier
+from .singletons import current
 from .loss import GradientState
 from .runtime import Runtime, init_runtime
 
@@ -220,9 +222,24 @@ class AcceleratorState(PartialState):
     """What an `Accelerator` decided, on top of the process state: ``mixed_precision``, ``parallelism_config`` and
     its ``device_mesh``, ``fsdp_plugin``, ``distributed_type`` (FSDP when FSDP2 wraps the models), ``is_fsdp2`` --
     read from the Accelerator's settings (`ndparallel.accelerator.settings.Settings`, its one copy of them). Unlike
-    Accelerate's, one per Accelerator (the process part is shared)."""
+    Accelerate's, one per Accelerator (the process part is shared); ``AcceleratorState()`` with no arguments is that
+    of the newest Accelerator, as Accelerate's singleton is."""
 
-    def __init__(self, partial: PartialState, *, settings: Any, device_mesh: Any) -> None:
+    def __new__(cls, partial: PartialState | None = None, **kwargs: Any) -> AcceleratorState:
+        if partial is None:
+            if kwargs:
+                raise TypeError("AcceleratorState(...) is made by the Accelerator; call AcceleratorState() with no "
+                                "arguments for the current one, or pass the settings to Accelerator(...)")
+            return current(AcceleratorState, "AcceleratorState")
+        return super().__new__(cls)
+
+    def __getnewargs__(self) -> tuple[str]:
+        return ("<unpickled>",)  # pickle makes a new object (no arguments would mean the current one)
+
+    def __init__(self, partial: PartialState | None = None, *, settings: Any = None, device_mesh: Any = None) -> None:
+        if partial is None:  # the current state, returned by __new__ as it is
+            return
+        AcceleratorState._latest = weakref.ref(self)
         self.__dict__ = dict(partial._shared)  # a snapshot of the process state, plus this Accelerator's decisions
         self._settings = settings
         self.device_mesh = device_mesh
@@ -231,13 +248,34 @@ class AcceleratorState(PartialState):
     parallelism_config = property(lambda self: self._settings.parallelism)
     fsdp_plugin = property(lambda self: self._settings.fsdp_plugin)
 
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Accelerate's: each Accelerator keeps its own state here, so only the shared process part can be
+        forgotten (`reset_partial_state`, after the process group was destroyed)."""
+        AcceleratorState._latest = None
+        if reset_partial_state:
+            PartialState._reset_state()
+
     @property
     def is_fsdp2(self) -> bool:
         return self._settings.fsdp
 
     @property
     def distributed_type(self) -> DistributedType:
+        """FSDP when FSDP2 wraps the models, else the process state's; a value assigned (as Accelerate's scripts do)
+        is what the Accelerator reports from then on (its models stay as they were prepared)."""
+        override = self.__dict__.get("_distributed_type")
+        if override is not None:
+            return override
         return DistributedType.FSDP if self._settings.fsdp else super().distributed_type
+
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType | str) -> None:
+        try:
+            self._distributed_type = DistributedType(value)
+        except ValueError:
+            raise ValueError(f"distributed_type must be one of {[t.value for t in DistributedType]}, got "
+                             f"{value!r}") from None
 
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]

@@ -83,8 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
         fsdp_version=2, activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
     dynamo = TorchDynamoPlugin(backend=args.dynamo_backend, use_regional_compilation=args.regional_compilation) \
         if args.dynamo_backend else None
+    # The reference's schedule counts optimizer steps: stepped by hand on each (Accelerate's own scheduler steps once
+    # per data-parallel rank and optimizer step).
     accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=args.mixed_precision,
-                              gradient_accumulation_steps=args.accum, dynamo_plugin=dynamo)
+                              gradient_accumulation_steps=args.accum, dynamo_plugin=dynamo,
+                              step_scheduler_with_optimizer=False)
 
     set_seed(0)
     overrides = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            scheduler.step()
+            if accelerator.sync_gradients:  # once per optimizer step
+                scheduler.step()
             optimizer.zero_grad()
         logged = accelerator.reduce_loss(loss)  # the global token mean of the step so far, on every rank
         if accelerator.sync_gradients:

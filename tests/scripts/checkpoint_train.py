@@ -87,8 +87,9 @@ def build(args: argparse.Namespace) -> tuple:
         state_dict_type="FULL_STATE_DICT" if args.full_state else "SHARDED_STATE_DICT")
     project = ProjectConfiguration(project_dir=args.project_dir, total_limit=args.total_limit,
                                    automatic_checkpoint_naming=args.project_dir is not None)
+    # The schedule counts optimizer steps (stepped by hand below), so it is the same under every layout.
     accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, gradient_accumulation_steps=args.accum,
-                              project_config=project)
+                              project_config=project, step_scheduler_with_optimizer=False)
 
     set_seed(0)
     model = build_model("llama", attention_dropout=args.dropout, hidden_size=args.hidden_size,
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:  # once per optimizer step
+                    scheduler.step()
                 optimizer.zero_grad()
             # The global token mean of the step (the same number under every layout).
             logged = accelerator.reduce_loss(loss)

@@ -7,7 +7,9 @@ collectives.py   gather / reduce / reduce_loss / padding / trigger (mixin)
 checkpointing.py save_state / load_state / save_model / save (mixin)
 """
 
+from ..plugins import DataLoaderConfiguration, GradientAccumulationPlugin
 from ..state import DistributedType
 from .core import Accelerator
 
-__all__ = ["Accelerator", "DistributedType"]
+# Accelerate's `accelerate.accelerator` exports these too (its own tests import them from there).
+__all__ = ["Accelerator", "DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin"]

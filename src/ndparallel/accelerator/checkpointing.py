@@ -41,8 +41,9 @@ class CheckpointingMixin:
         """Save and restore `objects` (anything with ``state_dict`` / ``load_state_dict``) with the state."""
         bad = [i for i, o in enumerate(objects) if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
         if bad:
-            raise ValueError(f"register_for_checkpointing: object(s) at position(s) {bad} have no state_dict and "
-                             "load_state_dict methods")
+            raise ValueError("register_for_checkpointing takes objects with state_dict and load_state_dict methods; "
+                             "these have not: " + ", ".join(f"Item at index {i} ({type(objects[i]).__name__})"
+                                                             for i in bad))
         self.prepared.custom_objects.extend(objects)
 
     def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
@@ -52,21 +53,29 @@ class CheckpointingMixin:
         ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps the newest ``total_limit``. Collective.
         """
         self._ignored_kwargs("save_state", kwargs)
-        agreement.monitored_barrier("save_state", self.state.runtime.timeout)  # every rank, or a clear error
+        self._check_same_directory("save_state", output_dir)
         return str(checkpoint.save_state(self.prepared, self._run_settings(), self.project_configuration, output_dir))
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
         """Restore a checkpoint written by `save_state` under this or any other layout (the newest complete one
         of the project without `input_dir`); return its directory. Collective."""
         self._ignored_kwargs("load_state", kwargs)
-        agreement.monitored_barrier("load_state", self.state.runtime.timeout)  # every rank, or a clear error
+        self._check_same_directory("load_state", input_dir)
         return str(checkpoint.load_state(self.prepared, self.project_configuration, input_dir))
+
+    def _check_same_directory(self, what: str, directory: str | os.PathLike | None) -> None:
+        """Every rank here (a monitored barrier), with the same directory: a checkpoint is one directory that all
+        ranks write into (rank 0 the files they share), so ranks given different paths (a temporary directory made
+        on each) would write a checkpoint none of them could load. The same error on every rank otherwise."""
+        path = None if directory is None else os.path.abspath(os.fspath(directory))
+        key = "directory (a checkpoint is one directory that every rank writes into: pass the same path on every rank)"
+        agreement.check_agreement({key: path}, what, timeout=self.state.runtime.timeout)
 
     def _run_settings(self) -> checkpoint.RunSettings:
         plugin = self.state.fsdp_plugin
         return checkpoint.RunSettings(self.state.parallelism_config, self.state.device.type,
                                       self.state.mixed_precision, self.gradient_accumulation_steps,
-                                      plugin.state_dict_type if plugin is not None else checkpoint.SHARDED)
+                                      plugin.state_dict_type.name if plugin is not None else checkpoint.SHARDED)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True, *, merge_adapters: bool = False) -> str:

@@ -8,8 +8,8 @@ prepared is kept in one `ndparallel.prepared.PreparedObjects`, which checkpoints
 collectives and checkpoints live in the mixins beside this module.
 
 Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
-- the LR scheduler steps once per optimizer step (Accelerate steps it once per process), so a run on N
-  processes follows the same schedule as one process on the global batch;
+- a prepared LR scheduler steps once per data-parallel rank and optimizer step, as Accelerate's steps once per
+  process, but tensor/context/sequence-parallel peers, which share their batches, do not count;
 - `backward` weights a causal LM's loss by each rank's share of the optimizer step's loss tokens (see
   `ndparallel.loss`), so unequal numbers of -100 labels over ranks and micro-steps give the single-process gradient;
 - `reduce` and `gather` run over the ranks that hold distinct data (the ``loss`` and ``batch`` views), never
@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
@@ -90,7 +89,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             `kwargs_handlers`; `ndparallel.parallel.fp8`), bf16 elsewhere.
         gradient_accumulation_steps: micro-steps per optimizer step (None: the launchers' variables, then 1).
         cpu: train on the CPU with gloo even where CUDA is available.
-        dataloader_config: a `DataLoaderConfiguration` (split_batches, even_batches, non_blocking, data_seed).
+        dataloader_config: a `DataLoaderConfiguration` (split_batches, even_batches, non_blocking, data_seed,
+            dispatch_batches: refused for iterable datasets).
         fsdp_plugin: FSDP2 settings (fields it leaves unset: from ``FSDP_*``). FSDP2 wraps the model when parameters
             are sharded (``dp_shard * cp * sp > 1``), when a plugin is given (or ``ACCELERATE_USE_FSDP`` is set)
             and there is more than one process -- on one process only for CPU offload, a mixed-precision policy or
@@ -100,14 +100,16 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         log_with: trackers (`ndparallel.tracking`): names, `LoggerType`s, `GeneralTracker` objects, or "all".
         project_dir / project_config: where checkpoints and logs go (`ProjectConfiguration`).
         gradient_accumulation_plugin: a `GradientAccumulationPlugin` (num_steps, sync_each_batch).
-        step_scheduler_with_optimizer: True (default): the LR scheduler steps with each optimizer step; False: every
-            call to its ``step()`` steps it.
+        step_scheduler_with_optimizer: True (default): the LR scheduler steps only when the optimizer stepped, then
+            once per data-parallel rank (once with split_batches), as Accelerate's; False: every call to its
+            ``step()`` steps it once.
         kwargs_handlers: `InitProcessGroupKwargs`, `DistributedDataParallelKwargs`, `GradScalerKwargs`,
             `AutocastKwargs`, `GradientAccumulationPlugin`.
         parallelism_config: sizes of each parallelism; sizes it leaves unset are read from what the launcher passed
             (`ParallelismConfig.from_env`). All sizes 1 (or no config): DDP over every process.
         rng_types: accepted and ignored (prepared loaders seed their samplers alike on every rank).
-        deepspeed_plugin(s), megatron_lm_plugin, torch_tp_plugin, dynamo_backend / dynamo_plugin: refused when given.
+        dynamo_backend / dynamo_plugin: compilation (`TorchDynamoPlugin`, `ndparallel.parallel.compile`).
+        deepspeed_plugin(s), megatron_lm_plugin, torch_tp_plugin: refused when given.
 
     ndparallel's own:
         loss_weighting: "auto" (default: token-weighted for causal language models, see `ndparallel.loss`), "tokens"
@@ -337,6 +339,10 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         # data loader's generator seed if either has one, else its torch seed -- so ranks seeded differently (or
         # not at all) still draw one order.
         config = self.dataloader_config
+        if config.dispatch_batches and isinstance(data_loader.dataset, torch.utils.data.IterableDataset):
+            raise ValueError("prepare(): dispatch_batches=True with an iterable dataset is not supported: every rank "
+                             "reads its own share, so the dataset must yield the same order on every rank (not "
+                             "only on rank 0, which dispatching reads); make it so and set dispatch_batches=False")
         sampler = getattr(data_loader.batch_sampler, "sampler", None) or data_loader.sampler
         generator = getattr(sampler, "generator", None) or data_loader.generator
         seed = config.data_seed if config.data_seed is not None else (
@@ -371,7 +377,9 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
                 "in the same call or before the scheduler"
             )
         wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state,
-                                       step_with_optimizer=self.step_scheduler_with_optimizer)
+                                       step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       steps_per_update=1 if self.split_batches else self.mesh.size("batch"),
+                                       adjust_scheduler=self._settings.adjust_scheduler)
         self.prepared.schedulers.append(wrapped)
         return wrapped
 
@@ -446,12 +454,15 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
     def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
         """Reduce gradients in the backward passes inside even on an accumulation micro-step."""
         if isinstance(model, DistributedDataParallel):
-            before = model.require_backward_grad_sync
+            before = (model.require_backward_grad_sync, model.require_forward_param_sync)
             model.require_backward_grad_sync = model.require_forward_param_sync = True
+            # A forward run under no_sync did not arm DDP's reducer for this backward: arm it now (every parameter
+            # expected, as DDP does after a synchronising forward without find_unused_parameters).
+            model.reducer.prepare_for_backward([])
             try:
                 yield
             finally:
-                model.require_backward_grad_sync = before
+                model.require_backward_grad_sync, model.require_forward_param_sync = before
         elif isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(True)
             try:
@@ -459,17 +470,6 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             finally:
                 model.set_requires_gradient_sync(self.sync_gradients or self._settings.sync_each_batch)
         else:
-            yield
-
-    @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
-        """torch's `Join` over DDP models, for loaders with ``even_batches=False`` whose ranks run out of batches
-        at different steps. FSDP2 cannot join: its loaders must keep even batches."""
-        ddp = [j for j in joinables if isinstance(j, DistributedDataParallel)]
-        if not ddp or self.num_processes == 1:
-            yield
-            return
-        with Join(ddp):
             yield
 
     @contextlib.contextmanager
@@ -587,6 +587,13 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             self.wait_for_everyone()
             release_process_group()
         PartialState._reset_state()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the identity records of prepare (weak references to this process's objects by id, which
+        mean nothing elsewhere); process groups travel by name (`ndparallel.runtime.group_name`)."""
+        state = dict(self.__dict__)
+        state["_param_map"], state["_taken"] = {}, {}
+        return state
 
     def __repr__(self) -> str:
         return (f"Accelerator({self.mesh!r}, rank={self.process_index}/{self.num_processes}, "

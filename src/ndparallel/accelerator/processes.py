@@ -4,11 +4,19 @@ process state (`ndparallel.state`) and the mesh (`ndparallel.mesh`)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
 from ..mesh import ParallelMesh
+from ..prepared import PreparedObjects
 from ..state import AcceleratorState, DistributedType
+
+# Where torch's Join works: DDP over several processes (on GPUs and, unlike Accelerate, on CPUs with gloo).
+_JOINABLE_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 
 
 def _axis_property(axis: str, what: str) -> property:
@@ -24,6 +32,8 @@ class ProcessesMixin:
 
     state: AcceleratorState
     mesh: ParallelMesh
+    prepared: PreparedObjects
+    even_batches: bool
 
     # ---- processes ------------------------------------------------------------------------------------------------
     device = property(lambda self: self.state.device, doc="This process's device.")
@@ -107,6 +117,40 @@ class ProcessesMixin:
 
     def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
         return self.state.on_local_process(function, local_process_index)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None) -> Iterator[None]:
+        """torch's `Join` over the DDP models among `joinables`, for ranks that run out of batches at different steps
+        (loaders with ``even_batches=False``). `even_batches` overrides the prepared map-style loaders' setting inside
+        the block (an iterable dataset's loader keeps its own, with a warning); Join is on when batches are uneven.
+        Elsewhere than multi-process DDP (FSDP2 cannot join) it warns and does nothing."""
+        if self.num_processes == 1:
+            yield
+            return
+        if self.distributed_type not in _JOINABLE_TYPES:
+            warnings.warn("Joining uneven inputs is only supported for multi-GPU (and multi-CPU) DDP training, not "
+                          f"{self.distributed_type.value}; join_uneven_inputs has no effect: keep even_batches=True",
+                          stacklevel=3)
+            yield
+            return
+        overridden = []
+        if even_batches is not None:
+            for loader in self.prepared.dataloaders:
+                if not loader.iterable:
+                    overridden.append((loader, loader.even_batches))
+                    loader.even_batches = even_batches
+            if len(overridden) < len(self.prepared.dataloaders):
+                warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some dataloaders "
+                              "given were iterable", stacklevel=3)
+        else:
+            even_batches = self.even_batches
+        ddp = [j for j in joinables if isinstance(j, DistributedDataParallel)]
+        try:
+            with Join(ddp, enable=not even_batches) if ddp else contextlib.nullcontext():
+                yield
+        finally:
+            for loader, value in overridden:
+                loader.even_batches = value
 
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
         """This process's share of `inputs` over every process (`ndparallel.state.PartialState`)."""

@@ -64,6 +64,7 @@ class Settings:
     mixed_precision: str
     accumulation_steps: int
     sync_each_batch: bool
+    adjust_scheduler: bool  # GradientAccumulationPlugin's: torch's step count moves on accumulation micro-steps
     cpu: bool
     device_placement: bool
     project: ProjectConfiguration
@@ -230,6 +231,10 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
     project = project_config or ProjectConfiguration()
     if project_dir is not None:
         project.set_directories(project_dir)
+    if project.automatic_checkpoint_naming and project.project_dir is None:  # checked here, as Accelerate does:
+        # the directory may come with the Accelerator rather than the configuration
+        raise ValueError("automatic_checkpoint_naming needs a project_dir: pass Accelerator(project_dir=...) or "
+                         "ProjectConfiguration(project_dir=...)")
 
     process_group: dict[str, Any] = {}
     if InitProcessGroupKwargs in handlers:
@@ -241,7 +246,9 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
             process_group["backend"] = init.backend
     return Settings(
         parallelism=parallelism, fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision, accumulation_steps=steps,
-        sync_each_batch=bool(plugin and plugin.sync_each_batch), cpu=cpu, device_placement=bool(device_placement),
+        sync_each_batch=bool(plugin and plugin.sync_each_batch),
+        adjust_scheduler=bool(plugin.adjust_scheduler) if plugin is not None else True, cpu=cpu,
+        device_placement=bool(device_placement),
         project=project, dataloader=dataloader, step_scheduler_with_optimizer=bool(step_scheduler_with_optimizer),
         loss_weighting=loss_weighting, log_with=log_with, process_group=process_group,
         ddp_kwargs=handlers[DistributedDataParallelKwargs].to_kwargs() if DistributedDataParallelKwargs in handlers

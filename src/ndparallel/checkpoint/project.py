@@ -29,7 +29,8 @@ class ProjectConfiguration:
 
     - project_dir: root of the project; automatic checkpoints go to ``<project_dir>/checkpoints``.
     - logging_dir: where trackers (`ndparallel.tracking`) write; defaults to `project_dir`.
-    - automatic_checkpoint_naming: name checkpoints ``checkpoint_<iteration>`` and find the newest one.
+    - automatic_checkpoint_naming: name checkpoints ``checkpoint_<iteration>`` and find the newest one (needs a
+      project_dir, here or given to the Accelerator: it checks).
     - total_limit: keep at most this many automatic checkpoints in the folder (the lowest-numbered are deleted
       after a save; the one just written always has the highest number and is kept).
     - iteration: lowest number of the next automatic checkpoint (a higher one is taken when the folder already
@@ -52,8 +53,6 @@ class ProjectConfiguration:
             raise ValueError(f"total_limit must be an int >= 1 or None, got {self.total_limit!r}")
         if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) or self.iteration < 0:
             raise ValueError(f"iteration must be an int >= 0, got {self.iteration!r}")
-        if self.automatic_checkpoint_naming and self.project_dir is None:
-            raise ValueError("automatic_checkpoint_naming needs a project_dir")
         if self.save_on_each_node:
             warnings.warn("ProjectConfiguration(save_on_each_node=True) is ignored: ndparallel writes one checkpoint "
                           "to a filesystem that every node shares", stacklevel=3)

@@ -275,9 +275,15 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
                 _hf_config_files(unwrap(model), staging / f"model_{i}")
         _written(f"model {i}", final.parent, write_model)
         del state
+    # An optimizer that has not stepped yet has no state; torch's get_optimizer_state_dict gives it one by stepping
+    # it with zero gradients and lr 0 (Adam's step count becomes 1, which shifts its bias correction from then on).
+    # Such an optimizer is left as it was, and the checkpoint says so (load_state restores it without state).
+    fresh = [j for j, opt in enumerate(prepared.optimizers) if not opt.optimizer.state]
     for j, opt in enumerate(prepared.optimizers):
         owner = prepared.models[owners[j]]
         state = get_optimizer_state_dict(state_module(owner), opt.optimizer, options=options)
+        if j in fresh:
+            opt.optimizer.state.clear()
         state = _renamed(state, _tied_copy_names(owner))
         _written(f"optimizer {j}", final.parent,
                  lambda j=j, state=state: _write_state(state, staging / f"optimizer_{j}", full))
@@ -310,6 +316,7 @@ def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: Proj
         "gradient_accumulation_steps": run.gradient_accumulation_steps, "versions": _versions(),
         **_components(prepared), "model_tensors": [m["tensors"] for m in models],
         "model_tied": [tied_names(unwrap(m)) for m in prepared.models], "optimizer_models": owners,
+        "fresh_optimizers": fresh,
         "files": files, "save_seconds": round(time.perf_counter() - started, 3),
     }
 
@@ -512,6 +519,8 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
         state = _read_state(_renamed(state, aliases), path / f"optimizer_{j}", full, f"optimizer {j}")
         state = _renamed(state, {saved: name for name, saved in aliases.items()})
         set_optimizer_state_dict(model, opt.optimizer, state, options=read_options)
+        if j in meta.get("fresh_optimizers", ()):  # saved before its first step (see save_state): no state then
+            opt.optimizer.state.clear()
         del state
 
     prepared.gradient_state.load_state_dict(small["gradient_state"])  # values checked in _read_small

@@ -61,6 +61,9 @@ def check_metadata(meta: dict[str, Any], path: Path, models: int, optimizers: in
     if not (isinstance(owners, list) and len(owners) == optimizers and all(_is_int(o) and o < models for o in owners)):
         problems.append(f"'optimizer_models' must list the model index of each of the {optimizers} optimizer(s), "
                         f"got {owners!r}")
+    fresh = meta.get("fresh_optimizers", [])  # absent in checkpoints written before it was recorded
+    if not (isinstance(fresh, list) and all(_is_int(j) and j < optimizers for j in fresh)):
+        problems.append(f"'fresh_optimizers' must list indices of the {optimizers} optimizer(s), got {fresh!r}")
     tensors = meta.get("model_tensors")
     if not (isinstance(tensors, list) and len(tensors) == models and all(
             isinstance(t, dict) and all(isinstance(s, list) and all(_is_int(d) for d in s) for s in t.values())

@@ -46,7 +46,7 @@ def uses_fsdp(config: ParallelismConfig, plugin: FullyShardedDataParallelPlugin 
     fsdp = config.dp_shard_size * config.cp_size * config.sp_size
     replicated = config.dp_replicate_size * fsdp > 1
     if plugin is not None and config.total_size == 1:
-        return bool(plugin.cpu_offload or plugin.mixed_precision_policy is not None
+        return bool(plugin.offloads_to_cpu or plugin.mixed_precision_policy is not None
                     or plugin.cpu_ram_efficient_loading)
     return plugin is not None or fsdp > 1 or (replicated and (config.tp_size > 1 or config.pp_size > 1))
 
@@ -98,8 +98,10 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
     """Shard each transformer block, then the root, over ``fsdp`` (HSDP when dp_replicate > 1)."""
     plugin = options.fsdp_plugin or FullyShardedDataParallelPlugin()
     dp_mesh = mesh.data_parallel()
+    # Pinned host memory needs CUDA: a CPU-only run offloads unpinned.
     offload: OffloadPolicy = (
-        CPUOffloadPolicy(pin_memory=options.device.type == "cuda") if plugin.cpu_offload else OffloadPolicy()
+        CPUOffloadPolicy(pin_memory=plugin.cpu_offload.pin_memory and options.device.type == "cuda")
+        if plugin.offloads_to_cpu else OffloadPolicy()
     )
     kwargs = dict(
         mesh=dp_mesh,
@@ -116,15 +118,17 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
             stacklevel=3,
         )
     blocks = block_classes(model, plugin.transformer_cls_names_to_wrap)
-    if plugin.auto_wrap_policy == "transformer_based_wrap" and not blocks:
+    policy = "no_wrap" if plugin.auto_wrap_policy is None else plugin.auto_wrap_policy  # None: set_auto_wrap_policy's
+    if policy == "transformer_based_wrap" and not blocks:
         warnings.warn(
             f"{type(model).__name__} names no transformer block classes (no _no_split_modules and no "
             "transformer_cls_names_to_wrap): FSDP2 shards the root module only",
             stacklevel=3,
         )
-    for module in modules_to_wrap(model, plugin.auto_wrap_policy, blocks, plugin.min_num_params):
+    for module in modules_to_wrap(model, policy, blocks, plugin.min_num_params):
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    model._ignored_params = set(kwargs["ignored_params"] or ())  # Accelerate's attribute: what FSDP2 left alone
     return model
 
 
