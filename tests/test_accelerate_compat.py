@@ -393,6 +393,7 @@ def _batch_sizes(even_batches: bool, size: int, batch: int, split: bool = False)
     return {"sizes": sizes, "len": len(loader)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("even,size,batch,expected", [
     (True, 3, 1, ([1, 1], [1, 1])),  # Accelerate's test_default_ensures_even_batch_sizes
     (True, 7, 2, ([2, 2], [2, 2])),

@@ -134,6 +134,7 @@ def test_what_cannot_run_is_refused_before_anything_starts(capsys, tmp_path, cha
     assert err.startswith("ndparallel launch: error: ") and message in err, err
 
 
+@pytest.mark.slow
 def test_a_real_launch_with_an_accelerate_config_file(tmp_path):
     """Two CPU ranks from an `accelerate config` file: the ranks' Accelerator (built with no arguments, as in an
     Accelerate script) gets FSDP2 sharding over both, its plugin fields and mixed precision."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from harness import run_ranks
@@ -115,6 +116,7 @@ def _prepare_after_free_memory() -> tuple[str, int]:
     return refused, taken
 
 
+@pytest.mark.slow
 def test_an_object_is_refused_only_while_it_was_prepared_already():
     """prepare() refuses a plain object it took before; after free_memory, new objects (which CPython may place at a
     freed object's address, so with the same id) are taken again."""

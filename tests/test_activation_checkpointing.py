@@ -71,6 +71,7 @@ def _saved_bytes(spec) -> dict:
     return {"checkpointed": checkpointed, "bytes": sum(kept.values()), "backward_matmuls": backward_matmuls.count}
 
 
+@pytest.mark.slow
 def test_which_blocks_and_how_much_is_kept():
     runs = {name: run_ranks(_saved_bytes, 1, spec)[0] for name, spec in [
         ("none", False), ("full", True), ("every2", 2), ("selective", "selective")]}
@@ -89,6 +90,7 @@ LAYOUTS = {"fsdp2": (2, ["--dp-shard-size", "2"]), "tp2": (2, ["--tp-size", "2"]
            "cp2_ring": (2, ["--cp-size", "2", "--cp-strategy", "ring"]), "sp2": (2, ["--sp-size", "2"])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["selective", "2"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_checkpointing_keeps_parity(layout, spec):

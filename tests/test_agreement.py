@@ -126,6 +126,7 @@ def _barriers() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_monitored_barrier_names_different_calls_at_once_and_missing_ranks_after_the_timeout():
     results = run_ranks(_barriers, 2, timeout=60)
     for out in results:
@@ -163,6 +164,7 @@ def _collective_times_out() -> tuple[float, str]:
     return 0.0, ""
 
 
+@pytest.mark.slow
 def test_the_process_group_timeout_comes_from_NDPARALLEL_TIMEOUT():
     seconds, message = run_ranks(_collective_times_out, 2, env={"NDPARALLEL_TIMEOUT": "1.5"}, timeout=60)[0]
     assert 1.4 <= seconds < 4 and "Timed out" in message, (seconds, message)
@@ -237,6 +239,7 @@ def _kwargs_timeout() -> tuple[float, str, float]:
     return 0.0, "", configured
 
 
+@pytest.mark.slow
 def test_init_process_group_kwargs_sets_the_collective_timeout():
     results = run_ranks(_kwargs_timeout, 2, timeout=60)
     seconds, message, configured = results[0]
@@ -271,6 +274,7 @@ def _mismatched_collectives(rank_1: str) -> tuple[tuple[str, str] | None, float]
     return out, seconds
 
 
+@pytest.mark.slow
 def test_a_gather_and_a_reduce_that_do_not_meet_name_each_rank_and_its_call():
     (kind, message), seconds = (first := run_ranks(_mismatched_collectives, 2, "gather", timeout=60))[0]
     assert kind == "CollectiveTimeoutError", message
@@ -287,6 +291,7 @@ def test_a_gather_and_a_reduce_that_do_not_meet_name_each_rank_and_its_call():
     assert "rank 0 in 'reduce'; rank 1 in 'gather'." in message, message
 
 
+@pytest.mark.slow
 def test_a_reduce_that_another_rank_skips_names_the_rank_that_did_not_report():
     (kind, message), seconds = run_ranks(_mismatched_collectives, 2, "busy", timeout=60)[0]
     assert kind == "CollectiveTimeoutError", message

@@ -55,6 +55,7 @@ def test_counter_gives_ring_bytes_for_known_collectives():
     assert counted == [expected, expected]
 
 
+@pytest.mark.slow
 def test_benchmark_command_on_a_tiny_model(tmp_path):
     import run
 
@@ -157,6 +158,7 @@ def _gpu_program_on_cpu(out: str) -> dict:
                      "2", "--out", out])
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_program_runs_on_cpu(tmp_path):
     """benchmarks/gpu.py is run on GPU machines only when one is lent: its logic is checked here with tiny sizes
     on CPU (`--device cpu`), so a GPU session spends its time on figures, not on fixing the program."""
@@ -182,6 +184,7 @@ def test_packed_sequence_benchmark_runs_and_computes_only_visible_pairs(tmp_path
     assert "| 2 | packed, dealt |" in (tmp_path / "packed_sequences.md").read_text()
 
 
+@pytest.mark.slow
 def test_pipeline_benchmark_counts_what_the_stages_send_and_trains_as_plain_pipelining():
     """benchmarks/pipeline.py on a tiny Llama over 2 stages: the library and hand-written pipelining trained the same
     model on the same batches (their losses agree to rounding), and each stage sent exactly one activation-sized

@@ -50,6 +50,7 @@ def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[k] - b[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["single", "ddp2", "fsdp2", "hsdp2x2_accum2", "fsdp2_full_state",
                                  "fsdp2xtp2", "fsdp2xcp2"])
 def test_resume_reproduces_the_uninterrupted_run(name, tmp_path):
@@ -70,6 +71,7 @@ def fsdp4_checkpoint(tmp_path_factory):
     return directory / f"step_{SAVE_AT}", full["losses"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp2", "single", "fsdp2xtp2", "fsdp2xcp2"])
 def test_checkpoint_of_dp_shard_4_resumes_under_another_layout(name, fsdp4_checkpoint):
     checkpoint, losses = fsdp4_checkpoint
@@ -79,6 +81,7 @@ def test_checkpoint_of_dp_shard_4_resumes_under_another_layout(name, fsdp4_check
     assert resumed["counter"] == STEPS
 
 
+@pytest.mark.slow
 def test_resumed_training_ends_with_the_same_parameters(tmp_path):
     """Beyond the losses: after resuming (here from DDP into FSDP2) the final weights equal the uninterrupted run's."""
     full = run("ddp2", "--save-at", str(SAVE_AT), "--save-dir", str(tmp_path), "--return-params")

@@ -44,6 +44,7 @@ def _train_and_export(flags: list[str], out: str) -> dict:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,world", [
     (["--dp-replicate-size", "2", "--dp-shard-size", "2"], 4),
     (["--dp-shard-size", "2", "--tp-size", "2"], 4),
@@ -106,6 +107,7 @@ def _load_pretrained(mode: str, path: str, flags: dict) -> dict:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["broadcast", "each_rank_reads_its_slices"])
 @pytest.mark.parametrize("flags,world", [
     ({"dp_shard_size": 2}, 2),

@@ -74,6 +74,7 @@ def test_save_state_replaces_only_an_empty_directory_or_a_checkpoint(tmp_path):
 
 
 # ---- automatic naming and total_limit ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_total_limit_keeps_the_new_checkpoint_in_a_folder_an_earlier_run_filled(tmp_path):
     project, other = tmp_path / "project", tmp_path / "other"
     checkpoints = project / "checkpoints"
@@ -114,6 +115,7 @@ def _load_latest(project: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_load_state_skips_a_damaged_newest_checkpoint(tmp_path):
     flags = ["--dp-shard-size", "2", "--steps", "3", "--project-dir", str(tmp_path)]
     full = run_ranks(checkpoint_train.main, 2, [*flags, "--save-at", "1", "2"])[0]
@@ -215,6 +217,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_keeps_the_previous_checkpoint(tmp_path):
     """On a tmpfs of 800 KiB (one checkpoint takes 528 KiB), in a private mount namespace."""
     mount = tmp_path / "small"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch.distributed.checkpoint  # noqa: F401 - imported once here, not again in every forked rank
 
 from harness import run_ranks
@@ -26,6 +27,7 @@ def load_example():
     return module
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_and_resumes_from_the_newest_checkpoint(tmp_path):
     example = load_example()
     uninterrupted = run_ranks(example.main, 2, ["--project-dir", str(tmp_path / "a"), *ARGS],

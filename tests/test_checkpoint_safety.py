@@ -175,6 +175,7 @@ BAD = [  # case, exception class, message pattern
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,kind,pattern", BAD, ids=[b[0] for b in BAD])
 def test_bad_checkpoint_raises_a_clear_error_on_every_rank(bad_checkpoints, case, kind, pattern):
     results, marker = bad_checkpoints
@@ -193,6 +194,7 @@ def test_the_good_checkpoint_loads_and_changes_the_run(bad_checkpoints):
 
 
 # ---- kill -9 in the middle of a save ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     """A real process, killed with SIGKILL while its second save is half written (after the model, before the
     optimizer and metadata), leaves the first checkpoint intact: `load_state()` finds it, and training resumed

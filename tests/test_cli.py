@@ -55,6 +55,7 @@ def test_version(capsys):
 
 
 # ---- launch: checks before anything starts --------------------------------------------------------------
+@pytest.mark.slow
 def test_launch_sizes_not_matching_world_size_fail_in_the_launcher():
     result = run_cli("launch", "--nproc-per-node", "3", "--dp-replicate-size", "2", "--dp-shard-size", "2", SCRIPT)
     assert result.returncode == 2
@@ -166,6 +167,7 @@ def test_config_file_handlers_are_warned_about(tmp_path):
     assert p.nproc_per_node == 2 and any("cp_handler is not passed" in w for w in p.warnings)
 
 
+@pytest.mark.slow
 def test_end_to_end_launch_passes_sizes_to_every_rank():
     result = run_cli("launch", "--nproc-per-node", "2", "--dp-shard-size", "2", "--gradient-accumulation-steps",
                      "2", SCRIPT, env={"NDPARALLEL_TP_SIZE": "4"})  # a stale size in the shell
@@ -182,6 +184,7 @@ def test_end_to_end_launch_passes_sizes_to_every_rank():
     assert "2 process(es)" in result.stderr and "dp_shard(2)" in result.stderr
 
 
+@pytest.mark.slow
 def test_launch_exit_code_is_the_failed_ranks():
     result = run_cli("launch", "--nproc-per-node", "2", SCRIPT, "--fail-rank", "1", "--exit-code", "3")
     assert result.returncode == 3, result.stderr

@@ -24,6 +24,7 @@ LAYOUTS = {
 CASES = [(layout, "regional") for layout in LAYOUTS] + [(layout, "whole") for layout in ("ddp2", "fsdp2", "cp2_ring")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,how", CASES, ids=[f"{layout}-{how}" for layout, how in CASES])
 def test_compiled_training_matches_and_never_recompiles(layout, how):
     world, flags = LAYOUTS[layout]

@@ -53,6 +53,7 @@ def _compare(strategy: str, load_balance: bool, dtype: torch.dtype, backend: str
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["auto", "math"], ids=["fused_cpu_kernel", "math"])
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("load_balance", [True, False], ids=["balanced", "contiguous"])

@@ -39,6 +39,7 @@ def loss_diff(results: list[dict], ref: dict) -> float:
     return max(abs(a - b) for r in results for a, b in zip(r["losses"], ref["losses"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])
 @pytest.mark.parametrize("name,world,flags", [*LAYOUTS, *TP_LAYOUTS],
@@ -51,6 +52,7 @@ def test_losses_match_single_process(name, world, flags, strategy, model):
     assert results[0]["lr"] == pytest.approx(ref["lr"])
 
 
+@pytest.mark.slow
 def test_four_dimensional_layout_matches_single_process():
     """dp_replicate 2 x dp_shard 2 x cp 2 x tp 2 on 16 ranks."""
     flags = ["--dp-replicate-size", "2", "--dp-shard-size", "2", *CP, "--tp-size", "2"]
@@ -58,6 +60,7 @@ def test_four_dimensional_layout_matches_single_process():
     assert diff <= 1e-5, f"per-step losses differ by {diff:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     ["--cp-no-load-balance", "--cp-strategy", "ring"],
     ["--cp-no-load-balance", "--cp-strategy", "allgather"],
@@ -69,6 +72,7 @@ def test_options_keep_parity(extra):
     assert diff <= 1e-5, f"{extra}: per-step losses differ by {diff:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])
 def test_bf16_follows_the_fp32_trajectory(strategy):
     """FSDP2 computes in bf16: the blocks take bf16 inputs and keep softmax statistics in fp32."""
@@ -77,12 +81,14 @@ def test_bf16_follows_the_fp32_trajectory(strategy):
     assert 0 < diff < 5e-2, f"bf16 {strategy}: {diff:.2e} from the fp32 run"  # rounding, not another trajectory
 
 
+@pytest.mark.slow
 def test_sliding_window_covering_the_sequence_trains_as_causal():
     """Mistral's sliding window (4096 by default) is longer than the 16-token sequences: exactly causal, so allowed."""
     diff = loss_diff(run_layout("mistral", 2, CP, 1, "--cp-strategy", "ring"), reference("mistral"))
     assert diff <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,flags,accum", [
     ("cp2", 2, CP, 1),
     ("fsdp2_cp2_accum2", 4, ["--dp-shard-size", "2", *CP, "--cp-strategy", "ring"], 2),

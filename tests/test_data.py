@@ -51,6 +51,7 @@ def _iterate(sizes: dict, n: int, batch_size: int, shuffle: bool, iterable: bool
     return {"passes": passes, "gathered": gathered, "len": None if iterable else len(loader)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
 @pytest.mark.parametrize("sizes", [dict(dp_replicate=2, dp_shard=2, tp=2), dict(dp_shard=2, cp=2, sp=2)],
                          ids=["dp2x2_tp2", "dp2_cp2_sp2"])

@@ -140,6 +140,7 @@ def _save_tiny_pretrained(directory: Path) -> None:
     build_model("llama").save_pretrained(directory)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
 def test_python_block_runs(block, tmp_path):
     options = block.options
@@ -151,6 +152,7 @@ def test_python_block_runs(block, tmp_path):
         options["ranks"])
 
 
+@pytest.mark.slow
 def test_the_readme_loop_runs_under_context_parallelism(tmp_path):
     """The headline loop with the layout changed to cp_size=2 (the README says it runs under any layout)."""
     block = PYTHON[0]
@@ -183,6 +185,7 @@ def test_bash_commands_are_ones_this_suite_or_ci_runs():
             assert command.startswith("ndparallel launch "), f"{where}: the docs test does not know how to run {command!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where,command", [c for c in COMMANDS if c[1].startswith("ndparallel launch ")],
                          ids=[c[0] for c in COMMANDS if c[1].startswith("ndparallel launch ")])
 def test_launch_command_runs(where, command):

@@ -21,6 +21,7 @@ def test_corpus_tokenizes_into_blocks():
     assert sample["input_ids"].shape == (128,) and (sample["labels"] == sample["input_ids"]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,flags", [(1, []), (2, ["--dp-shard-size", "2"]),
                                          (4, ["--dp-replicate-size", "2", "--dp-shard-size", "2"]),
                                          (2, ["--cp-size", "2", "--cp-strategy", "ring"]),
@@ -51,6 +52,7 @@ def test_example_trains_and_reports_every_rank(world, flags):
 import accelerate_api  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,flags", [(2, ["--dp-shard-size", "2"]), (2, ["--cp-size", "2"]),
                                          (4, ["--dp-shard-size", "2", "--tp-size", "2"])],
                          ids=["fsdp2", "cp2", "fsdp2_tp2"])

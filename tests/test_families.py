@@ -145,6 +145,7 @@ def loss_diff(results: list[dict], ref: dict) -> float:
     return max(abs(a - b) for r in results for a, b in zip(r["losses"], ref["losses"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PARITY, ids=_id)
 def test_family_matches_single_process(case):
     _, world, flags = LAYOUTS[case.layout]
@@ -230,6 +231,7 @@ def test_megatron_sequence_parallel_refuses_what_the_plan_leaves_on_sequence_sha
 
 
 # ---- more layouts and paths --------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama_tied", "qwen3", "olmo2", "gpt2"])
 def test_tp_without_fsdp_keeps_parity(model):
     """No FSDP2 to reduce gradients to their parameter's layout: q/k norm gradients are summed by the style itself
@@ -249,6 +251,7 @@ def _without(attribute: str, argv: list[str]) -> dict:
     return accelerate_style.main(argv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what,model,flags", [("retie", "llama_tied", ["--tp-size", "2"]),
                                               ("global_load_balancing", "qwen3_moe", ["--dp-shard-size", "2"])])
 def test_the_matrix_catches_a_broken_tie_or_per_rank_load_balancing(what, model, flags):
@@ -265,6 +268,7 @@ def _own_plan_run(model: str, argv: list[str]) -> dict:
     return accelerate_style.main(argv)
 
 
+@pytest.mark.slow
 def test_olmo2_with_transformers_own_plan_keeps_parity():
     """transformers' OLMo 2 plan (q, k, v gathered: 'colwise_gather_output' and 'rowwise_split_input') works too."""
     argv = ["--model", "olmo2", "--micro-batch", "8", "--tp-size", "2"]
@@ -272,6 +276,7 @@ def test_olmo2_with_transformers_own_plan_keeps_parity():
     assert diff <= 1e-5
 
 
+@pytest.mark.slow
 def test_tied_weight_trains_to_the_single_process_parameters():
     """SGD on FSDP2 x TP: the one embedding/head matrix ends where the single process's does (its gradient adds the
     embedding's and the head's parts), and every rank reassembles the same weights."""
@@ -318,6 +323,7 @@ def _tied_run(directory: str, layout: dict, load: bool) -> dict:
     return train_save_load("llama_tied", directory, layout, load)
 
 
+@pytest.mark.slow
 def test_the_tie_survives_prepare_checkpoints_resharding_and_save_model(tmp_path):
     saved = run_ranks(_tied_run, 4, str(tmp_path), {"dp_shard_size": 2, "tp_size": 2}, False)
     resumed = run_ranks(_tied_run, 2, str(tmp_path), {"tp_size": 2}, True)  # loaded under another layout

@@ -43,6 +43,7 @@ def test_eligible_layers_convert_and_the_first_and_last_stay():
     assert out["same_names"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,world,flags", [
     ("one process", 1, []), ("fsdp2", 2, ["--dp-shard-size", "2"]),
     ("ddp2", 2, ["--dp-replicate-size", "2", "--no-fsdp-plugin"]), ("cp2", 2, ["--cp-size", "2"]),

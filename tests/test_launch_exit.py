@@ -27,6 +27,7 @@ def launch(mode: str, out: Path, *flags: str) -> tuple[int, str, float]:
     return proc.returncode, proc.stdout + proc.stderr, time.time() - started
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,code", [("accelerator", 0), ("raises", 1), ("accelerate", 0), ("trainer", 0),
                                        ("torch", 0)])
 def test_a_finished_script_ends_promptly_with_its_exit_code(tmp_path, mode, code):
@@ -42,6 +43,7 @@ def test_a_finished_script_ends_promptly_with_its_exit_code(tmp_path, mode, code
     assert [(tmp_path / f"rank_{r}.txt").read_text() for r in range(2)] == ["released"] * 2
 
 
+@pytest.mark.slow
 def test_a_process_group_is_released_at_exit_under_torchrun_too(tmp_path):
     """Without ndparallel's launcher (torchrun, `accelerate launch`), the Accelerator releases it at exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NDPARALLEL_", "RANK", "WORLD_SIZE", "MASTER_"))}

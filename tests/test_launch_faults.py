@@ -35,6 +35,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_ranks_end_with_their_launcher(tmp_path, sig):
     proc = launch("--nproc-per-node", "2", SCRIPT, "loop", "--pid-dir", str(tmp_path))
@@ -73,6 +74,7 @@ def _serving(port: int, proc: subprocess.Popen, within: float = 120) -> None:
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_two_nodes_with_node_rank_0_on_one_host(tmp_path):
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
@@ -95,6 +97,7 @@ def test_two_nodes_with_node_rank_0_on_one_host(tmp_path):
     assert not list(tmp_path.iterdir())  # no rank ever started
 
 
+@pytest.mark.slow
 def test_a_node_rank_claimed_twice_and_a_node_that_never_arrives(tmp_path):
     """Nodes 0, 1 and 1 again of --nnodes 3: the second node 1 is refused at once; the others time out waiting for
     node rank 2 and name the duplicate too. The timeout leaves room for slow interpreter starts on a busy machine."""
@@ -117,6 +120,7 @@ def test_a_node_rank_claimed_twice_and_a_node_that_never_arrives(tmp_path):
     assert time.time() - started < 60 and not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_is_reported_and_the_job_exits_non_zero():
     started = time.time()
     proc = launch("--nproc-per-node", "2", "--stall-timeout", "2", SCRIPT, "stall")

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from reference import reference_run
 
 SCRIPT = Path(__file__).parent / "scripts" / "accelerate_style.py"
 
 
+@pytest.mark.slow
 def test_launch_hsdp_matches_single_process(tmp_path):
     out = tmp_path / "losses.json"
     cmd = [sys.executable, "-m", "ndparallel.cli", "launch", "--nproc-per-node", "4", "--dp-replicate-size", "2",

@@ -112,6 +112,7 @@ def test_log_loss_sums_a_window_and_starts_the_next():
 
 
 # ---- the logged loss against one process ----------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,flags", [
     ("ddp2", 2, ["--dp-replicate-size", "2", "--no-fsdp-plugin"]),
     ("fsdp2_cp2_ring", 4, ["--dp-shard-size", "2", "--cp-size", "2", "--cp-strategy", "ring"]),
@@ -215,6 +216,7 @@ def _task_reference(task: str, global_batch: int, steps: int) -> dict:
     return {"params": {n: p.detach().clone() for n, p in model.state_dict().items()}, "losses": losses}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", TASKS)
 def test_non_lm_losses_match_the_single_process_gradient(task):
     """2 ranks (DDP) x 2 accumulation steps x micro-batch 1 against one process on batches of 4: each loss is a mean

@@ -37,6 +37,7 @@ def test_a_real_cpu_allocator_failure_is_recognised():
     assert should_reduce_batch_size(_real_cpu_oom())
 
 
+@pytest.mark.slow
 def test_retries_at_nine_tenths_until_it_fits_and_keeps_the_size():
     tried = []
 
@@ -93,6 +94,7 @@ def _one_rank_runs_out() -> dict:
     return {"tried": tried, "result": result}
 
 
+@pytest.mark.slow
 def test_one_ranks_out_of_memory_makes_every_rank_retry_with_the_same_size():
     results = run_ranks(_one_rank_runs_out, 2, timeout=120)
     assert [r["tried"] for r in results] == [SIZES_FROM_128, SIZES_FROM_128]

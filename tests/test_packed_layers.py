@@ -95,6 +95,7 @@ def test_each_rank_holds_its_slice_of_every_projection(model_name, layers, sizes
         assert all(r["split_size"] == 16 for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name,world,flags", [
     ("phi3", 2, ["--tp-size", "2", "--sequence-parallel"]),
     ("gpt2", 2, ["--tp-size", "2", "--sequence-parallel"]),

@@ -262,6 +262,7 @@ TRAINING = {  # id -> (rows, world, sizes, strategy, model, model overrides[, ro
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(TRAINING))
 def test_training_matches_the_single_process_reference(case):
     kind, world, flags, strategy, model_name, overrides, *seq = TRAINING[case]

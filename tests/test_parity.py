@@ -71,6 +71,7 @@ def test_losses_match_single_process(model, name, world, flags, accum):
         assert res["lr"] == pytest.approx(ref["lr"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,flags,accum", [LAYOUTS[1], LAYOUTS[4], LAYOUTS[5]],
                          ids=["ddp2", "hsdp2x2", "fsdp2_accum2"])
 def test_uneven_ignored_labels_give_single_process_parameters(name, world, flags, accum):
@@ -93,6 +94,7 @@ def test_uneven_labels_distinguish_token_mean_from_mean_of_rank_means():
     assert max_param_diff(naive["params"], ref["params"]) > 1e-4
 
 
+@pytest.mark.slow
 def test_replicas_hold_equal_parameters_after_training():
     """HSDP: both replicas of each shard hold the same values (the worst silent bug is replicas drifting)."""
     results = run_layout("llama", 4, ["--dp-replicate-size", "2", "--dp-shard-size", "2"], 1, "--return-params")
@@ -100,6 +102,7 @@ def test_replicas_hold_equal_parameters_after_training():
         assert max_param_diff(res["params"], results[0]["params"]) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("flags", [["--dp-shard-size", "2"], ["--dp-replicate-size", "2", "--no-fsdp-plugin"]],
                          ids=["fsdp2", "ddp2"])
@@ -113,6 +116,7 @@ def test_mixed_precision_follows_the_fp32_trajectory(precision, flags):
     assert 0 < diff < 5e-2, f"{precision}: {diff:.2e} from the fp32 run"  # rounding, not another trajectory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--activation-checkpointing"], ["--cpu-offload"]],
                          ids=["activation_checkpointing", "cpu_offload"])
 def test_fsdp_options_keep_parity(extra):
@@ -122,6 +126,7 @@ def test_fsdp_options_keep_parity(extra):
     assert diff <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,flags", [
     ("ddp2", 2, ["--dp-replicate-size", "2", "--no-fsdp-plugin"]), ("fsdp2", 2, ["--dp-shard-size", "2"]),
     ("tp2", 2, ["--tp-size", "2"]), ("cp2", 2, ["--cp-size", "2"]),

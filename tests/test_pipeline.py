@@ -196,6 +196,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,flags,accum", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_pipeline_layouts_match_single_process(name, world, flags, accum):
     assert_losses_match(run(world, flags, accum), reference(), name)
@@ -209,6 +210,7 @@ def test_the_launchers_pp_size_reaches_a_script_that_leaves_it_unset():
     assert_losses_match(results, reference(), "pp2 from the environment")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,micro,flags", [
     (2, 8, ["--pp-size", "2"]),
     (4, 2, ["--pp-size", "2", "--dp-shard-size", "2", "--accum", "2"]),
@@ -243,16 +245,19 @@ def test_qwen2_under_pipeline_stages_matches_single_process():
     assert_losses_match(run(2, ["--pp-size", "2"], 1, "qwen2"), reference("qwen2"), "qwen2 pp2")
 
 
+@pytest.mark.slow
 def test_eight_ranks_pp_fsdp_tp():
     assert_losses_match(run(8, ["--pp-size", "2", "--dp-shard-size", "2", "--tp-size", "2"]), reference(),
                         "pp2 x dp_shard2 x tp2")
 
 
+@pytest.mark.slow
 def test_eight_ranks_pp_cp_sp():
     assert_losses_match(run(8, ["--pp-size", "2", "--cp-size", "2", "--sp-size", "2"]), reference(),
                         "pp2 x cp2 x sp2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--pp-size", "2"], ["--pp-size", "2", "--dp-shard-size", "2"]],
                          ids=["pp2", "pp2_fsdp2"])
 def test_bf16_under_pipeline_stages_follows_the_fp32_trajectory(flags):
@@ -263,6 +268,7 @@ def test_bf16_under_pipeline_stages_follows_the_fp32_trajectory(flags):
         assert 0 < diff < 5e-2, f"bf16: {diff:.2e} from the fp32 run"  # rounding, not another trajectory
 
 
+@pytest.mark.slow
 def test_sixteen_ranks_pp_hsdp_tp():
     results = run(16, ["--pp-size", "2", "--dp-replicate-size", "2", "--dp-shard-size", "2", "--tp-size", "2"], 1,
                   "llama", "--return-params")
@@ -273,6 +279,7 @@ def test_sixteen_ranks_pp_hsdp_tp():
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_uneven_ignored_labels_give_single_process_parameters():
     """-100 labels spread unevenly over ranks, micro-batches and accumulation steps: SGD-trained parameters of every
     stage equal the single-process ones (each stage's, together every parameter)."""
@@ -328,6 +335,7 @@ def test_a_prepared_pipeline_model_comes_back_from_prepare_as_it_is():
     assert run_ranks(_prepare_twice, 2) == [True, True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,extra", [(2, {}), (4, {"dp_shard_size": 2})], ids=["pp2", "pp2_fsdp2"])
 def test_evaluation_returns_logits_and_loss_on_every_stage(world, extra):
     for logits_diff, loss_diff, all_eval in run_ranks(_evaluate, world, extra):
@@ -335,6 +343,7 @@ def test_evaluation_returns_logits_and_loss_on_every_stage(world, extra):
         assert all_eval  # model.eval() reached the stage modules (views of the model, not its children)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_checkpoints_move_between_pipeline_and_other_layouts(tmp_path, tied):
     """Saved under pp 2, resumed under pp 1; saved under dp_shard 2, resumed under pp 2: both continue as the run
@@ -379,6 +388,7 @@ def _export(directory: str, tied: bool) -> object:
     return diffs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_full_weights_of_every_stage_export_to_one_directory(tmp_path, tied):
     results = run_ranks(_export, 4, str(tmp_path), tied)
@@ -487,6 +497,7 @@ def _padded_under_context_parallelism() -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_padded_batches_under_pipeline_and_context_parallelism_are_refused():
     assert_refused(run_ranks(_padded_under_context_parallelism, 4), ("ValueError", re.escape(
         "pipeline stages with context/sequence parallelism take whole causal rows only: padded or packed batches")),
@@ -523,6 +534,7 @@ def _refused_layout(sizes: dict, model_name: str, overrides: dict, settings: dic
 FOUR = {"num_hidden_layers": LAYERS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes,model_name,overrides,settings,message", [
     (dict(pp_size=4), "llama", {}, {}, "pp_size=4 x stages_per_rank=1 = 4 stages, but LlamaForCausalLM has only 2"),
     (dict(pp_size=2), "llama", {**FOUR, "tie_word_embeddings": True}, {"schedule": "zbv"},
@@ -582,6 +594,7 @@ def _pretrained_after_split(directory: str, mode: str) -> float | None:
     return max((state[k] - expected[k]).abs().max().item() for k in expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["files", "broadcast"])
 def test_pretrained_weights_load_into_pipeline_stages_after_splitting(tmp_path, mode):
     """cpu_ram_efficient_loading under pp2 x dp_shard2: every stage's weights arrive (read by each rank from the

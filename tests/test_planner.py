@@ -44,6 +44,7 @@ def measured() -> dict:
     return {case: run_case(TINY, case) for case in CASES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-x{c[2]}{'-ac' if c[3] else ''}")
 def test_planner_matches_the_library_on_every_benchmark_layout(measured, case):
     memory, items = predict(TINY, *case)

@@ -26,6 +26,7 @@ def tiny_config(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_the_top_layouts_run_and_are_ranked_by_what_they_measure(tiny_config):
     done = run_cli(*PLAN, "--model", tiny_config, "--json", "--measure-top", "2", "--measure",
                    str(ROOT / "examples" / "nd_parallel.py"), "--steps", "4", "--log-every", "2")
@@ -40,6 +41,7 @@ def test_the_top_layouts_run_and_are_ranked_by_what_they_measure(tiny_config):
     assert "measuring 1/2" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_script_without_a_step_timer_is_reported_not_hidden(tiny_config, tmp_path):
     script = tmp_path / "untimed.py"
     script.write_text("from ndparallel import Accelerator\nAccelerator().end_training()\n")
@@ -48,6 +50,7 @@ def test_a_script_without_a_step_timer_is_reported_not_hidden(tiny_config, tmp_p
     assert "failed: the script timed no steps" in done.stdout and "no layout could be measured" in done.stderr
 
 
+@pytest.mark.slow
 def test_measure_runs_on_one_node_only(tiny_config):
     done = run_cli(*[a if a != "1" else "2" for a in PLAN[:5]], *PLAN[5:], "--model", tiny_config, "--measure",
                    "train.py")

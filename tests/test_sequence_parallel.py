@@ -32,6 +32,7 @@ LAYOUTS = [  # (id, world size, flags); the tiny models have 8 query heads, 4 ke
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 @pytest.mark.parametrize("name,world,flags", LAYOUTS, ids=[l[0] for l in LAYOUTS])
 def test_losses_match_single_process(name, world, flags, model):
@@ -42,6 +43,7 @@ def test_losses_match_single_process(name, world, flags, model):
     assert results[0]["lr"] == pytest.approx(ref["lr"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,model,flags", [
     # tp 2 leaves each rank 2 of the 4 key/value heads, fewer than sp 4: each is repeated to 4 before the all-to-all
     ("sp4_tp2_kv_repeated", 8, "qwen2", ["--sp-size", "4", "--tp-size", "2"]),
@@ -54,6 +56,7 @@ def test_more_layouts_keep_parity(name, world, model, flags):
     assert diff <= 1e-5, f"{name}: per-step losses differ by {diff:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,flags", [("sp2", 2, SP), ("cp2_sp2", 4, ["--cp-size", "2", *SP])])
 def test_uneven_ignored_labels_over_shards_give_single_process_parameters(name, world, flags):
     """Shards hold very different numbers of loss tokens: each rank's loss is weighted by its own shard's count

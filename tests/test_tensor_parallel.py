@@ -31,6 +31,7 @@ def assert_losses_match(results: list[dict], ref: dict, what: str) -> float:
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("name,world,flags", TP_LAYOUTS, ids=[layout[0] for layout in TP_LAYOUTS])
@@ -40,6 +41,7 @@ def test_losses_match_single_process(name, world, flags, model, sequence_paralle
     assert_losses_match(results, reference(model), f"{name} {model} sp={sequence_parallel}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--tp-size", "2"], ["--tp-size", "2", "--sequence-parallel"],
                                    ["--dp-replicate-size", "2", "--tp-size", "2", "--no-fsdp-plugin"]],
                          ids=["tp2", "tp2_sp", "ddp2_tp2"])
@@ -53,6 +55,7 @@ def test_trained_parameters_match_and_tp_peers_agree(flags):
         assert max_param_diff(res["params"], results[0]["params"]) == 0.0
 
 
+@pytest.mark.slow
 def test_uneven_ignored_labels_with_tp_and_accumulation():
     """Token-weighted loss across dp ranks and micro-steps holds with TP (tp peers count their tokens once)."""
     ref = reference("llama", uneven_labels=True, optimizer="sgd", lr=0.5)
@@ -61,6 +64,7 @@ def test_uneven_ignored_labels_with_tp_and_accumulation():
     assert max_param_diff(results[0]["params"], ref["params"]) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,flags", [("llama", ["--tp-size", "2", "--sequence-parallel"]),
                                          ("plain", ["--dp-shard-size", "2", "--tp-size", "2"])],
                          ids=["llama_tp2_sp", "plain_fsdp2_tp2"])
@@ -92,6 +96,7 @@ def test_loss_parallel_keeps_logits_split_over_the_vocabulary():
         assert result == ("DTensor", "(Shard(dim=2),)", (2, 16, 48), "Tensor")  # vocab 96 / 2; loss made local
 
 
+@pytest.mark.slow
 def test_sequence_parallel_with_a_length_tp_does_not_divide():
     """15 tokens over tp 4: the sequence shards are uneven (4, 4, 4, 3) and the result is still exact."""
     from reference import reference_run
@@ -101,6 +106,7 @@ def test_sequence_parallel_with_a_length_tp_does_not_divide():
     assert_losses_match(results, ref, "tp4 sp seq 15")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--activation-checkpointing"], ["--no-fsdp-plugin"]],
                          ids=["fsdp2_tp2_activation_checkpointing", "tp2_without_fsdp_plugin"])
 def test_options_keep_parity(extra):
@@ -110,6 +116,7 @@ def test_options_keep_parity(extra):
     assert_losses_match(results, reference("llama"), f"{flags} {extra}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--dp-shard-size", "2", "--tp-size", "2"], ["--tp-size", "2", "--no-fsdp-plugin"]],
                          ids=["fsdp2_tp2", "tp2_autocast"])
 def test_bf16_follows_the_fp32_trajectory(flags):

@@ -57,6 +57,7 @@ def _compare(cp: int, strategy: str, load_balance: bool) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp,world,strategy,load_balance", [
     (1, 2, "allgather", True), (1, 4, "allgather", True),
     (2, 4, "allgather", True), (2, 4, "ring", True), (2, 4, "ring", False),
