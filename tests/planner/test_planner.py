@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 from planner_check import CASES, predict, run_case  # noqa: E402  (measures the library on forked ranks)

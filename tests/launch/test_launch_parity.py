@@ -12,7 +12,7 @@ import pytest
 
 from reference import reference_run
 
-SCRIPT = Path(__file__).parent / "scripts" / "accelerate_style.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accelerate_style.py"
 
 
 @pytest.mark.slow

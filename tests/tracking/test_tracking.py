@@ -2,7 +2,7 @@
 
 The JSON-lines tracker is checked by reading back what it wrote; names, errors, warnings, the registry and the
 main-process rule with recording trackers of its own. The trackers that use a library (TensorBoard and the
-services) are tests/test_tracking_libraries.py.
+services) are tests/tracking/test_tracking_libraries.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 
 from test_cli import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLAN = ["plan", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "2", "--seq-len", "128",
         "--global-batch-tokens", "1024", "--mixed-precision", "fp32"]
 

@@ -16,7 +16,7 @@ from ndparallel.launch.cli import build_parser, main
 from ndparallel.config import ParallelismConfig
 from ndparallel.launch.launcher import WORKER, plan_launch
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "print_env_launch.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "print_env_launch.py")
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """Context parallelism end to end: the Accelerate-style script against the single-process reference, inputs CP must
 refuse, and the behaviour of `maybe_context_parallel` and of the attention entry points.
 
-Parity tolerances are those of tests/test_parity.py: per-step losses within 1e-5 over 6 AdamW steps (fp32; gradients
+Parity tolerances are those of tests/parallel/test_parity.py: per-step losses within 1e-5 over 6 AdamW steps (fp32; gradients
 pass through reduce-scatters and the blockwise softmax sums in another order), and SGD-trained parameters within 1e-6
 when -100 labels are spread unevenly over the shards.
 """

@@ -4,8 +4,8 @@ table, rendered from the same matrix so the two cannot drift.
 `CASES` is the matrix: a tiny model of each family (tests/scripts/tiny_models.py: FAMILIES) under FSDP2 2, TP 2,
 FSDP2 2 x TP 2, CP 2 and Ulysses SP 2. A case either trains 6 AdamW steps with clipping through the Accelerate-style
 script (tests/scripts/accelerate_style.py) and matches the reference's per-step losses within 1e-5 (fp32; as in
-tests/test_parity.py, reduce-scatters and split matmuls sum floats in another order), or must be refused on every rank
-with the error given. `python tests/test_families.py` rewrites the README table from `CASES`.
+tests/parallel/test_parity.py, reduce-scatters and split matmuls sum floats in another order), or must be refused on every rank
+with the error given. `python tests/parallel/tensor/test_families.py` rewrites the README table from `CASES`.
 
 Beyond the matrix: the tie of input and output embeddings survives prepare, save_state / load_state under another
 layout, and save_model; every style transformers' own plans use for these families resolves; what a layout cannot
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script (README regeneration): the import paths conftest.py gives pytest
-    sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent / "scripts")]
+    _tests = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(_tests), str(_tests / "parallel"), str(_tests / "scripts")]
 
 import pytest  # noqa: E402
 import safetensors.torch  # noqa: E402
@@ -33,7 +34,7 @@ from ndparallel.parallel.tensor import plan_styles, tensor_parallel_styles  # no
 from test_parity import max_param_diff, reference, run_layout  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 START, END = "<!-- families:start -->", "<!-- families:end -->"
 
 LAYOUTS = {  # id -> (column title, world size, flags of tests/scripts/accelerate_style.py)
@@ -95,7 +96,7 @@ def _cell(cases: list[Case]) -> str:
 def render_table(cases: list[Case] = CASES) -> str:
     """The README section between the markers, rendered from `cases`."""
     lines = [
-        "Families (`tests/test_families.py`, which holds this table as data): each tiny model trains 6 AdamW steps "
+        "Families (`tests/parallel/tensor/test_families.py`, which holds this table as data): each tiny model trains 6 AdamW steps "
         "with clipping and matches the single-process losses within 1e-5 (\"tested\"), or the layout refuses it on "
         "every rank with the reason given. Mixture-of-experts: FSDP2 shards the experts along the expert dimension; "
         "under TP they stay whole on every tp rank; no expert parallelism.",
@@ -113,7 +114,7 @@ def render_table(cases: list[Case] = CASES) -> str:
 def readme_section() -> str:
     text = README.read_text()
     if START not in text or END not in text:
-        raise AssertionError(f"README.md has no {START} ... {END} section; run `python tests/test_families.py`")
+        raise AssertionError(f"README.md has no {START} ... {END} section; run `python tests/parallel/tensor/test_families.py`")
     return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
 
 
@@ -126,7 +127,7 @@ def write_readme() -> None:
 
 
 def test_readme_table_is_rendered_from_the_matrix():
-    assert readme_section() == render_table(), "README.md's family table is stale: run `python tests/test_families.py`"
+    assert readme_section() == render_table(), "README.md's family table is stale: run `python tests/parallel/tensor/test_families.py`"
 
 
 def test_every_cell_of_the_matrix_is_decided():

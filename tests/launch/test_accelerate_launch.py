@@ -14,7 +14,7 @@ from ndparallel.launch.cli import build_parser, main
 from ndparallel.launch.launcher import plan_launch
 from test_cli import run_cli
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_launch_report.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "accelerate_launch_report.py")
 
 # What `accelerate config` writes for FSDP2 with a ParallelismConfig (the shape of Accelerate's own example configs).
 ACCELERATE_FILE = {

@@ -7,7 +7,7 @@ object for checkpointing, and, in the same-layout runs, uses attention dropout s
 
 Tolerances: the same layout resumes bit for bit (asserted within 1e-6, fp32). Another layout sums gradients in
 another order (reduce-scatter over other groups, tensor-parallel matmuls split differently), so its losses follow
-the saved layout's within the 1e-5 of tests/test_parity.py.
+the saved layout's within the 1e-5 of tests/parallel/test_parity.py.
 """
 
 from __future__ import annotations

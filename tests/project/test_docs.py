@@ -25,7 +25,7 @@ import pytest
 
 from harness import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"(?:<!-- run: (?P<marker>[^>]*) -->\n)?^```(?P<lang>\S*)\n(?P<code>.*?)^```$", re.S | re.M)
 LANGUAGES = ("python", "bash", "text")

@@ -12,7 +12,7 @@ Rows marked xfail(strict) are inputs the library does not yet reject clearly tod
 happens and what it should say instead. When the library is fixed they XPASS and fail, so the mark comes off
 (none is marked now). Inputs that were once refused or mishandled and are now supported (a scheduler built on a
 prepared optimizer, an optimizer prepared before its model, ``maybe_context_parallel`` under tp) have positive
-tests at the end; random samplers other than ``shuffle=True`` are checked in tests/test_data.py.
+tests at the end; random samplers other than ``shuffle=True`` are checked in tests/core/test_data.py.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ CASES: list[Case] = [
     Case("scheduler-whose-optimizer-was-never-prepared", _scheduler_without_prepared_optimizer,
          ValueError, r"the LR scheduler's optimizer has not been prepared; pass the optimizer to prepare\(\) in the "
                      r"same call or before the scheduler"),
-    # (one rank: FSDP2 wraps only for what it does there too, here CPU offload; tests/test_accelerator_api.py)
+    # (one rank: FSDP2 wraps only for what it does there too, here CPU offload; tests/accelerator/test_accelerator_api.py)
     Case("optimizer-stepped-before-prepare-FSDP-offload-1-rank", lambda: _stepped_optimizer(_fsdp(cpu_offload=True)),
          ValueError, r"the optimizer already has state \(it stepped before prepare\).*build the optimizer, prepare it, "
                      r"then train"),

@@ -3,7 +3,7 @@
 The choice follows the rules SDPA applies to its own fused kernels (dtype, compute capability, head dim, GQA); the
 table below is written from those rules, not from the code. The CUDA ops' calling conventions (argument order, the
 log-sum-exp's shape and padding, GQA's head repetition and the summed K/V gradients) are checked on PyTorch's meta
-device, whose kernels mirror the CUDA ones' output shapes. Their numerics run in the GPU tier (tests/test_gpu.py).
+device, whose kernels mirror the CUDA ones' output shapes. Their numerics run in the GPU tier (tests/gpu/test_gpu.py).
 """
 
 from __future__ import annotations

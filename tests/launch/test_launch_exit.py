@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "exit_kinds.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "exit_kinds.py")
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks forked by torchrun (Linux)")
 
 

@@ -1,7 +1,7 @@
 """Tier 1: the trackers of `ndparallel.tracking` that use a library: TensorBoard and the services (wandb, mlflow,
 trackio, swanlab, comet_ml, aim, clearml, dvclive), each against a stand-in library in ``sys.modules`` that records
 every call (always run), and against the real library where it is installed (``test_real_*``, offline, reading back
-what the library stored; skipped otherwise). The tracker API itself is tests/test_tracking.py.
+what the library stored; skipped otherwise). The tracker API itself is tests/tracking/test_tracking.py.
 """
 
 from __future__ import annotations

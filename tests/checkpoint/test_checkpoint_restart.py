@@ -16,7 +16,7 @@ import torch.distributed.checkpoint  # noqa: F401 - imported once here, not agai
 
 from harness import run_ranks
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resume.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resume.py"
 ARGS = ["--steps", "6", "--checkpoint-every", "2", "--seq-len", "64"]
 
 

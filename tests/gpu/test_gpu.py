@@ -1,6 +1,6 @@
 """The GPU tier: attention block kernels, CP/SP attention and a bf16 training run on one CUDA GPU.
 
-    python -m pytest -m gpu tests/test_gpu.py        # or: bash scripts/gpu_check.sh (tests, then benchmarks)
+    python -m pytest -m gpu tests/gpu/test_gpu.py        # or: bash scripts/gpu_check.sh (tests, then benchmarks)
 
 Skipped without CUDA; CI never runs it. References are computed in fp64 on the same GPU from fresh random inputs.
 Errors are relative to the reference's largest magnitude: bf16 at most 1e-2, fp16 3e-3, fp32 1e-3 (the fp32 kernels
@@ -158,7 +158,7 @@ def test_packed_and_padded_rows_on_one_gpu_match_fp64():
 def test_bf16_training_run_matches_plain_pytorch(tmp_path):
     """The README's example on one GPU in bf16 (fp32 master weights, autocast) against the same model, data and
     optimizer in plain PyTorch: the losses agree within bf16 tolerance."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import nd_parallel
 
     argv = ["--steps", "8", "--seq-len", "256", "--hidden-size", "256", "--layers", "4", "--heads", "8",
@@ -174,9 +174,9 @@ def test_bf16_training_run_matches_plain_pytorch(tmp_path):
 
 def test_fp8_training_run_follows_bf16():
     """The README's example on one GPU with torchao float8 layers (real float8 matmuls) against the same run in bf16:
-    the loss curves stay within 2e-2 (the CPU tier's band, tests/test_fp8.py)."""
+    the loss curves stay within 2e-2 (the CPU tier's band, tests/parallel/test_fp8.py)."""
     pytest.importorskip("torchao.float8", reason="mixed_precision='fp8' needs torchao")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import nd_parallel
 
     argv = ["--steps", "20", "--seq-len", "256", "--hidden-size", "256", "--layers", "4", "--heads", "8",

@@ -10,7 +10,7 @@ import pytest
 
 from harness import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import nd_parallel  # noqa: E402
 
 

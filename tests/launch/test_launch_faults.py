@@ -17,7 +17,7 @@ import pytest
 
 from harness import free_port
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "launch_faults.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "launch_faults.py")
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process and signal checks use Linux's /proc")
 
 

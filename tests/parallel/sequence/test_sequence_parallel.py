@@ -2,7 +2,7 @@
 Accelerate-style script against the single-process reference, what `maybe_context_parallel` does under sp, the
 entry point for models without transformers, and refusals.
 
-Parity tolerances are those of tests/test_parity.py: per-step losses within 1e-5 over 6 AdamW steps (fp32; the
+Parity tolerances are those of tests/parallel/test_parity.py: per-step losses within 1e-5 over 6 AdamW steps (fp32; the
 all-to-alls move data without arithmetic, gradients pass through reduce-scatters), and SGD-trained parameters
 within 1e-6 when -100 labels are spread unevenly over the shards.
 """
