@@ -2,17 +2,18 @@
 
     python benchmarks/parity.py [--tp]
 
-For every layout of tests/test_parity.py and both tiny models: the largest per-step loss difference over 6
+For every layout of tests/parallel/test_parity.py and both tiny models: the largest per-step loss difference over 6
 AdamW steps. Then, with -100 labels spread unevenly, the largest parameter difference after 6 SGD steps,
 next to what naive averaging of per-rank means would give. With --tp: the tensor-parallel layouts of
-tests/test_tensor_parallel.py instead, for every model, with and without Megatron-style sequence parallelism.
+tests/parallel/tensor/test_tensor_parallel.py instead, for every model, with and without Megatron-style sequence
+parallelism.
 """
 
 import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "scripts")]
+sys.path[:0] = [str(TESTS), str(TESTS / "scripts"), str(TESTS / "parallel"), str(TESTS / "parallel" / "tensor")]
 
 import torch  # noqa: E402
 

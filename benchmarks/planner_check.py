@@ -7,7 +7,7 @@ with activation checkpointing) runs on forked gloo ranks (tests/harness.py): the
 warm-up optimizer step, then one counted step -- the bytes and calls of every collective (comm_count's
 CollectiveCounter), the model states per rank just before zero_grad, and the bytes saved for backward in the first
 micro-step. The planner predicts the same from the model's config (`ndparallel.planner.memory.estimate`,
-`ndparallel.planner.comm.transfers`); the table shows both and their ratio. tests/test_planner.py asserts them.
+`ndparallel.planner.comm.transfers`); the table shows both and their ratio. tests/planner/test_planner.py asserts them.
 """
 
 from __future__ import annotations

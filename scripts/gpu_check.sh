@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the GPU test tier (tests/test_gpu.py), then benchmarks/gpu.py's table. Run it on any machine with
+# The GPU check: the GPU test tier (tests/gpu/test_gpu.py), then benchmarks/gpu.py's table. Run it on any machine with
 # a CUDA GPU, from the repository root or anywhere:
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]        # default: gpu_check_out
@@ -25,7 +25,7 @@ print(f"gpu_check: {torch.cuda.get_device_name()} (capability {torch.cuda.get_de
       f"torch {torch.__version__}, CUDA {torch.version.cuda}")
 PY
 
-python -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt"
+python -m pytest -m gpu tests/gpu/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 python benchmarks/gpu.py --out "$out" 2>&1 | tee "$out/gpu_benchmark.txt"
 bench_rc=${PIPESTATUS[0]}

@@ -10,6 +10,10 @@ torch.set_num_threads(1)
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "scripts"))
+# Tests live in a folder per area (mirroring src/ndparallel); they import each other's helpers by module name
+# (`from test_parity import run_layout`), so every folder of tests is on the path too.
+for _area in sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TESTS}):
+    sys.path.insert(0, str(_area))
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Launched by tests/test_accelerate_launch.py: build the Accelerator from what the launcher exported (as an
+"""Launched by tests/launch/test_accelerate_launch.py: build the Accelerator from what the launcher exported (as an
 Accelerate script does, with no arguments), prepare a small model, and print the settings it got as one JSON line."""
 
 import json

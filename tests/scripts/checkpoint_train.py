@@ -1,4 +1,4 @@
-"""An Accelerate-style training loop that saves and resumes checkpoints (the script of tests/test_checkpoint*.py).
+"""An Accelerate-style training loop that saves and resumes checkpoints (the script of tests/checkpoint/test_checkpoint*.py).
 
 `main(argv)` trains until optimizer step ``--steps`` -- starting from a checkpoint with ``--load`` -- saving a
 checkpoint after each step listed in ``--save-at``, and returns {step: global token-mean loss} plus what the tests

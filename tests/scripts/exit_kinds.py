@@ -1,4 +1,4 @@
-"""Launched by tests/test_launch_exit.py under `ndparallel launch`: scripts of every kind that finish (or raise) without
+"""Launched by tests/launch/test_launch_exit.py under `ndparallel launch`: scripts of every kind that finish (or raise) without
 releasing their process group themselves, as most scripts do.
 
 ``MODE --out DIR``: each rank trains two steps the way MODE does, then ends:

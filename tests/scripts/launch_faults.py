@@ -1,4 +1,4 @@
-"""Launched by tests/test_launch_faults.py under `ndparallel launch`: ranks that run on, or stall.
+"""Launched by tests/launch/test_launch_faults.py under `ndparallel launch`: ranks that run on, or stall.
 
 ``loop --pid-dir D``: each rank writes its pid to ``D/rank_<RANK>.pid``, then prints a step every 0.1 s, forever.
 ``stall``: the ranks start a gloo process group and make library calls (heartbeats) for a moment; then rank 1

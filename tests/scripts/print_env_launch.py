@@ -1,4 +1,4 @@
-"""Launched by tests/test_cli.py: print what this rank received from `ndparallel launch`, as one JSON line.
+"""Launched by tests/launch/test_cli.py: print what this rank received from `ndparallel launch`, as one JSON line.
 
 Does not import ndparallel's Accelerator. ``--fail-rank R --exit-code C`` makes rank R exit with code C.
 """

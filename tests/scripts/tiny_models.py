@@ -159,7 +159,7 @@ PLAIN_PLAN = {
 }
 
 
-# ---- one tiny model per popular causal-LM family (tests/test_families.py) ------------------------------------------
+# ---- one tiny model per popular causal-LM family (tests/parallel/tensor/test_families.py) ------------------------------------------
 # Each is fp32 with SDPA attention, no dropout, a vocabulary tp 2 divides, and 2 layers; what makes the family itself
 # (tied embeddings, fused projections, q/k norms, sliding windows, soft-capping, Conv1D, experts) is kept.
 _SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,

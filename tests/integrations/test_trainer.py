@@ -1,0 +1,362 @@
+"""The Hugging Face Trainer and TRL's SFTTrainer on ndparallel's layouts (`ndparallel.integrations.trainer`).
+
+Each layout runs an ordinary Trainer script (scripts/trainer_run.py, scripts/sft_run.py: nothing in them names
+ndparallel) on forked ranks whose NDPARALLEL_* variables say the sizes, as ``ndparallel launch`` sets them, and is
+compared with the same script in one process on the same global batch under stock Accelerate: the loss the Trainer
+logged at every step, its gradient norms and evaluation losses, and the parameters after 6 steps. Labels are -100 on
+a different number of positions in every sample, so ranks and micro-batches hold different numbers of loss tokens.
+Tolerances: fp32, with gradients reduced in another order than one process sums them: 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script (README regeneration): the import paths conftest.py gives pytest
+    _tests = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(_tests), str(_tests / "scripts")]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import sft_run  # noqa: E402
+import trainer_run  # noqa: E402
+from harness import run_ranks  # noqa: E402
+from ndparallel.launch.worker import attach_integrations  # noqa: E402
+from readme_sections import read_section, write_section  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+GLOBAL_BATCH = 4
+TOL = 1e-5
+
+_references: dict[tuple, dict] = {}
+
+
+def layout_env(**sizes: int) -> dict[str, str]:
+    """What `ndparallel launch --<axis>-size N` gives each rank."""
+    return {f"NDPARALLEL_{axis.upper()}_SIZE": str(size) for axis, size in sizes.items()}
+
+
+def world(**sizes: int) -> int:
+    out = 1
+    for size in sizes.values():
+        out *= size
+    return out
+
+
+def batch_ranks(**sizes: int) -> int:
+    return sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1)
+
+
+def train_job(output_dir: str, kwargs: dict) -> dict:
+    attach_integrations()  # what ndparallel's launcher does in each rank before the script
+    return trainer_run.train(output_dir, **kwargs)
+
+
+def reference(tmp_path_factory, **kwargs) -> dict:
+    """The same Trainer script in one process (stock Accelerate) on the same global batch; cached."""
+    key = json.dumps(kwargs, sort_keys=True)
+    if key not in _references:
+        out = str(tmp_path_factory.mktemp("reference"))
+        _references[key] = run_ranks(train_job, 1, out, {"per_device": GLOBAL_BATCH, **kwargs})[0]
+    return _references[key]
+
+
+def run_layout(tmp_path, sizes: dict[str, int], **kwargs) -> list[dict]:
+    per_device = GLOBAL_BATCH // batch_ranks(**sizes)
+    return run_ranks(train_job, world(**sizes), str(tmp_path), {"per_device": per_device, **kwargs},
+                     env=layout_env(**sizes), timeout=600)
+
+
+def merged_parameters(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Every parameter once (pipeline stages hold different ones)."""
+    out: dict[str, torch.Tensor] = {}
+    for result in results:
+        out.update(result["params"])
+    return out
+
+
+def assert_same_run(results: list[dict], ref: dict) -> None:
+    got = results[0]
+    assert got["accelerator"] == "ndparallel.integrations.trainer"
+    assert ref["accelerator"] == "accelerate.accelerator"
+    assert len(got["losses"]) == len(ref["losses"]) == 6
+    for name in ("losses", "grad_norms", "eval_losses"):
+        assert len(got[name]) == len(ref[name])
+        diff = max((abs(a - b) for a, b in zip(got[name], ref[name])), default=0.0)
+        assert diff < TOL, (name, got[name], ref[name])
+    params = merged_parameters(results)
+    assert params.keys() == ref["params"].keys()
+    diff = max((params[k] - ref["params"][k]).abs().max().item() for k in params)
+    assert diff < TOL, diff
+    initial = trainer_run.initial_parameters()
+    moved = max((ref["params"][k] - initial[k]).abs().max().item() for k in params)
+    assert moved > 1e-3  # the run trained: a comparison of untouched weights would prove nothing
+
+
+def describe(sizes: dict[str, int]) -> str:
+    return " x ".join(f"{axis} {size}" for axis, size in sizes.items())
+
+
+# The matrix, as data: the README's table (<!-- trainer:start -->) is rendered from it (`render_table`).
+LAYOUTS = [  # (sizes, options of trainer_run.train, slow)
+    ({"dp_shard": 2}, {}, False),
+    ({"tp": 2}, {}, False),
+    ({"cp": 2}, {}, False),
+    ({"sp": 2}, {}, False),
+    ({"pp": 2}, {}, False),
+    ({"dp_shard": 2}, {"accumulation": 2}, False),
+    ({"dp_shard": 2}, {"accumulation": 2, "average_tokens": False}, False),
+    ({"dp_replicate": 2, "dp_shard": 2}, {}, True),
+    ({"cp": 2, "sp": 2}, {}, True),
+    ({"dp_shard": 2, "tp": 2}, {}, True),
+    ({"pp": 2, "dp_shard": 2}, {"accumulation": 2}, True),
+]
+SFT_CASES = [  # (sizes, SFTConfig fields, what the rows are, slow)
+    ({"dp_shard": 2}, {}, "padded", False),
+    ({"cp": 2}, {}, "padded", False),
+    ({"cp": 2}, {"padding_free": True, "max_length": None}, "padding-free", False),
+    ({"sp": 2}, {"packing": True}, "packed (`packing=True`)", False),
+    ({"sp": 2}, {"padding_free": True, "max_length": None}, "padding-free", False),
+    ({"cp": 2, "sp": 2}, {"padding_free": True, "max_length": None}, "padding-free", True),
+    ({"tp": 2}, {"lora": True}, "padded; LoRA on every projection (`peft_config`)", False),
+]
+
+
+def _param(values: tuple, slow: bool, name: str):
+    return pytest.param(*values, id=name, marks=[pytest.mark.slow] if slow else [])
+
+
+def _options(options: dict) -> str:
+    words = {"accumulation": "gradient accumulation {}", "average_tokens": "average_tokens_across_devices={}"}
+    return ", ".join(words[k].format(v) for k, v in options.items()) or "-"
+
+
+def render_table() -> str:
+    lines = [
+        "Tested (`tests/integrations/test_trainer.py`, which holds this table as data; `python tests/integrations/test_trainer.py` rewrites it): "
+        "each run's logged loss at every step, its gradient norms and evaluation losses, and the parameters after "
+        "6 steps (the SFTTrainer: its 4 logged losses) equal the same script's in one process under stock "
+        "Accelerate on the same global batch within 1e-5, with `-100` labels on a different number of positions in "
+        "every sample.",
+        "",
+        "| trainer | layout | ranks | options / rows |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| Trainer | {describe(sizes)} | {world(**sizes)} | {_options(options)} |"
+              for sizes, options, _ in LAYOUTS]
+    lines += [f"| SFTTrainer | {describe(sizes)} | {world(**sizes)} | {rows} |" for sizes, _, rows, _ in SFT_CASES]
+    return "\n".join(lines)
+
+
+def test_readme_table_is_rendered_from_the_matrix():
+    assert read_section("trainer", "tests/integrations/test_trainer.py") == render_table(), \
+        "README.md's Trainer table is stale: run `python tests/integrations/test_trainer.py`"
+
+
+@pytest.mark.parametrize("sizes,options", [_param((sizes, options), slow, describe(sizes) + "-" + _options(options))
+                                           for sizes, options, slow in LAYOUTS])
+def test_the_trainer_trains_as_one_process(tmp_path, tmp_path_factory, sizes, options):
+    results = run_layout(tmp_path, sizes, eval_steps=3, **options)
+    ref = reference(tmp_path_factory, eval_steps=3, **{k: v for k, v in options.items() if k != "average_tokens"})
+    assert_same_run(results, ref)
+
+
+@pytest.mark.parametrize("sizes", [{"dp_shard": 2}, {"cp": 2}], ids=["dp_shard2", "cp2"])
+def test_predict_and_compute_metrics_give_one_process_metrics(tmp_path, tmp_path_factory, sizes):
+    """predict() with compute_metrics: logits and labels gathered over the batch ranks, whole rows under cp."""
+    results = run_layout(tmp_path, sizes, steps=2, predict=True)
+    ref = reference(tmp_path_factory, steps=2, predict=True)
+    for key in ("test_loss", "test_accuracy", "test_logit_mean"):
+        for result in results:  # every rank reports the metrics
+            assert abs(result["predict"][key] - ref["predict"][key]) < TOL, (key, result["predict"], ref["predict"])
+
+
+def test_fused_adamw_trains_under_tensor_parallelism(tmp_path, tmp_path_factory):
+    """The Trainer's adamw_torch_fused with tensor parallelism alone (sharded linears, plain norms: one fused call
+    would mix DTensors and tensors)."""
+    results = run_layout(tmp_path, {"tp": 2}, optim="adamw_torch_fused")
+    assert_same_run(results, reference(tmp_path_factory, optim="adamw_torch_fused"))
+
+
+def test_checkpoints_resume_exactly_into_another_layout(tmp_path, tmp_path_factory):
+    """save_steps with save_total_limit under dp_shard 2, then resume_from_checkpoint under tp 2: the resumed run logs
+    the uninterrupted run's losses; save_model writes a directory plain transformers loads with the trained weights."""
+    first = tmp_path / "first"
+    full = run_layout(first, {"dp_shard": 2}, save_steps=2, extra={"save_total_limit": 2}, save_to=str(tmp_path / "hf"))
+    assert sorted(p.name for p in first.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4",
+                                                                                           "checkpoint-6"]
+    second = tmp_path / "second"
+    second.mkdir()
+    os.symlink(first / "checkpoint-4", second / "checkpoint-4")
+    resumed = run_layout(second, {"tp": 2}, save_steps=2, resume=str(second / "checkpoint-4"))
+    assert len(resumed[0]["losses"]) == 6
+    assert max(abs(a - b) for a, b in zip(full[0]["losses"], resumed[0]["losses"])) < TOL
+    params = merged_parameters(resumed)
+    assert max((params[k] - full[0]["params"][k]).abs().max().item() for k in params) < TOL
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    assert loaded.keys() == full[0]["params"].keys()
+    assert all(torch.equal(loaded[k].detach(), full[0]["params"][k]) for k in loaded)
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path, tmp_path_factory):
+    """load_best_model_at_end: the parameters at the end are the best checkpoint's, as in one process. "Best" is the
+    highest evaluation loss here, so it is not the last checkpoint (whose parameters the run ends with anyway)."""
+    options = {"eval_steps": 2, "save_steps": 2, "extra": {"load_best_model_at_end": True, "greater_is_better": True,
+                                                           "metric_for_best_model": "eval_loss"}}
+    results = run_layout(tmp_path, {"dp_shard": 2}, **options)
+    ref = reference(tmp_path_factory, **options)
+    assert max(ref["eval_losses"]) != ref["eval_losses"][-1]
+    assert_same_run(results, ref)
+
+
+def sft_job(output_dir: str, per_device: int, config: dict) -> dict:
+    attach_integrations()
+    return sft_run.sft(output_dir, per_device=per_device, **config)
+
+
+@pytest.mark.parametrize("sizes,config", [_param((sizes, config), slow, f"{describe(sizes)}-{rows}")
+                                          for sizes, config, rows, slow in SFT_CASES])
+def test_sft_trainer_trains_as_one_process(tmp_path, sizes, config):
+    """TRL's SFTTrainer: padded rows, packed rows (packing=True) and padding-free rows (documents flattened into one
+    row, positions restarting; TRL's flash-attention fields checked against them and dropped)."""
+    results = run_ranks(sft_job, world(**sizes), str(tmp_path / "run"), 2 // batch_ranks(**sizes) or 1, config,
+                        env=layout_env(**sizes), timeout=600)
+    ref = run_ranks(sft_job, 1, str(tmp_path / "ref"), 2, config)[0]
+    assert results[0]["accelerator"] == "ndparallel.integrations.trainer"
+    assert len(results[0]["losses"]) == len(ref["losses"]) == 4
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], ref["losses"])) < TOL, (results[0], ref)
+
+
+def test_sft_packing_under_context_parallelism_is_refused_by_trl(tmp_path):
+    """TRL refuses packing=True with cp > 1 for Accelerate's sake (its context parallelism drops the mask); with
+    ndparallel padding_free=True is the route (above), and the refusal still comes before any step."""
+    with pytest.raises(AssertionError, match="Packing is not compatible with context parallelism"):
+        run_ranks(sft_job, 2, str(tmp_path), 2, {"packing": True}, env=layout_env(cp=2), timeout=300)
+
+
+def stock_accelerator(_: int) -> str:
+    attach_integrations()
+    from accelerate import Accelerator
+
+    try:
+        Accelerator(cpu=True)
+    except RuntimeError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_a_plain_accelerate_accelerator_is_refused_when_the_launch_has_sizes():
+    """Never silently something else: under `ndparallel launch --cp-size 2`, accelerate's Accelerator would train
+    plain data parallelism; every rank refuses it, before any collective, saying what to do."""
+    for message in run_ranks(stock_accelerator, 2, 0, env=layout_env(cp=2), timeout=120):
+        assert message.startswith("ndparallel launch was asked for cp(2), but this script builds accelerate's "
+                                  "Accelerator"), message
+        assert "from ndparallel import Accelerator" in message
+
+
+def opted_in(output_dir: str) -> dict:
+    import ndparallel  # noqa: F401 -- the script names ndparallel's config, so it imports ndparallel
+    from ndparallel import ParallelismConfig
+
+    return trainer_run.train(output_dir, per_device=GLOBAL_BATCH,
+                             extra={"parallelism_config": ParallelismConfig(cp_size=2)})
+
+
+def test_an_ndparallel_parallelism_config_in_training_arguments_opts_in(tmp_path, tmp_path_factory):
+    """TrainingArguments(parallelism_config=ndparallel.ParallelismConfig(...)) under a launcher that passes no sizes
+    (torchrun, accelerate launch): the Trainer is taken over all the same."""
+    results = run_ranks(opted_in, 2, str(tmp_path), timeout=600)
+    assert_same_run(results, reference(tmp_path_factory))
+
+
+def test_unsupported_transformers_versions_are_refused_with_the_range():
+    from ndparallel.integrations.trainer import SUPPORTED_TRANSFORMERS, check_version
+
+    check_version("5.24.0")
+    for version in ("5.23.1", "5.25.0", "6.0.0"):
+        with pytest.raises(RuntimeError, match=rf"supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, but "
+                                               rf"transformers {version} is installed"):
+            check_version(version)
+
+
+def launched_history(tmp_path: Path, name: str, launcher: list[str], script: str, *flags: str) -> list[dict]:
+    """Run an example script as a user would; return the Trainer's log history (trainer_state.json)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NDPARALLEL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    out = tmp_path / name
+    proc = subprocess.run([*launcher, str(ROOT / "examples" / script), "--output_dir", str(out), "--use_cpu",
+                           "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", *flags],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "trainer_state.json").read_text())["log_history"]
+
+
+def losses_of(history: list[dict]) -> list[float]:
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+LAUNCH = [sys.executable, "-m", "ndparallel.cli", "launch", "--nproc-per-node", "2"]
+
+
+def test_an_unmodified_trainer_script_under_ndparallel_launch(tmp_path):
+    """examples/trainer_clm.py, launched with --cp-size 2 and no change to the script, against `python` of it."""
+    flags = ["--max_steps", "4", "--per_device_train_batch_size", "4"]
+    one = launched_history(tmp_path, "one", [sys.executable], "trainer_clm.py", *flags)
+    cp = launched_history(tmp_path, "cp", [*LAUNCH, "--cp-size", "2"], "trainer_clm.py", *flags)
+    assert len(losses_of(cp)) == len(losses_of(one)) == 4
+    assert max(abs(a - b) for a, b in zip(losses_of(cp), losses_of(one))) < TOL
+    assert abs(cp[-1]["eval_loss"] - one[-1]["eval_loss"]) < TOL
+
+
+def test_an_unmodified_sft_script_under_ndparallel_launch(tmp_path):
+    """examples/sft.py with --packing, launched with --sp-size 2, against `python` of it."""
+    flags = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--bf16", "false", "--packing",
+             "--max_length", "64"]
+    one = launched_history(tmp_path, "one", [sys.executable], "sft.py", *flags)
+    sp = launched_history(tmp_path, "sp", [*LAUNCH, "--sp-size", "2"], "sft.py", *flags)
+    assert len(losses_of(sp)) == len(losses_of(one)) == 3
+    assert max(abs(a - b) for a, b in zip(losses_of(sp), losses_of(one))) < TOL
+
+
+def saved_on_the_main_process_only(output_dir: str) -> str:
+    """The idiom of a script written for plain DDP, where every rank holds the whole model."""
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+    from tiny_models import build_model
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = acc.prepare(build_model())
+    try:
+        if acc.is_main_process:
+            acc.unwrap_model(model).save_pretrained(output_dir)
+        acc.wait_for_everyone()
+    except TimeoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_save_pretrained_on_the_main_process_only_fails_at_once_naming_it(tmp_path):
+    """Item 6: sharded weights make save_pretrained collective. Called under `if is_main_process:` it fails on
+    every rank as soon as the others reach their next collective call -- here wait_for_everyone -- instead of
+    waiting out the timeout."""
+    import time
+
+    started = time.time()
+    messages = run_ranks(saved_on_the_main_process_only, 2, str(tmp_path / "model"), timeout=120)
+    assert time.time() - started < 60
+    for message in messages:
+        assert "the ranks reached different collective calls" in message, message
+        assert "'save_pretrained' / 'wait_for_everyone'" in message
+        assert "call it on every rank" in message
+
+
+if __name__ == "__main__":
+    write_section("trainer", render_table(), "tests/integrations/test_trainer.py")
+    print("wrote the Trainer table of README.md")
