@@ -19,6 +19,7 @@ Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
 from __future__ import annotations
 
 import contextlib
+import warnings
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -165,6 +166,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         # The plain objects prepare() has taken, to refuse them a second time: id -> a weak reference (an id alone
         # could be reused by a new object once the old one is freed).
         self._taken: dict[int, Callable[[], Any]] = {}
+        self._accumulating = 0  # accumulate() blocks entered and not left
+        self._warned_outside_accumulate = False
         checkpoint.announce(s.fsdp_plugin)  # cpu_ram_efficient_loading: tell transformers, as Accelerate does
 
     # ---- settings as properties over the one copy (Accelerate's names; settable where Accelerate's are) -----------
@@ -361,11 +364,21 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             local_count=sharding.count_loss_tokens if sharding is not None else None,
             sequence_plan=sharding.plan if sharding is not None and sharding.balance_documents else None,
             split_batches=config.split_batches, even_batches=config.even_batches, non_blocking=config.non_blocking,
+            lockstep=self._lockstep_reason(),
         )
         self.prepared.dataloaders.append(prepared)
         return prepared
 
     prepare_dataloader = prepare_data_loader
+
+    def _lockstep_reason(self) -> str:
+        """Why every rank must run every step of a data loader (collectives in every forward), or "" under DDP (whose
+        ranks can run uneven numbers of steps inside `join_uneven_inputs`) and on one process."""
+        sizes = [f"{axis}_size={self.mesh.size(axis)}" for axis in ("tp", "cp", "sp", "pp") if self.mesh.size(axis) > 1]
+        reasons = [f"{' x '.join(sizes)} runs collectives in every forward"] if sizes else []
+        if self._settings.fsdp and self.num_processes > 1:
+            reasons.insert(0, "FSDP2 all-gathers the sharded parameters in every forward")
+        return "; ".join(reasons)
 
     def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):
@@ -410,6 +423,13 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         # nothing to do; every model is asked (a list, not a generator), so every such flag is cleared.
         if any([parallel.interface(m).consume_backward() for m in self.prepared.models]):
             return
+        if self.gradient_accumulation_steps > 1 and not self._accumulating and not self._warned_outside_accumulate:
+            self._warned_outside_accumulate = True  # once: a loop that does this does it every micro-step
+            warnings.warn(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}, but backward() runs outside "
+                "`with accelerator.accumulate(model):`, so gradients synchronise and optimizer.step() updates on every "
+                "micro-batch (as in Accelerate); wrap each micro-step in accelerator.accumulate(model) to accumulate",
+                stacklevel=2)
         loss = loss * self.gradient_state.loss_factor()
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
@@ -429,11 +449,15 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         """One micro-step: gradients synchronise (and the optimizer steps) only on the last of a window (on every
         micro-step with ``GradientAccumulationPlugin(sync_each_batch=True)``)."""
         sync = self.gradient_state.advance()
-        with contextlib.ExitStack() as stack:
-            if not sync and not self._settings.sync_each_batch:
-                for model in models or self.prepared.models:
-                    stack.enter_context(self.no_sync(model))
-            yield
+        self._accumulating += 1
+        try:
+            with contextlib.ExitStack() as stack:
+                if not sync and not self._settings.sync_each_batch:
+                    for model in models or self.prepared.models:
+                        stack.enter_context(self.no_sync(model))
+                yield
+        finally:
+            self._accumulating -= 1
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
