@@ -451,6 +451,10 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         metrics.write_run_metrics(getattr(self, "_step_timer", None), self.process_index, self.num_processes,
                                   self.device)
         self.trackers.finish()
+        try:
+            checkpoint.wait_for_saves()  # a background save commits before the process group goes
+        finally:
+            checkpoint.background.release()
         if dist.is_initialized():
             self.wait_for_everyone()
             release_process_group()
