@@ -3,12 +3,17 @@ prepared objects (`ndparallel.checkpoint`; docs/checkpoints.md)."""
 
 from __future__ import annotations
 
+import functools
 import os
+from collections import OrderedDict
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import agreement, checkpoint, parallel
 from ..checkpoint import ProjectConfiguration
@@ -59,8 +64,43 @@ class CheckpointingMixin:
         """
         self._ignored_kwargs("save_state", kwargs)
         self._check_same_directory("save_state", output_dir)
+        hooks = list(self._save_state_pre_hooks.values())
+        models = list(self.prepared.models)
+
+        def before_write(staging: Path) -> None:
+            for hook in hooks:
+                hook(models, [], str(staging))
+
         return str(checkpoint.save_state(self.prepared, self._run_settings(), self.project_configuration, output_dir,
-                                         async_save=async_save))
+                                         async_save=async_save, before_write=before_write if hooks else None))
+
+    def register_save_state_pre_hook(self, hook: Callable[[list[nn.Module], list[Any], str], None]
+                                     ) -> RemovableHandle:
+        """Call ``hook(models, weights, output_dir)`` on every rank in each `save_state`, before the state is
+        written; returns a handle whose ``remove()`` unregisters it.
+
+        As Accelerate does under FSDP: ``weights`` is empty and every model is saved by `save_state` itself, so a
+        hook saves *extra* files (a configuration, a model in its own format) into ``output_dir``, which is the
+        checkpoint's staging directory: its files are checksummed and committed with the checkpoint."""
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[[list[nn.Module], str], None]) -> RemovableHandle:
+        """Call ``hook(models, input_dir)`` on every rank in each `load_state`, once the checkpoint has verified and
+        before anything is loaded; returns a handle whose ``remove()`` unregisters it. Every model is then loaded by
+        `load_state` itself (as Accelerate does under FSDP)."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    @functools.cached_property
+    def _save_state_pre_hooks(self) -> OrderedDict[int, Callable[..., None]]:
+        return OrderedDict()  # RemovableHandle holds a weak reference: a plain dict cannot have one
+
+    @functools.cached_property
+    def _load_state_pre_hooks(self) -> OrderedDict[int, Callable[..., None]]:
+        return OrderedDict()
 
     def wait_for_checkpoint(self) -> str | None:
         """Wait until a ``save_state(async_save=True)`` under way has committed (raising its error if it failed);
@@ -73,7 +113,15 @@ class CheckpointingMixin:
         of the project without `input_dir`); return its directory. Collective."""
         self._ignored_kwargs("load_state", kwargs)
         self._check_same_directory("load_state", input_dir)
-        return str(checkpoint.load_state(self.prepared, self.project_configuration, input_dir))
+        hooks = list(self._load_state_pre_hooks.values())
+        models = list(self.prepared.models)
+
+        def before_load(directory: Path) -> None:
+            for hook in hooks:
+                hook(models, str(directory))
+
+        return str(checkpoint.load_state(self.prepared, self.project_configuration, input_dir,
+                                         before_load=before_load if hooks else None))
 
     def _check_same_directory(self, what: str, directory: str | os.PathLike | None) -> None:
         """Every rank here (a monitored barrier), with the same directory: a checkpoint is one directory that all

@@ -19,6 +19,7 @@ Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -203,13 +204,21 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         """Whether the last optimizer step was skipped (an accumulation micro-step, or fp16 found inf/nan)."""
         return any(opt.step_was_skipped for opt in self.prepared.optimizers)
 
+    # Accelerate's private lists of what prepare() returned, which scripts and tests read: views of `prepared`.
+    _models = property(lambda self: self.prepared.models)
+    _optimizers = property(lambda self: self.prepared.optimizers)
+    _schedulers = property(lambda self: self.prepared.schedulers)
+    _dataloaders = property(lambda self: self.prepared.dataloaders)
+    _custom_objects = property(lambda self: self.prepared.custom_objects)
+
     # ---- prepare -------------------------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None,
                 tp_plan: dict[str, str] | None = None) -> Any:
         """Prepare models, optimizers, data loaders and LR schedulers, in any order and number.
 
         Returns them in the order given (a single object when one was given); an object this or another Accelerator
-        already prepared comes back as it is. Models are prepared first, so an optimizer built from a model's
+        already prepared comes back as it is, and so does anything else (``None``, a list: as Accelerate does). Each
+        prepared object gets ``_is_accelerate_prepared = True``. Models are prepared first, so an optimizer built from a model's
         parameters before `prepare` is pointed at the parameters that replace them. `tp_plan` (pattern -> style,
         see `ndparallel.parallel.tensor`) overrides the tensor-parallel plan of the models passed.
         """
@@ -237,11 +246,12 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
                     if kind in ("model", "dataloader") and device_placement is not None:
                         extra["device_placement"] = device_placement[i]
                     out[i] = getattr(self, f"prepare_{kind}")(obj, **extra)
+                    out[i]._is_accelerate_prepared = True  # Accelerate's mark, which the Trainer and tests read
                     self._taken[id(obj)] = _weak(obj)  # only once prepared: a failed prepare() may be retried
         return out[0] if len(out) == 1 else tuple(out)
 
     @staticmethod
-    def _kind(index: int, obj: Any) -> str:
+    def _kind(index: int, obj: Any) -> str | None:
         if isinstance(obj, nn.Module):
             return "model"
         if isinstance(obj, torch.optim.Optimizer):
@@ -250,17 +260,18 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
             return "dataloader"
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             return "scheduler"
-        raise TypeError(
-            f"prepare(): argument {index} is a {type(obj).__module__}.{type(obj).__name__}; prepare() takes "
-            "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader and "
-            "torch.optim.lr_scheduler.LRScheduler objects"
-        )
+        if obj is not None:  # None is how scripts pass "no scheduler"; anything else may be a mistake: said once
+            warnings.warn(f"prepare(): argument {index} is a {type(obj).__module__}.{type(obj).__name__}, which "
+                          "prepare() does not change; it is returned as it is (prepare() takes torch.nn.Module, "
+                          "torch.optim.Optimizer, torch.utils.data.DataLoader and torch.optim.lr_scheduler.LRScheduler "
+                          "objects)", stacklevel=3)
+        return None  # returned as it is, as Accelerate does
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False,
                       tp_plan: dict[str, str] | None = None) -> nn.Module:
         """Parallelise `model` over the mesh (`ndparallel.parallel.parallelize`). `evaluation_mode` is accepted for
         Accelerate's sake (the model is parallelised the same way)."""
-        if isinstance(model, _PREPARED_TYPES):
+        if isinstance(model, _PREPARED_TYPES) or any(model is m for m in self.prepared.models):
             return model
         old = dict(model.named_parameters(remove_duplicate=False))  # every name of a tied parameter
         config = self.parallelism_config
@@ -428,8 +439,18 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
     # ---- models and the end ---------------------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
-        """The model without its DDP wrapper (FSDP2 and checkpointing change no parameter names)."""
-        return parallel.unwrap(model)
+        """The model without its DDP (or ``torch.nn.DataParallel``) wrapper; FSDP2 and checkpointing change no
+        parameter names. A ``torch.compile``'d model is unwrapped inside: with `keep_torch_compile` the compiled
+        wrapper is kept around the unwrapped model (its ``_orig_mod`` replaced, as Accelerate does), else the
+        unwrapped model itself is returned."""
+        compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+        inner = parallel.unwrap(model._orig_mod if compiled is not None else model)
+        while isinstance(inner, (DistributedDataParallel, nn.DataParallel)):
+            inner = inner.module
+        if compiled is not None and keep_torch_compile:
+            compiled._orig_mod = inner
+            return compiled
+        return inner
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget every prepared object (and `objects`), collect garbage and release cached device memory. Returns a
@@ -465,6 +486,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         mean nothing elsewhere); process groups travel by name (`ndparallel.runtime.group_name`)."""
         state = dict(self.__dict__)
         state["_param_map"], state["_taken"] = {}, {}
+        for hooks in ("_save_state_pre_hooks", "_load_state_pre_hooks"):  # functions of this process: not carried
+            state.pop(hooks, None)
         return state
 
     def __repr__(self) -> str:

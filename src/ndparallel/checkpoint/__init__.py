@@ -7,6 +7,8 @@ Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `sav
 - `project`: `ProjectConfiguration`, automatic naming, ``total_limit``, the newest complete checkpoint;
 - `manifest`: the metadata file, tensor names and shapes, tied names: what is checked before anything loads;
 - `validate`: the values of the small files and metadata fields, checked before anything loads;
+- `verify`: the whole check before a load (what was saved against what is prepared, checksums, DCP metadata, the
+  small states), and the newest complete checkpoint of a project that verifies;
 - `training_state`: what `save_state` / `load_state` write and read, from the Accelerator's record of prepared objects;
 - `background`: ``save_state(async_save=True)``: host copies of the state, the writer thread, waiting for it;
 - `export`: `save_model`, `get_state_dict`, `merge_weights` (``ndparallel merge-weights``);

@@ -54,25 +54,22 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
 
 from .._version import __version__
 from ..config import ParallelismConfig
 from ..parallel import interface, state_module, unwrap
 from ..prepared import PreparedObjects
 from ..runtime import heartbeat
-from . import background, storage, validate
-from .manifest import compare_tensors, model_tensors, read_metadata, tied_names
+from . import background, storage, validate, verify
+from .manifest import model_tensors, tied_names
 from .project import (
     ProjectConfiguration,
     checkpoint_number,
-    complete_checkpoints,
     next_number,
     prune,
 )
 from .storage import (
     CheckpointError,
-    CheckpointNotFoundError,
     agree,
     on_main,
     rank,
@@ -117,24 +114,6 @@ def _hf_config_files(model: torch.nn.Module, directory: Path) -> None:
     can_generate = getattr(model, "can_generate", lambda: False)()
     if generation is not None and hasattr(generation, "to_json_file") and can_generate:
         generation.to_json_file(directory / "generation_config.json")
-
-
-def _class_name(model: torch.nn.Module) -> str:
-    """The model's own class name (FSDP2 swaps in a subclass named ``FSDP<name>``)."""
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
-
-
-def _components(prepared: PreparedObjects) -> dict[str, Any]:
-    """What a checkpoint of these objects holds, as compared at load time."""
-    return {
-        "models": [_class_name(unwrap(m)) for m in prepared.models],
-        "optimizers": [type(o.optimizer).__name__ for o in prepared.optimizers],
-        "param_groups": [len(o.param_groups) for o in prepared.optimizers],
-        "schedulers": [type(s.scheduler).__name__ for s in prepared.schedulers],
-        "dataloaders": len(prepared.dataloaders),
-        "custom_objects": [type(o).__name__ for o in prepared.custom_objects],
-        "scaler": prepared.scaler is not None,
-    }
 
 
 def _versions() -> dict[str, str]:
@@ -228,7 +207,8 @@ def _written(what: str, directory: Path, write: Callable[[], None]) -> None:
 
 # ---- save --------------------------------------------------------------------------------------------------------
 def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration,
-               output_dir: str | Path | None = None, async_save: bool = False) -> Path:
+               output_dir: str | Path | None = None, async_save: bool = False,
+               before_write: Callable[[Path], None] | None = None) -> Path:
     """Collective: write a checkpoint of everything `prepared` holds; return its directory (see the module doc).
 
     An existing `output_dir` is replaced only if it is empty or a complete ndparallel checkpoint; anything else
@@ -238,7 +218,11 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
     With `async_save`, the state is copied to host memory here and written by a thread of this rank (its
     collectives on a process group of their own, `storage.collectives_on`), while training goes on: the next save,
     `load_state` and `background.wait` wait for it, and raise its error if it failed. Until it commits, the newest
-    complete checkpoint is the one before."""
+    complete checkpoint is the one before.
+
+    `before_write(staging)` runs on every rank once the staging directory exists (Accelerate's save-state pre-hooks:
+    files it writes there are checksummed and committed with the checkpoint); if it raises on any rank, every rank
+    raises and nothing is committed."""
     background.wait()
     automatic = project.automatic_checkpoint_naming
     if automatic:
@@ -263,6 +247,8 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
     final, staging = on_main(make_staging)
     started = time.perf_counter()
     try:
+        if before_write is not None:
+            _run_hook(before_write, staging, "save_state")
         parts = _parts(prepared, run, project, final, owners, staged=async_save)
     except BaseException:
         if rank() == 0:
@@ -273,6 +259,16 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
     else:
         _write_parts(parts, run, project, final, staging, started)
     return final
+
+
+def _run_hook(hook: Callable[[Path], None], directory: Path, what: str) -> None:
+    """Collective: run a user's hook on this rank; if it raised on any rank, raise on every rank (naming it)."""
+    error = None
+    try:
+        hook(directory)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or they would hang in the next collective
+        error = f"a {what} pre-hook raised on rank {rank()}: {type(exc).__name__}: {exc}"
+    storage.agree(error)
 
 
 @dataclass
@@ -344,7 +340,7 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
         "world_size": world_size(), "parallelism": run.parallelism.to_dict(), "device": run.device_type,
         "state_dict_type": SHARDED if not full else FULL, "mixed_precision": run.mixed_precision,
         "gradient_accumulation_steps": run.gradient_accumulation_steps, "versions": _versions(),
-        **_components(prepared), "model_tensors": tables or [model_tensors(m) for m in prepared.models],
+        **verify.components(prepared), "model_tensors": tables or [model_tensors(m) for m in prepared.models],
         "model_tied": [tied_names(unwrap(m)) for m in prepared.models], "optimizer_models": owners,
         "fresh_optimizers": fresh,
     }
@@ -427,122 +423,24 @@ def _check_layout(prepared: PreparedObjects, full: bool) -> None:
                          "layout loads; `ndparallel merge-weights` makes full weights of it")
 
 
-def _validate(prepared: PreparedObjects, path: Path, tables: list[dict[str, list[int]]]) -> dict[str, Any]:
-    """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem.
-    `tables`: the prepared models' tensors (`manifest.model_tensors`, collective)."""
-    meta = read_metadata(path)
-    mine = _components(prepared)
-    keys = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects", "scaler")
-    if any(meta.get(k) != mine[k] for k in keys):
-        def describe(c: dict[str, Any]) -> str:
-            return (f"models {c.get('models')}, optimizers {c.get('optimizers')}, LR schedulers {c.get('schedulers')}, "
-                    f"{c.get('dataloaders')} data loader(s), registered objects {c.get('custom_objects')}, "
-                    f"grad scaler {'yes' if c.get('scaler') else 'no'}")
-        raise CheckpointError(
-            f"checkpoint {path} cannot be loaded into this Accelerator: it holds {describe(meta)}; this Accelerator "
-            f"has {describe(mine)}. Prepare (and register_for_checkpointing) the same kinds of objects, in the same "
-            "order, before load_state")
-    if meta.get("param_groups") != mine["param_groups"]:
-        raise CheckpointError(f"checkpoint {path}: the optimizers had {meta.get('param_groups')} parameter groups, "
-                              f"these have {mine['param_groups']}")
-    validate.check_metadata(meta, path, len(prepared.models), len(prepared.optimizers))
-    for i, expected in enumerate(tables):
-        problem = compare_tensors(meta["model_tensors"][i], expected, f"checkpoint {path}: model {i}")
-        if problem:
-            raise CheckpointError(problem)
-    return meta
-
-
-def _check_dcp_metadata(prepared: PreparedObjects, path: Path, meta: dict[str, Any]) -> None:
-    """Rank 0: read DCP's own (pickled) metadata files safely, so a bad one fails here and not inside DCP."""
-    if meta["state_dict_type"] == SHARDED:
-        names = [f"model_{i}" for i in range(len(prepared.models))]
-        for name in names + [f"optimizer_{j}" for j in range(len(prepared.optimizers))]:
-            storage.read_dcp_metadata(path / name)
-
-
-def _read_small(prepared: PreparedObjects, path: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """This rank's small states from `path`, each checked (`validate`); raises `CheckpointCorruptError`."""
-    small: dict[str, Any] = {}
-    small["schedulers"] = [storage.load_torch_file(path / f"scheduler_{k}.pt", f"LR scheduler {k}")
-                           for k in range(len(prepared.schedulers))]
-    for k, state in enumerate(small["schedulers"]):
-        validate.check_mapping(state, path, f"scheduler_{k}.pt")
-    small["scaler"] = storage.load_torch_file(path / "scaler.pt", "grad scaler") if prepared.scaler else None
-    if prepared.scaler is not None:
-        validate.check_scaler(small["scaler"], path)
-    small["custom"] = [storage.load_torch_file(path / f"custom_checkpoint_{k}.pt", f"registered object {k}")
-                       for k in range(len(prepared.custom_objects))]
-    small["dataloaders"] = storage.read_json(path / "dataloaders.json", "data loader positions")
-    validate.check_dataloaders(small["dataloaders"], path, len(prepared.dataloaders))
-    small["gradient_state"] = storage.read_json(path / "gradient_state.json", "gradient state")
-    validate.check_gradient_state(small["gradient_state"], path)
-    rng_file = f"random_states_{rank() if meta['world_size'] == world_size() else 0}.pt"
-    small["rng"] = storage.load_torch_file(path / rng_file, "RNG state")
-    validate.check_rng(small["rng"], path, rng_file)
-    return small
-
-
-def _check(prepared: PreparedObjects, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Collective: everything about `path` that can be checked without touching `prepared` -- metadata, every
-    file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states)."""
-    heartbeat(f"load_state: checking {path.name}")
-    tables = [model_tensors(m) for m in prepared.models]  # collective under pipeline stages
-    meta = on_main(lambda: _validate(prepared, path, tables))
-    storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
-    on_main(lambda: _check_dcp_metadata(prepared, path, meta))
-    error, small = None, {}
-    try:
-        small = _read_small(prepared, path, meta)
-    except CheckpointError as exc:
-        error = exc
-    agree(error)
-    return meta, small
-
-
-def _candidates(project: ProjectConfiguration) -> list[Path]:
-    if not project.automatic_checkpoint_naming:
-        raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True) "
-                         "to find the newest checkpoint")
-    found = on_main(lambda: complete_checkpoints(project.checkpoints_dir))
-    if not found:
-        raise CheckpointNotFoundError(f"no complete checkpoint in {project.checkpoints_dir}")
-    return found[::-1]
-
-
-def _check_newest(prepared: PreparedObjects, project: ProjectConfiguration) -> tuple[Path, dict, dict]:
-    """Collective: the newest checkpoint of the project that verifies, warning (rank 0) about each newer one that
-    is damaged; one that does not fit `prepared` (another model...) raises, as an explicit path does."""
-    skipped: list[str] = []
-    candidates = _candidates(project)
-    for i, path in enumerate(candidates):
-        try:
-            meta, small = _check(prepared, path)
-        except (storage.CheckpointCorruptError, CheckpointNotFoundError) as exc:
-            skipped.append(f"{path.name}: {exc}")
-            if rank() == 0:
-                then = f"trying {candidates[i + 1].name}" if i + 1 < len(candidates) else "no older checkpoint left"
-                warnings.warn(f"load_state(): skipping {path}, it is damaged: {exc}; {then}", stacklevel=4)
-            continue
-        return path, meta, small
-    raise CheckpointError(f"no checkpoint in {project.checkpoints_dir} can be loaded, all are damaged: "
-                          + " | ".join(skipped))
-
-
-def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_dir: str | Path | None = None) -> Path:
+def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_dir: str | Path | None = None,
+               before_load: Callable[[Path], None] | None = None) -> Path:
     """Collective: restore everything `save_state` wrote into the `prepared` objects; return the directory.
 
     Every file is checked (checksums, then the values of the small files) before anything is loaded, so a bad
     checkpoint raises the same `CheckpointError` on every rank and leaves `prepared` as it was. Without
     `input_dir` (automatic naming), a damaged newest checkpoint is skipped, with a warning, for the newest one that
-    verifies; with `input_dir`, it raises."""
+    verifies; with `input_dir`, it raises. `before_load(directory)` runs on every rank once the checkpoint has
+    verified, before anything is loaded (Accelerate's load-state pre-hooks)."""
     background.wait()  # a background save under way first commits (or fails)
     if input_dir is not None:
         path = Path(input_dir)
-        meta, small = _check(prepared, path)
+        meta, small = verify.check(prepared, path)
     else:
-        path, meta, small = _check_newest(prepared, project)
+        path, meta, small = verify.check_newest(prepared, project)
     _check_layout(prepared, meta["state_dict_type"] == FULL)
+    if before_load is not None:
+        _run_hook(before_load, path, "load_state")
 
     # Objects whose load_state_dict may still refuse a state (a data loader under another kind of batching, a
     # user's object) go first, and are all put back if one refuses: then nothing has been touched.
@@ -586,7 +484,7 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
             opt.optimizer.state.clear()
         del state
 
-    prepared.gradient_state.load_state_dict(small["gradient_state"])  # values checked in _read_small
+    prepared.gradient_state.load_state_dict(small["gradient_state"])  # values checked in verify.read_small
     rng_crcs = {info["crc32"] for name, info in meta["files"].items() if name.startswith("random_states_")}
     if meta["world_size"] != world_size() and len(rng_crcs) > 1:
         warnings.warn(f"checkpoint saved by {meta['world_size']} process(es) with different random states, loaded by "

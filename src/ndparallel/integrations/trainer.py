@@ -158,10 +158,6 @@ class TrainerAccelerator(Accelerator):
     def _loss_weight_inside_the_model(self) -> float:
         return super()._loss_weight_inside_the_model() * self.loss_scale_after_the_call
 
-    @property
-    def _models(self) -> list[Any]:
-        return self.prepared.models
-
     def free_memory(self, *objects: Any) -> list[None]:
         """The Trainer frees memory as every ``train()`` starts. Its model stays as `prepare` made it (sharded in
         place, or wrapped: `_wrap_model` hands the Trainer the prepared one), so it stays on record."""
