@@ -1,0 +1,14 @@
+"""Long sequences in less memory: what lives outside attention once CP/SP shard it.
+
+- `cross_entropy`: the LM head and its cross-entropy over chunks of tokens (`linear_cross_entropy`), exact, also
+  vocabulary-parallel over ``tp``; `head_source`: what a model does to its logits between head and loss, read from its
+  source; `loss_head`: the hooks that put the chunked loss on a Hugging Face causal LM;
+- `config`: `MemoryKwargs`, the switches; `apply`: the step of `ndparallel.parallel.parallelize`.
+"""
+
+from .apply import apply_memory_features
+from .config import MemoryKwargs
+from .cross_entropy import linear_cross_entropy
+from .loss_head import chunked_loss_of, chunked_loss_status
+
+__all__ = ["MemoryKwargs", "apply_memory_features", "chunked_loss_of", "chunked_loss_status", "linear_cross_entropy"]
