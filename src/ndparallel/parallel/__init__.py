@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # 3b. Mixture-of-experts models: the load-balancing loss over the tokens of every rank of ``loss``, not each rank's.
     model = apply_global_load_balancing(model, mesh, options)
     # 3c. Long sequences in less memory: the LM head and its loss over chunks of tokens (after TP, whose hooks lay out
-    # the head's input).
+    # the head's input), decoder MLPs over tiles of the sequence.
     model = apply_memory_features(model, mesh, options)
     # 4. Activation checkpointing of the transformer blocks.
     model = apply_activation_checkpointing(model, mesh, options)

@@ -3,6 +3,7 @@
 - `cross_entropy`: the LM head and its cross-entropy over chunks of tokens (`linear_cross_entropy`), exact, also
   vocabulary-parallel over ``tp``; `head_source`: what a model does to its logits between head and loss, read from its
   source; `loss_head`: the hooks that put the chunked loss on a Hugging Face causal LM;
+- `tiled_mlp`: decoder MLPs over tiles of the sequence, recomputed tile by tile in backward;
 - `config`: `MemoryKwargs`, the switches; `apply`: the step of `ndparallel.parallel.parallelize`.
 """
 
