@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # 3c. Long sequences in less memory: the LM head and its loss over chunks of tokens (after TP, whose hooks lay out
     # the head's input), decoder MLPs over tiles of the sequence.
     model = apply_memory_features(model, mesh, options)
-    # 4. Activation checkpointing of the transformer blocks.
+    # 4. Activation checkpointing of the transformer blocks (activations offloaded to host memory when asked).
     model = apply_activation_checkpointing(model, mesh, options)
     # 5. Regional compilation: each block compiled in place, before FSDP2 wraps it.
     model = apply_regional_compilation(model, mesh, options)
