@@ -163,8 +163,10 @@ def _forward_and_gradients(hidden, weight, bias, labels, ignore_index, denominat
     shape = hidden.shape
     h = hidden.reshape(-1, shape[-1])
     y = labels.reshape(-1).to(h.device)
-    rows = (y != ignore_index).nonzero().squeeze(1)
-    count = rows.numel()
+    valid = y != ignore_index
+    count = int(valid.sum())
+    # Only the counted tokens go through the head: all of them as row ranges (no copy), else gathered.
+    rows = None if count == y.numel() else valid.nonzero().squeeze(1)
     if denominator is None:
         denominator = torch.tensor(float(count), device=h.device)  # the mean over counted tokens (0: NaN)
     scale = 1.0 / torch.as_tensor(denominator, dtype=torch.float32, device=h.device)
@@ -173,22 +175,31 @@ def _forward_and_gradients(hidden, weight, bias, labels, ignore_index, denominat
     vocab_local = w.shape[0]
     need_h, need_w, need_b = needs
     grad_h = torch.zeros(h.shape, dtype=dtype, device=h.device) if need_h else None
+    # The head's gradient sums over chunks: in fp32 (in place when the head computes in fp32).
     grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_w else None
     grad_b = torch.zeros(vocab_local, dtype=torch.float32, device=h.device) if need_b and b is not None else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     step = chunk_rows(count, vocab_local, chunk)
     for start in range(0, count, step):
-        idx = rows[start:start + step]
-        h_c = h.index_select(0, idx).to(dtype)
-        target = y.index_select(0, idx) - vocab_start
+        end = min(start + step, count)
+        idx = rows[start:end] if rows is not None else None
+        h_c = (h[start:end] if idx is None else h.index_select(0, idx)).to(dtype)
+        target = (y[start:end] if idx is None else y.index_select(0, idx)) - vocab_start
         loss_c, grad_x = _chunk(h_c, w, b, target, transforms, group, scale, vocab_local)
         total += loss_c
         if grad_h is not None:
-            grad_h.index_copy_(0, idx, grad_x @ w)
+            if idx is None:
+                torch.mm(grad_x, w, out=grad_h[start:end])
+            else:
+                grad_h.index_copy_(0, idx, grad_x @ w)
         if grad_w is not None:
-            grad_w += grad_x.t() @ h_c
+            if grad_x.dtype == torch.float32:
+                grad_w.addmm_(grad_x.t(), h_c)
+            else:
+                grad_w += grad_x.t() @ h_c
         if grad_b is not None:
             grad_b += grad_x.sum(0, dtype=torch.float32)
+        del grad_x, h_c  # before the next chunk's logits: one chunk at a time
     loss = total / torch.as_tensor(denominator, device=h.device)  # as the unchunked loss divides
     grads = (grad_h.reshape(shape).to(hidden.dtype) if grad_h is not None else None,
              grad_w.to(weight.dtype) if grad_w is not None else None,
@@ -207,15 +218,17 @@ def _chunk(h_c, w, b, target, transforms, group, scale, vocab_local):
                 z = transform(z)
             zf = z.float()
     else:
-        zf = x.float()
+        zf = x.float()  # x itself in fp32
     owned = (target >= 0) & (target < vocab_local)
     local_target = torch.where(owned, target, torch.zeros_like(target))
     with torch.no_grad():
         m = zf.amax(dim=1)
         if group is not None:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        p = torch.exp(zf - m.unsqueeze(1))
         z_t = zf.gather(1, local_target.unsqueeze(1)).squeeze(1) * owned
+        # The softmax is built in place where nothing else needs the logits (no transform to differentiate).
+        p = zf.detach().clone() if transforms else zf
+        p.sub_(m.unsqueeze(1)).exp_()
         sums = torch.stack([p.sum(dim=1), z_t])
         if group is not None:
             dist.all_reduce(sums, group=group)
