@@ -60,24 +60,44 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+def _rss(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, accumulation: int,
-             checkpointing: bool) -> dict:
+             checkpointing: bool, features: tuple[bool, bool, bool] = (True, False, False)) -> dict:
     """On every rank: the library with an FSDP2 plugin (as a planned script runs it), one warm-up optimizer step of
     `accumulation` micro-steps, then one step counted: collectives (CollectiveCounter), model states just before
     zero_grad, and the first micro-step's saved activations."""
     from torch.utils.data import DataLoader
 
-    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, TorchContextParallelConfig
+    import ctypes
+
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs, TorchContextParallelConfig
+
+    try:  # large blocks straight from mmap and back at free: the resident set follows what tensors hold
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
+    except (OSError, AttributeError):
+        pass
+    chunked, tiled, offload = features
 
     pc = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard, cp_size=layout.cp,
                            sp_size=layout.sp, tp_size=layout.tp,
                            cp_handler=TorchContextParallelConfig(cp_comm_strategy="allgather"))
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=checkpointing)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing={"every": 1, "offload": True}
+                                            if offload else checkpointing)
     accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=precision,
-                              gradient_accumulation_steps=accumulation, cpu=True)
+                              gradient_accumulation_steps=accumulation, cpu=True,
+                              kwargs_handlers=[MemoryKwargs(chunked_loss=chunked, tiled_mlp=tiled,
+                                                            mlp_tile_size=getattr(args, "tile", None))])
     model = workloads.build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = workloads.dataset(args, layout)
+    rows = torch.cat([rows, rows])  # batches for the warm-up step, the counted step and the one whose peak is read
     samples = [{"input_ids": r, "labels": r, "shift_labels": workloads.shift_labels(r),
                 "position_ids": torch.arange(len(r))} for r in rows]
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(samples, batch_size=args.batch))
@@ -106,8 +126,15 @@ def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, acc
     with CollectiveCounter() as counter:
         for i in range(accumulation):
             micro_step(count_saved=i == 0)
+    # The peak of one more step, above the resident set before it (which holds the parameters and the optimizer's
+    # state; the gradients were freed by zero_grad): peak resident memory, Linux's VmHWM reset through clear_refs.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss("VmRSS")
+    for _ in range(accumulation):
+        micro_step()
     return {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "states": states,
-            "saved": sum(saved.storages.values())}
+            "saved": sum(saved.storages.values()), "step_peak": _rss("VmHWM") - before}
 
 
 # (layout of benchmarks/run.py, mixed precision, accumulation steps, activation checkpointing): every layout as the
@@ -119,13 +146,49 @@ CASES = ([(name, "no", 1, False) for name in workloads.LAYOUTS]
          + [("fsdp2_tp", "no", 1, True), ("cp_sp", "bf16", 2, True)])
 
 
-def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int, checkpointing: bool):
-    """(memory terms, transfers) the planner predicts for one case on one rank."""
+def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int, checkpointing: bool,
+            features: tuple[bool, bool, bool] = (True, False, False)):
+    """(memory terms, transfers) the planner predicts for one case on one rank (no allocator fragmentation: the
+    CPU has no caching allocator)."""
     spec = spec_from_config(workloads.llama_config(args).to_dict(), "tiny")
     w = workloads.LAYOUTS[name]
     layout = Layout(dp_replicate=w.dp_replicate, dp_shard=w.dp_shard, cp=w.cp, sp=w.sp, tp=w.tp)
-    setting = Setting(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing)
+    setting = Setting(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing,
+                      chunked_loss=features[0], tiled_mlp=features[1], offload=features[2], mlp_tile=getattr(args, "tile", None))
     return estimate(spec, layout, setting), transfers(spec, layout, setting, gpus_per_node=8)
+
+
+def predicted_step_peak(memory) -> float:
+    """What one step adds above the parameters and optimizer state that exist before it."""
+    return memory["allocated"] - memory["params"] - memory["optimizer"]
+
+
+def measure_peak(case: tuple) -> tuple[int, float]:
+    """(measured, predicted) peak of one step above the state before it, the largest over ranks. On the CPU,
+    offloading moves nothing, so its prediction is the one without it."""
+    layout = workloads.LAYOUTS[case[0]]
+    ranks = run_ranks(measure, layout.world, layout, PEAK, *case[1:])
+    chunked, tiled, _ = case[4]
+    memory, _ = predict(PEAK, *case[:4], (chunked, tiled, False))
+    return max(r["step_peak"] for r in ranks), predicted_step_peak(memory)
+
+
+# Peak memory of a step (on larger sizes, where the step's tensors dwarf the resident set's noise): every layout of
+# benchmarks/run.py with the library's defaults (the chunked loss), and FSDP2 with each memory setting:
+# (layout, mixed precision, accumulation, checkpointing, (chunked loss, tiled MLP, offload)).
+PEAK = SimpleNamespace(hidden=256, layers=2, vocab=8192, seq=1024, batch=2, warmup=1, steps=1, repeats=1, cpu=True,
+                       tile=256)
+PEAK_CASES = ([(name, "no", 1, False, (True, False, False)) for name in workloads.LAYOUTS]
+              + [("fsdp2", "no", 1, False, (False, False, False)), ("fsdp2", "no", 1, True, (False, False, False)),
+                 ("fsdp2", "no", 1, True, (True, False, False)), ("fsdp2", "no", 1, False, (True, True, False)),
+                 ("fsdp2", "no", 1, True, (True, True, True)), ("fsdp2", "bf16", 2, True, (True, True, False)),
+                 ("fsdp2", "bf16", 1, False, (False, False, False))])
+
+
+def peak_case_name(case: tuple) -> str:
+    name, precision, accumulation, checkpointing, (chunked, tiled, offload) = case
+    features = "".join(k for k, on in (("C", chunked), ("T", tiled), ("O", offload)) if on) or "-"
+    return f"{name} {'bf16' if precision == 'bf16' else 'fp32'} x{accumulation}{' AC' if checkpointing else ''} {features}"
 
 
 def run_case(args: SimpleNamespace, case: tuple) -> list[dict]:
@@ -137,7 +200,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 64), ("layers", 2), ("vocab", 258), ("seq", 32), ("batch", 2)):
         p.add_argument(f"--{name}", type=int, default=default)
-    args = SimpleNamespace(**vars(p.parse_args(argv)), warmup=1, steps=1, repeats=1, cpu=True)  # workloads' fields
+    p.add_argument("--peak", action="store_true", help="only the peak of a step, on PEAK's sizes")
+    parsed = p.parse_args(argv)
+    if parsed.peak:
+        print(f"| case (hidden {PEAK.hidden}, {PEAK.layers} layers, vocabulary {PEAK.vocab}, {PEAK.batch} x {PEAK.seq} "
+              "tokens per data-parallel rank) | step peak per rank, measured / predicted | ratio |\n|---|---|---|")
+        for case in PEAK_CASES:
+            measured, predicted = measure_peak(case)
+            print(f"| {peak_case_name(case)} | {measured / 2**20:.1f} / {predicted / 2**20:.1f} MiB | "
+                  f"{measured / predicted:.3f} |", flush=True)
+        return
+    args = SimpleNamespace(**{k: v for k, v in vars(parsed).items() if k != "peak"}, warmup=1, steps=1, repeats=1,
+                           cpu=True, tile=None)  # workloads' fields
     print("| case | states B measured / predicted | bytes per collective, measured / predicted (calls) | "
           "saved for backward B, measured / predicted |\n|---|---|---|---|")
     for case in CASES:

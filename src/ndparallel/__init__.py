@@ -17,6 +17,7 @@ from .config import (
     TorchTensorParallelConfig,
 )
 from .mesh import ParallelMesh
+from .parallel.memory import MemoryKwargs
 from .parallel.sequence import context_parallel_attention
 from .plugins import (
     AutocastKwargs,
@@ -43,6 +44,7 @@ __all__ = [
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
+    "MemoryKwargs",
     "ParallelMesh",
     "ParallelismConfig",
     "PartialState",

@@ -65,16 +65,20 @@ class ActivationCheckpointing:
     policy: "full" recomputes a checkpointed block's whole forward in backward; "selective" keeps the outputs of its
         matrix multiplies and attention kernels and recomputes the rest (norms, activations, casts, reshapes: cheap
         to recompute, as large to keep).
+    offload: the checkpointed blocks' inputs go to (pinned) host memory during forward and come back, prefetched,
+        for backward (`ndparallel.parallel.memory.offload`); exact.
     """
 
     every: int = 1
     policy: str = "full"
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"activation_checkpointing every={self.every!r}: an int >= 1 (1: every block)")
         if self.policy not in CHECKPOINT_POLICIES:
             raise ValueError(f"activation_checkpointing policy={self.policy!r}: one of {list(CHECKPOINT_POLICIES)}")
+        object.__setattr__(self, "offload", parse_bool(self.offload, "activation_checkpointing offload"))
 
 
 CHECKPOINT_POLICIES = ("full", "selective")
@@ -91,9 +95,10 @@ def parse_activation_checkpointing(value: Any) -> bool | ActivationCheckpointing
     if isinstance(value, ActivationCheckpointing):
         spec = value
     elif isinstance(value, dict):
-        unknown = sorted(set(value) - {"every", "policy"})
+        unknown = sorted(set(value) - {"every", "policy", "offload"})
         if unknown:
-            raise ValueError(f"activation_checkpointing: unknown field(s) {unknown}; valid: ['every', 'policy']")
+            raise ValueError(f"activation_checkpointing: unknown field(s) {unknown}; valid: ['every', 'policy', "
+                             "'offload']")
         spec = ActivationCheckpointing(**value)
     elif isinstance(value, int) and not isinstance(value, bool):
         spec = ActivationCheckpointing(every=value)
@@ -103,7 +108,8 @@ def parse_activation_checkpointing(value: Any) -> bool | ActivationCheckpointing
         spec = ActivationCheckpointing(policy=value.strip().lower())
     else:
         raise TypeError(f"activation_checkpointing must be a bool, 'full', 'selective', an int k (every k-th block), "
-                        f"a dict {{'every': k, 'policy': 'full' | 'selective'}} or ActivationCheckpointing, got "
+                        f"a dict {{'every': k, 'policy': 'full' | 'selective', 'offload': bool}} or "
+                        f"ActivationCheckpointing, got "
                         f"{value!r}")
     return True if spec == ActivationCheckpointing() else spec
 

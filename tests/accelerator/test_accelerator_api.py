@@ -129,11 +129,13 @@ def _one_rank_with_a_plugin(offload: bool) -> dict:
     from torch.distributed._composable import checkpoint
     from torch.distributed.tensor import DTensor
 
-    from ndparallel import Accelerator, DistributedType, FullyShardedDataParallelPlugin
+    from ndparallel import Accelerator, DistributedType, FullyShardedDataParallelPlugin, MemoryKwargs
     from tiny_models import build_model
 
+    # The loss is compared bit for bit with the plain model's: its own loss, not the chunked one (which rounds
+    # differently; tests/parallel/memory/test_chunked_loss.py).
     acc = Accelerator(mixed_precision="bf16", fsdp_plugin=FullyShardedDataParallelPlugin(
-        activation_checkpointing=True, cpu_offload=offload))
+        activation_checkpointing=True, cpu_offload=offload), kwargs_handlers=[MemoryKwargs(chunked_loss=False)])
     torch.manual_seed(0)
     model = build_model("llama", num_hidden_layers=2)
     reference = build_model("llama", num_hidden_layers=2)

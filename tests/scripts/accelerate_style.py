@@ -20,8 +20,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from ndparallel import (Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, PipelineParallelConfig,
-                        TorchContextParallelConfig, TorchDynamoPlugin, TorchTensorParallelConfig, set_seed)
+from ndparallel import (Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs, ParallelismConfig,
+                        PipelineParallelConfig, TorchContextParallelConfig, TorchDynamoPlugin, TorchTensorParallelConfig,
+                        set_seed)
+from ndparallel.parallel.activation_checkpointing import OFFLOAD_ATTR
+from ndparallel.parallel.memory import chunked_loss_of, chunked_loss_status
+from ndparallel.parallel.memory.tiled_mlp import tiled_mlps
 from tiny_models import PLAIN_PLAN, VOCAB, TokenDataset, build_model, make_optimizer
 
 
@@ -55,6 +59,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", nargs="?", const="true", default=None,
                    help="alone: every block; or 'selective', k (every k-th block), as the plugin takes them")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="with --activation-checkpointing: the checkpointed blocks' inputs go to host memory")
+    p.add_argument("--chunked-loss", default="auto", help="MemoryKwargs.chunked_loss: auto, true or false")
+    p.add_argument("--loss-chunk-size", type=int, default=None)
+    p.add_argument("--tiled-mlp", action="store_true")
+    p.add_argument("--mlp-tile-size", type=int, default=None)
     p.add_argument("--dynamo-backend", default=None, help="compile: a torch.compile backend (e.g. aot_eager)")
     p.add_argument("--regional-compilation", action="store_true", help="with --dynamo-backend: each block")
     p.add_argument("--return-params", action="store_true")
@@ -79,15 +89,20 @@ def main(argv: list[str] | None = None) -> dict:
                                sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel),
                            cp_handler=TorchContextParallelConfig(cp_comm_strategy=args.cp_strategy,
                                                                  load_balance=not args.cp_no_load_balance))
+    checkpointing = args.activation_checkpointing
+    if args.offload_activations:
+        checkpointing = {"every": int(checkpointing) if (checkpointing or "").isdigit() else 1, "offload": True}
     plugin = None if args.no_fsdp_plugin else FullyShardedDataParallelPlugin(
-        fsdp_version=2, activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
+        fsdp_version=2, activation_checkpointing=checkpointing, cpu_offload=args.cpu_offload)
+    memory = MemoryKwargs(chunked_loss=args.chunked_loss, loss_chunk_size=args.loss_chunk_size,
+                          tiled_mlp=args.tiled_mlp, mlp_tile_size=args.mlp_tile_size)
     dynamo = TorchDynamoPlugin(backend=args.dynamo_backend, use_regional_compilation=args.regional_compilation) \
         if args.dynamo_backend else None
     # The reference's schedule counts optimizer steps: stepped by hand on each (Accelerate's own scheduler steps once
     # per data-parallel rank and optimizer step).
     accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.accum, dynamo_plugin=dynamo,
-                              step_scheduler_with_optimizer=False)
+                              step_scheduler_with_optimizer=False, kwargs_handlers=[memory])
 
     set_seed(0)
     overrides = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
@@ -141,8 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
             losses.append(float(logged))
             graphs.append(_compiled_graphs())
 
+    chunked = chunked_loss_of(accelerator.unwrap_model(model))
     result: dict = {"losses": losses, "lr": scheduler.get_last_lr()[0], "eval_losses": eval_losses,
-                    "graphs": graphs}
+                    "graphs": graphs, "chunked_loss": chunked_loss_status(model),
+                    "chunked_calls": chunked.calls if chunked is not None else 0,
+                    "tiled_calls": sum(t.calls for t in tiled_mlps(accelerator.unwrap_model(model))),
+                    "offloaded": getattr(getattr(accelerator.unwrap_model(model), OFFLOAD_ATTR, None), "stats", None)}
     if args.return_params:
         result["params"] = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
                             for name, p in accelerator.unwrap_model(model).named_parameters()}

@@ -281,7 +281,7 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
                                           ddp_kwargs=self._settings.ddp_kwargs,
                                           autocast_kwargs=self._settings.autocast_kwargs,
                                           dynamo_plugin=self._settings.dynamo_plugin,
-                                          fp8_recipe=self._settings.fp8_recipe,
+                                          fp8_recipe=self._settings.fp8_recipe, memory=self._settings.memory,
                                           loss_factor=self._loss_weight_inside_the_model,
                                           sync_gradients=self._syncs_gradients)
         # A model on the meta device (cpu_ram_efficient_loading) gets its weights after it is parallelised.

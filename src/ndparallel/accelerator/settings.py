@@ -30,6 +30,7 @@ from ..config import (
 )
 from ..loss import LOSS_WEIGHTINGS
 from ..parallel import uses_fsdp
+from ..parallel.memory import MemoryKwargs
 from ..plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -47,7 +48,7 @@ from ..plugins import (
 from ..runtime import CPU_ENV, env_flag
 
 HANDLERS = (InitProcessGroupKwargs, DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs,
-            GradientAccumulationPlugin, AORecipeKwargs, TERecipeKwargs)
+            GradientAccumulationPlugin, AORecipeKwargs, TERecipeKwargs, MemoryKwargs)
 # Accelerate's arguments for engines ndparallel does not use: refused when given, with what to use instead.
 FOREIGN_PLUGINS = {
     "deepspeed_plugin": "DeepSpeed is not used: ZeRO-3 is FSDP2 (dp_shard_size), Ulysses is sp_size",
@@ -78,6 +79,7 @@ class Settings:
     autocast_kwargs: dict[str, Any] = field(default_factory=dict)
     dynamo_plugin: TorchDynamoPlugin | None = None
     fp8_recipe: AORecipeKwargs | None = None  # mixed_precision="fp8": how torchao converts the linear layers
+    memory: MemoryKwargs = field(default_factory=MemoryKwargs)  # chunked loss, tiled MLPs (+ NDPARALLEL_* variables)
     fsdp: bool = False  # FSDP2 wraps the models (`ndparallel.parallel.uses_fsdp`): decided once, by `place`
 
     def place(self, world_size: int) -> None:
@@ -257,4 +259,5 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
         autocast_kwargs=handlers[AutocastKwargs].to_kwargs() if AutocastKwargs in handlers else {},
         dynamo_plugin=dynamo,
         fp8_recipe=fp8_recipe,
+        memory=MemoryKwargs.from_env(handlers.get(MemoryKwargs), environ),
     )

@@ -131,7 +131,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama-3.1-70b, llama-3.1-405b, qwen2.5-7b, qwen2.5-72b, mistral-7b)")
     parser.add_argument("--gpu", default=None, metavar="NAME", help="hardware profile: h100, h200, a100-80g, ...")
     parser.add_argument("--hardware", default=None, metavar="FILE", help="JSON file with your own profile(s)")
-    parser.add_argument(*_spellings("seq-len"), dest="seq_len", type=int, required=True, metavar="S")
+    parser.add_argument(*_spellings("seq-len"), dest="seq_len", type=int, default=None, metavar="S",
+                        help="tokens per sequence (required, but for plan --max-seq)")
     parser.add_argument(*_spellings("mixed-precision"), dest="mixed_precision", choices=("bf16", "fp32"),
                         default="bf16")
     parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
@@ -151,8 +152,17 @@ def _add_planner_parsers(sub: Any) -> None:
     plan.add_argument("--nodes", type=int, default=1, metavar="N")
     plan.add_argument(*_spellings("gpus-per-node"), dest="gpus_per_node", type=int, default=None, metavar="G",
                       help="default: the profile's (8)")
-    plan.add_argument(*_spellings("global-batch-tokens"), dest="global_batch_tokens", type=int, required=True,
-                      metavar="T", help="tokens per optimizer step over all GPUs (a multiple of --seq-len)")
+    plan.add_argument(*_spellings("global-batch-tokens"), dest="global_batch_tokens", type=int, default=None,
+                      metavar="T", help="tokens per optimizer step over all GPUs (a multiple of --seq-len; required, "
+                                        "but for --max-seq)")
+    plan.add_argument(*_spellings("max-seq"), dest="max_seq", action="store_true",
+                      help="instead of ranking layouts at --seq-len: the longest sequence each layout trains at "
+                           "(one per data-parallel rank), with every memory feature on and with plain FSDP2 + AC")
+    for name, what in (("chunked-loss", "the LM head and loss over chunks of tokens (auto: on, as in the library)"),
+                       ("tiled-mlp", "decoder MLPs over tiles of the sequence (auto: where it makes a layout fit)"),
+                       ("offload", "checkpointed layers' inputs in host memory (auto: where it makes a layout fit)")):
+        plan.add_argument(f"--{name}", dest=name.replace("-", "_"), choices=("auto", "on", "off"), default="auto",
+                          help=what)
     plan.add_argument(*_spellings("activation-checkpointing"), dest="activation_checkpointing",
                       choices=("auto", "on", "off"), default="auto",
                       help="auto: off where it fits, else on (default)")
@@ -189,6 +199,10 @@ def _add_planner_parsers(sub: Any) -> None:
     memory.add_argument(*_spellings("activation-checkpointing"), dest="activation_checkpointing",
                         choices=("on", "off"), default="off")
     memory.add_argument(*_spellings("sync-each-batch"), dest="sync_each_batch", action="store_true")
+    memory.add_argument("--chunked-loss", dest="chunked_loss", choices=("on", "off"), default="on",
+                        help="the chunked loss (default on, as in the library)")
+    memory.add_argument("--tiled-mlp", dest="tiled_mlp", action="store_true", help="tiled decoder MLPs")
+    memory.add_argument("--offload", action="store_true", help="checkpointed layers' inputs in host memory")
 
 
 # ---- launch ---------------------------------------------------------------------------------------------
@@ -394,7 +408,8 @@ def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
                    global_batch_tokens=args.global_batch_tokens, memory_gib=args.memory_gib,
                    mixed_precision=args.mixed_precision, checkpointing=args.activation_checkpointing,
                    optimizer=args.optimizer, allow_cross_node_tp=args.allow_cross_node_tp,
-                   sync_each_batch=args.sync_each_batch)
+                   sync_each_batch=args.sync_each_batch, chunked_loss=args.chunked_loss, tiled_mlp=args.tiled_mlp,
+                   offload=args.offload)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -403,7 +418,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ndparallel.planner import get_hardware, load_model, parse_layout, plan, row_for
     from ndparallel.planner import report
 
+    if args.max_seq:
+        return _plan_max_seq(args)
     try:
+        if args.seq_len is None or args.global_batch_tokens is None:
+            raise ValueError("--seq-len and --global-batch-tokens are required (or --max-seq)")
         request = _plan_request(args, get_hardware(args.gpu, args.hardware), load_model(args.model))
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
@@ -457,6 +476,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_max_seq(args: argparse.Namespace) -> int:
+    """``plan --max-seq``: the longest sequence per layout (`ndparallel.planner.longest`)."""
+    from ndparallel.planner import get_hardware, load_model
+    from ndparallel.planner.longest import longest, longest_text
+
+    try:
+        hardware = get_hardware(args.gpu, args.hardware)
+        args.seq_len, args.global_batch_tokens = 1024, 1024  # unused by the search; the request checks them
+        request = _plan_request(args, hardware, load_model(args.model))
+        rows = longest(request)
+    except (ValueError, FileNotFoundError) as exc:
+        return _error("plan", exc)
+    if args.json:
+        print(json.dumps([{"layout": r.layout.sizes(), "name": r.layout.name, "tokens": r.tokens,
+                           "peak_bytes": {n: (m.peak if m else None) for n, m in r.memory.items()}} for r in rows],
+                         indent=1))
+    else:
+        print(longest_text(rows, request, args.top))
+    return 0 if rows and rows[0].tokens["all"] else _error("plan", "no layout fits even 1024 tokens")
+
+
 def _plan_measure(args: argparse.Namespace, request: Any, result: Any) -> list[dict[str, Any]]:
     """Run the best fitting layouts with the --measure script (`ndparallel.planner.measure`)."""
     from ndparallel.planner import measure
@@ -482,19 +522,23 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
         layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in SIZE_FIELDS})
         if min(layout.sizes().values()) < 1:
             raise ValueError(f"every size must be >= 1, got {layout.sizes()}")
+        if args.seq_len is None:
+            raise ValueError("--seq-len is required")
         setting = Setting(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
-                          args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch)
+                          args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
+                          args.chunked_loss == "on", args.tiled_mlp, args.offload)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch
         why = reasons(layout, Constraints(model, args.seq_len, samples, layout.world, allow_cross_node_tp=True))
         if why:
             raise ValueError(f"layout {layout.name} is refused: {'; '.join(why)}")
-        budget = None
+        budget, fragmentation = None, 0.0
         if args.gpu or args.hardware:
             hardware = get_hardware(args.gpu, args.hardware)
             budget = ((args.memory_gib or hardware.memory_gib) - hardware.memory_reserve_gib) * 2**30
+            fragmentation = hardware.fragmentation
         elif args.memory_gib:
             budget = args.memory_gib * 2**30
-        memory = estimate(model, layout, setting)
+        memory = estimate(model, layout, setting, fragmentation)
     except (ValueError, FileNotFoundError) as exc:
         return _error("estimate-memory", exc)
     if args.json:

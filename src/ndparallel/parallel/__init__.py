@@ -18,6 +18,7 @@ from .compile import apply_model_compilation, apply_regional_compilation, check_
 from .fp8 import apply_fp8, check_fp8
 from .data_parallel import apply_data_parallel, broadcast_module_states, uses_fsdp
 from .interface import PreparedModel, interface, state_module, unwrap
+from .memory import apply_memory_features
 from .moe import apply_global_load_balancing
 from .options import PrepareOptions
 from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
@@ -65,7 +66,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     model = apply_sequence_parallel(model, mesh, options)
     # 3b. Mixture-of-experts models: the load-balancing loss over the tokens of every rank of ``loss``, not each rank's.
     model = apply_global_load_balancing(model, mesh, options)
-    # 4. Activation checkpointing of the transformer blocks.
+    # 3c. Long sequences in less memory: the LM head and its loss over chunks of tokens (after TP, whose hooks lay out
+    # the head's input), decoder MLPs over tiles of the sequence.
+    model = apply_memory_features(model, mesh, options)
+    # 4. Activation checkpointing of the transformer blocks (activations offloaded to host memory when asked).
     model = apply_activation_checkpointing(model, mesh, options)
     # 5. Regional compilation: each block compiled in place, before FSDP2 wraps it.
     model = apply_regional_compilation(model, mesh, options)

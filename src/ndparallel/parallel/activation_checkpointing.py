@@ -7,6 +7,7 @@ checkpoints see the same FQNs as the unwrapped model) and composes with `fully_s
 or the outputs of its matrix multiplies and attention kernels kept and the rest recomputed ("selective", torch's
 selective checkpointing with a policy over ATen ops). Context- and sequence-parallel attention inside a block is
 recomputed with its communication (every rank recomputes the same blocks in the same order), so it stays exact.
+``{"offload": True}`` moves the checkpointed blocks' inputs to host memory and back (`memory.offload`).
 
 A Hugging Face model whose config says ``use_cache=True`` (most do) fills a KV cache even in training; the
 recomputation in backward would then meet the cache the forward filled (and selective checkpointing fails on it),
@@ -27,8 +28,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ..mesh import ParallelMesh
 from ..plugins import ActivationCheckpointing
 from .blocks import block_classes, blocks_of
+from .memory.offload import ActivationOffload, offload_block_inputs
 from .options import PrepareOptions
 
+OFFLOAD_ATTR = "_ndparallel_activation_offload"  # on the model: its `ActivationOffload` (stats for tests)
 _aten = torch.ops.aten
 # What "selective" keeps: outputs whose recomputation is the expensive part of a block.
 KEPT_OPS = frozenset(op for op in (
@@ -67,9 +70,13 @@ def apply_activation_checkpointing(model: nn.Module, mesh: ParallelMesh, options
             f"activation_checkpointing needs block classes to checkpoint, and {type(model).__name__} names none: "
             "set FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...])"
         )
-    for i, module in enumerate(blocks_of(model, blocks)):
-        if i % spec.every == 0:
-            checkpoint(module, context_fn=_selective_contexts if spec.policy == "selective" else None)
+    checkpointed = [module for i, module in enumerate(blocks_of(model, blocks)) if i % spec.every == 0]
+    for module in checkpointed:
+        checkpoint(module, context_fn=_selective_contexts if spec.policy == "selective" else None)
+    if spec.offload:  # the checkpointed blocks' inputs to host memory and back (`memory.offload`)
+        offload = ActivationOffload(options.device)
+        offload_block_inputs(checkpointed, offload)
+        object.__setattr__(model, OFFLOAD_ATTR, offload)
     if "use_cache" in inspect.signature(model.forward).parameters:
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
     return model

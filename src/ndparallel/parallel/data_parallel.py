@@ -126,7 +126,10 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
             stacklevel=3,
         )
     for module in modules_to_wrap(model, policy, blocks, plugin.min_num_params):
-        fully_shard(module, **kwargs)
+        # The chunked loss's head (`memory.loss_head`) computes after its own forward: it stays in the root unit,
+        # which keeps its parameters gathered through forward and backward.
+        if not getattr(module, "_ndparallel_keep_in_root", False):
+            fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     model._ignored_params = set(kwargs["ignored_params"] or ())  # Accelerate's attribute: what FSDP2 left alone
     return model

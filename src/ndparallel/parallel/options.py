@@ -15,6 +15,7 @@ import torch
 
 from ..config import PipelineParallelConfig, TorchContextParallelConfig, TorchTensorParallelConfig, compute_dtype
 from ..plugins import AORecipeKwargs, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from .memory.config import MemoryKwargs
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class PrepareOptions:
     autocast_kwargs: Mapping[str, Any] = field(default_factory=dict)  # AutocastKwargs, where autocast casts
     dynamo_plugin: TorchDynamoPlugin | None = None  # compile the blocks or the model (`compile`)
     fp8_recipe: AORecipeKwargs | None = None  # mixed_precision="fp8": torchao's conversion (`fp8`)
+    memory: MemoryKwargs = field(default_factory=MemoryKwargs)  # chunked loss, tiled MLPs (`memory`)
     # The ParallelismConfig's handlers, and whether FSDP2 wraps the model (`data_parallel.uses_fsdp`, decided once by
     # the Accelerator).
     fsdp: bool = False

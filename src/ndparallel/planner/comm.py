@@ -11,7 +11,8 @@ n tokens per rank per micro-step, L layers:
 - HSDP over dp_replicate (r ranks): all-reduce 2 (r-1)/r x P_s x 4 once per step.
 - TP (t ranks, Megatron): all-reduce 2 (t-1)/t x n h c x (4 L + 1) per micro-step (attention and MLP outputs
   forward, their input gradients backward, the head's input gradient), + 1 for a vocabulary-split tied embedding;
-  all-gather (t-1) x n V/t c of the logits.
+  all-gather (t-1) x n V/t c of the logits -- or, with the chunked loss, all-reduces 2 (t-1)/t x 12 B per counted
+  token (the maximum, the sum of exponentials and the label's logit, two calls per chunk).
 - Ulysses (sp ranks): all-to-all 2 L (sp-1)/sp x n (2 q_width/t + 2 kv_width) c per micro-step.
 - CP, all-gather strategy (cp ranks): K and V gathered forward and gathered again in backward (the library keeps
   only its own share), all-gather 2 L (cp-1) x 2 n kv_width c; their gradients, accumulated in fp32,
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from .layouts import Layout, cross_node
 from .memory import stage_layers, state_elements
 from .model import ModelSpec
-from .setting import FP32, Setting, kv_width_local
+from .setting import FP32, Setting, kv_width_local, loss_chunk_rows
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
@@ -91,8 +92,17 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
         reduces = 4 * L + 1 + (L if setting.checkpointing else 0) + (1 if model.tied else 0)
         add("TP activation all-reduce", "all_reduce", ("tp",), m * 2 * (t - 1) / t * act * reduces, m * reduces,
             False, f"{m} x 2 x ({t}-1)/{t} x {n} tokens x {model.hidden} x {c} B x {reduces}")
-        add("TP logits all-gather", "all_gather", ("tp",), m * (t - 1) * n * model.vocab // t * c, m, False,
-            f"{m} x ({t}-1) x {n} x {model.vocab // t} x {c} B")
+        if setting.chunked_loss:
+            # The vocabulary-parallel chunked loss: per chunk, the maximum (4 B per token) and the sum of
+            # exponentials with the label's logit (8 B) all-reduced over tp; the last position of each sequence
+            # predicts nothing.
+            valid = n - setting.micro_batch if layout.seq_split == 1 else n
+            chunks = math.ceil(valid / loss_chunk_rows(valid, model.vocab // t))
+            add("TP chunked-loss log-sum-exp all-reduce", "all_reduce", ("tp",), m * 2 * (t - 1) / t * valid * 12,
+                m * 2 * chunks, False, f"{m} x 2 x ({t}-1)/{t} x {valid} tokens x 12 B, 2 calls x {chunks} chunks")
+        else:
+            add("TP logits all-gather", "all_gather", ("tp",), m * (t - 1) * n * model.vocab // t * c, m, False,
+                f"{m} x ({t}-1) x {n} x {model.vocab // t} x {c} B")
     kw = kv_width_local(model, layout)
     if layout.sp > 1:
         sp = layout.sp

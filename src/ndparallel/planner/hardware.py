@@ -35,7 +35,9 @@ class Hardware:
     inter_node_latency_s: float = 25e-6
     compute_efficiency: float = 0.5  # free constant: achieved fraction of peak on the step's FLOPs
     overlap: float = 0.9  # free constant: fraction of compute time that can hide data-parallel communication
-    memory_reserve_gib: float = 3.0  # free constant: CUDA context, NCCL buffers, allocator fragmentation
+    memory_reserve_gib: float = 3.0  # free constant: what lives outside torch's allocator (CUDA context, NCCL)
+    fragmentation: float = 0.0  # free constant: the caching allocator's reserve beyond the step's tensors (memory.py)
+    host_bandwidth: float = 25e9  # bytes/s one GPU moves to or from host memory (activation offloading); assumption
     description: str = ""
     aliases: tuple[str, ...] = field(default=())
 

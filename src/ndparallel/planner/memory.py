@@ -13,14 +13,22 @@ README's does), tensor by tensor:
   attention q_width / t x (2c: query and output; 3c with sp, whose attention returns the output head-major and
   o_proj takes a copy; 2c + 4 with cp, whose all-gather kernel keeps its output in fp32) + 2 kv_width c / t, plus
   the log-sum-exp (heads / t x 4); MLP 4 I c / t (gate, up, their activation and product).
-  Outside the layers: the final norm, and the log-softmax of the (gathered) logits, V x 4.
+  Outside the layers: the final norm, and (not with the chunked loss) the log-softmax of the (gathered) logits, V x 4.
   With activation checkpointing only each layer's input is kept (h x c per token), and one layer's activations
   are rebuilt at a time in backward.
 - **transient**: FSDP2's unsharded copies of two layers (current and prefetched; their gradients too in backward),
-  the root unit (embedding, head) unsharded through forward and backward, and the loss's logits (compute dtype,
-  an fp32 copy, their gradient: 8 bytes per logit beyond the saved log-softmax).
-- **peak** = states + accumulation + saved activations + root unit + max(loss working set, layer buffers + one
-  rebuilt layer); the profile's memory_reserve_gib (CUDA context, NCCL, fragmentation) is kept aside.
+  the root unit (embedding, head) unsharded through forward and backward, the head's unsharded gradient held through
+  backward, and the loss's working set (`loss_buffers`): Hugging Face's loss keeps the logits (compute dtype), their
+  fp32 copy and gradient (8 bytes per logit beyond the saved log-softmax); the chunked loss
+  (``MemoryKwargs(chunked_loss=...)``, on by default) one chunk's logits, the head's fp32 gradient and the hidden
+  states' gradient, and saves no log-softmax.
+- **tiled MLPs** keep no MLP intermediate for backward and rebuild one tile's in it; **activation offloading** keeps
+  two layers' inputs on the GPU (the others in pinned host memory: the ``host_offload`` term, not GPU memory).
+- **allocated** = states + accumulation + saved activations + root unit + max(loss working set, head gradient +
+  layer buffers + one rebuilt layer); **peak** = allocated + the profile's ``fragmentation`` x (allocated - model
+  states): the caching allocator's blocks reserved and not in use at the peak, so the peak is the predicted
+  ``torch.cuda.max_memory_reserved``. The profile's memory_reserve_gib (CUDA context, NCCL: memory outside torch's
+  allocator) is kept aside from the budget.
 - **pipeline stages** (pp > 1), for the busiest stage: ceil(L / pp) decoder layers, and of the root unit the larger
   end -- the embedding (first stage) or the final norm and the head (last stage). The library's default schedule is
   1F1B with one micro-batch per stage, so the first stage keeps all pp micro-batches' activations alive at once (the
@@ -35,7 +43,8 @@ from dataclasses import dataclass, field
 
 from .layouts import Layout
 from .model import ModelSpec
-from .setting import FP32, OPTIMIZER_STATES, Setting, kv_width_local, local_shape, shard_numel
+from .setting import (FP32, OPTIMIZER_STATES, Setting, kv_width_local, local_shape, loss_chunk_rows, mlp_tile_tokens,
+                      shard_numel)
 
 
 @dataclass(frozen=True)
@@ -105,30 +114,76 @@ def root_elements(model: ModelSpec, layout: Layout) -> int:
 
 
 def layer_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
-    """Bytes one decoder layer saves for backward on one rank, without checkpointing."""
+    """Bytes one decoder layer saves for backward on one rank, without checkpointing (a tiled MLP keeps only its
+    input, which the norm before it keeps anyway)."""
     n, c, t, h = setting.tokens(layout), setting.compute_bytes, layout.tp, model.hidden
     # Bytes per element of the query-sized tensors: query and output (the model's SDPA); a copy of the output for
     # o_proj once cp/sp attention returns it head-major; the all-gather CP kernel keeps its output in fp32.
     q_bytes = (c + FP32 + c) if layout.cp > 1 else (3 * c if layout.sp > 1 else 2 * c)
     qw, kw = model.q_width // t, kv_width_local(model, layout)
-    mlp = (4 if model.gated else 2) * model.intermediate // t
+    mlp = 0 if setting.tiled_mlp else mlp_elements(model, layout)
     per_token = 2 * h * (FP32 + 2 * c) + 2 * FP32 + qw * q_bytes + 2 * kw * c + model.heads // t * FP32 + mlp * c
     return n * per_token, (f"{n} tokens x [norms 2x{h}x(4+2x{c}) + attention {qw}x{q_bytes} + 2x{kw}x{c} + lse "
-                           f"{model.heads // t}x4 + MLP {mlp}x{c}] B")
+                           f"{model.heads // t}x4 + MLP {mlp}x{c}{' (tiled: its input only)' if setting.tiled_mlp else ''}"
+                           "] B")
+
+
+def mlp_elements(model: ModelSpec, layout: Layout) -> int:
+    """Per token, the MLP's intermediate elements autograd keeps on one rank: gate, up, activation, product."""
+    return (4 if model.gated else 2) * model.intermediate // layout.tp
+
+
+def mlp_tile(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
+    """A tiled MLP's intermediate, rebuilt for one tile of each of the micro-batch's rows in backward."""
+    local_seq = setting.seq_len // layout.seq_split
+    tile = mlp_tile_tokens(model.hidden, local_seq, setting.mlp_tile)
+    elems = mlp_elements(model, layout)
+    return (setting.micro_batch * tile * elems * setting.compute_bytes,
+            f"{setting.micro_batch} rows x {tile} tokens x {elems} x {setting.compute_bytes} B (one MLP tile)")
 
 
 def outside_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
-    """Saved outside the decoder layers: final norm, log-softmax of the logits, token ids, rotary tables (under
-    pipeline stages, for the one micro-batch the last stage holds at a time)."""
+    """Saved outside the decoder layers: final norm, log-softmax of the logits (not with the chunked loss), token ids,
+    rotary tables (under pipeline stages, for the one micro-batch the last stage holds at a time)."""
     n, c, h, v = setting.tokens(layout) // layout.pp, setting.compute_bytes, model.hidden, model.vocab
     rows = setting.micro_batch if layout.seq_split > 1 else 1  # rotary cos/sin: per sample once positions are given
     rope = 2 * rows * (setting.seq_len // layout.seq_split) * model.head_dim * c
-    value = n * (h * (FP32 + 2 * c) + FP32) + n * v * FP32 + 2 * n * 8 + rope
-    return value, f"{n} tokens x (final norm {h}x(4+2x{c}) + log-softmax {v}x4 + ids 16) + rotary {rope} B"
+    softmax = 0 if setting.chunked_loss else n * v * FP32
+    value = n * (h * (FP32 + 2 * c) + FP32) + softmax + 2 * n * 8 + rope
+    return value, (f"{n} tokens x (final norm {h}x(4+2x{c}) + " + ("" if setting.chunked_loss else f"log-softmax {v}x4 + ")
+                   + f"ids 16) + rotary {rope} B")
 
 
-def estimate(model: ModelSpec, layout: Layout, setting: Setting) -> Memory:
-    """Every memory term of one GPU for `layout` running `setting` (module docstring)."""
+def loss_buffers(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
+    """The loss's working set beyond what it saved (`outside_activations`), on one micro-batch (one pipeline
+    micro-batch under stages).
+
+    Hugging Face's loss: the logits in the compute dtype, their fp32 copy, the log-softmax (saved), then in backward
+    its gradient and the logits' (8 B per logit beyond the saved 4), plus under tp the local logits before they are
+    gathered. The chunked loss (`ndparallel.parallel.memory.cross_entropy`): one chunk's logits (fp32: built and turned
+    into their gradient in place, 4 B; bf16: the logits, their fp32 copy and the gradient, 2c + 4 B), the head's
+    gradient summed over chunks in fp32 (4 x its rows x h, plus its compute-dtype copy and, in bf16, one chunk's
+    product before it is added) and the hidden states' gradient (c x n x h), computed in forward and held until
+    backward takes them."""
+    n, c, t, h, v = setting.tokens(layout) // layout.pp, setting.compute_bytes, layout.tp, model.hidden, model.vocab
+    if not setting.chunked_loss:
+        gathered = n * v // t * c if t > 1 else 0
+        return n * v * 8 + gathered, (f"{n} tokens x {v} logits x 8 B (compute-dtype logits + fp32 copy, or their "
+                                      "gradients)" + (f" + the local logits before the tp gather ({gathered:,} B)"
+                                                      if gathered else ""))
+    v_local = v // t
+    rows = loss_chunk_rows(n, v_local)
+    per_logit = FP32 if c == FP32 else 2 * c + FP32
+    head = v_local * h * (FP32 + (2 * c if c != FP32 else 0))  # fp32 sum; in bf16 its copy and one chunk's product
+    value = rows * v_local * per_logit + head + n * h * c
+    return value, (f"chunk {rows} tokens x {v_local} logits x {per_logit} B + head gradient {v_local}x{h}x"
+                   f"({FP32}{f' + 2x{c}' if c != FP32 else ''}) B + hidden-state gradient {n}x{h}x{c} B")
+
+
+def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: float = 0.0) -> Memory:
+    """Every memory term of one GPU for `layout` running `setting` (module docstring). `fragmentation`: the
+    allocator's reserve beyond what tensors hold, as a fraction of the step's activations and transients (the
+    hardware profile's; 0 where nothing caches, as on the CPU)."""
     mem = Memory()
     s, t, c, L = layout.fsdp, layout.tp, setting.compute_bytes, stage_layers(model, layout)
     held, per_tp, layer_elems = state_elements(model, layout)
@@ -146,15 +201,26 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting) -> Memory:
     layer, layer_how = layer_activations(model, layout, setting)
     outside, outside_how = outside_activations(model, layout, setting)
     n = setting.tokens(layout)
+    inputs = L * n * model.hidden * c
+    kept_inputs = min(L, 2) * n * model.hidden * c if setting.offload else inputs
     mem.activations_without_checkpointing = L * layer + outside
-    mem.activations_with_checkpointing = L * n * model.hidden * c + outside
+    mem.activations_with_checkpointing = kept_inputs + outside
+    tile, tile_how = mlp_tile(model, layout, setting) if setting.tiled_mlp else (0.0, "")
     if setting.checkpointing:
+        where = (f"{min(L, 2)} of {L} layers' inputs on the GPU (the others in host memory)" if setting.offload
+                 else f"{L} layers")
         mem.add("activations", mem.activations_with_checkpointing,
-                f"{L} layers x {n} tokens x {model.hidden} x {c} B (layer inputs) + outside the layers: {outside_how}")
-        mem.add("recompute", layer, f"one layer rebuilt in backward: {layer_how}")
+                f"{where} x {n} tokens x {model.hidden} x {c} B (layer inputs) + outside the layers: {outside_how}")
+        mem.add("recompute", layer + tile, f"one layer rebuilt in backward: {layer_how}"
+                + (f" + {tile_how}" if tile else ""))
+        if setting.offload:
+            mem.add("host_offload", inputs, f"{L} layers' inputs in pinned host memory: {L} x {n} x {model.hidden} x "
+                    f"{c} B (not GPU memory)")
     else:
         mem.add("activations", mem.activations_without_checkpointing,
                 f"{L} layers x {layer_how} + outside the layers: {outside_how}")
+        if tile:
+            mem.add("recompute", tile, f"a tiled MLP rebuilt in backward: {tile_how}")
 
     if s > 1:
         root = root_elements(model, layout)
@@ -163,15 +229,20 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting) -> Memory:
         mem.add("layer_buffers", 4 * layer_elems * c + rs_copy,
                 f"2 layers' unsharded parameters and gradients: 4 x {layer_elems:,} x {c} B"
                 + (f" + one layer's fp32 gradients for the reduce-scatter ({layer_elems:,} x 4 B)" if rs_copy else ""))
-    n = n // layout.pp  # the loss works on one pipeline micro-batch at a time
-    gathered = n * model.vocab // t * c if t > 1 else 0
-    mem.add("loss_buffers", n * model.vocab * 8 + gathered,
-            f"{n} tokens x {model.vocab} logits x 8 B (compute-dtype logits + fp32 copy, or their gradients)"
-            + (f" + the local logits before the tp gather ({gathered:,} B)" if gathered else ""))
+        head = model.vocab // t * model.hidden
+        mem.add("head_grad", head * c, f"the head's unsharded gradient, held through backward until the root unit "
+                f"reduce-scatters: {head:,} x {c} B")
+    loss, loss_how = loss_buffers(model, layout, setting)
+    mem.add("loss_buffers", loss, loss_how)
 
     base = (mem.states + mem["grad_accumulation"] + mem["unsharded_params"] + mem["activations"]
             + mem["root_unsharded"])
-    working = max(mem["loss_buffers"], mem["layer_buffers"] + mem["recompute"])
-    mem.add("peak", base + working, "states + accumulation + unsharded copies + activations + root unit + "
-            "max(loss buffers, layer buffers + rebuilt layer)")
+    working = max(mem["loss_buffers"], mem["head_grad"] + mem["layer_buffers"] + mem["recompute"])
+    allocated = base + working
+    mem.add("allocated", allocated, "states + accumulation + unsharded copies + activations + root unit + "
+            "max(loss buffers, head gradient + layer buffers + rebuilt layer)")
+    spare = fragmentation * (allocated - mem.states)
+    mem.add("fragmentation", spare, f"{fragmentation:g} x what the step allocates beyond the model states (the "
+            "caching allocator's blocks reserved but not in use at the peak)")
+    mem.add("peak", allocated + spare, "allocated + fragmentation: torch.cuda.max_memory_reserved")
     return mem

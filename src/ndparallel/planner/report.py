@@ -14,8 +14,8 @@ from .memory import Memory
 from .search import Plan, Request, Row
 from .setting import Setting, human_bytes
 
-COLUMNS = ("#", "layout", "micro x acc", "AC", "peak GiB", "fits", "step s", "tok/s/GPU", "MFU", "comm GB in/across",
-           "exposed ms")
+COLUMNS = ("#", "layout", "micro x acc", "AC", "mem", "peak GiB", "fits", "step s", "tok/s/GPU", "MFU",
+           "comm GB in/across", "exposed ms")
 
 
 def _fits(row: Row) -> str:
@@ -26,7 +26,7 @@ def row_cells(index: int, row: Row) -> list[str]:
     s, t = row.setting, row.timing
     links = by_link(row.transfers)
     return [str(index), row.layout.name, f"{s.micro_batch} x {s.accumulation}", "on" if s.checkpointing else "off",
-            f"{row.memory.peak / GiB:.1f}", _fits(row), f"{t.step_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}",
+            s.features, f"{row.memory.peak / GiB:.1f}", _fits(row), f"{t.step_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}",
             f"{t.mfu:.1%}", f"{links['intra'] / 1e9:.1f} / {links['inter'] / 1e9:.1f}", f"{t.exposed_s * 1e3:.0f}"]
 
 
@@ -37,7 +37,8 @@ def header(plan: Plan) -> str:
             f"{r.gpus_per_node} {r.hardware.name} = {r.world} GPUs; seq {r.seq_len}, {r.global_batch_tokens:,} "
             f"tokens ({r.samples} samples) per step, {r.mixed_precision}, {r.optimizer}, budget "
             f"{r.budget_bytes / GiB:.1f} GiB per GPU\n{len(plan.rows)} layouts accepted ({len(plan.refused)} refused), "
-            f"{fitting} fit; evaluated in {plan.seconds * 1e3:.0f} ms")
+            f"{fitting} fit; evaluated in {plan.seconds * 1e3:.0f} ms; mem: C chunked loss, T tiled MLP, O activation "
+            "offload; peak: predicted torch.cuda.max_memory_reserved")
 
 
 def table_text(plan: Plan, top: int) -> str:
@@ -75,11 +76,20 @@ def print_table(plan: Plan, top: int, file: IO[str] | None = None) -> None:
     print(table_text(plan, top), file=file)
 
 
+def script_settings(setting: Setting) -> list[str]:
+    """What the script passes for `setting`: the plugin, the memory features, the loader's batch size."""
+    checkpointing = '{"every": 1, "offload": True}' if setting.offload else "True"
+    script = ["FullyShardedDataParallelPlugin(fsdp_version=2" + (f", activation_checkpointing={checkpointing}"
+                                                               if setting.checkpointing else "") + ")"]
+    memory = ([] if setting.chunked_loss else ["chunked_loss=False"]) + (["tiled_mlp=True"] if setting.tiled_mlp else [])
+    if memory:
+        script.append(f"kwargs_handlers=[MemoryKwargs({', '.join(memory)})]")
+    return script + [f"DataLoader(batch_size={setting.micro_batch})"]
+
+
 def recommendation(row: Row, yaml_text: str) -> str:
     s = row.setting
-    script = ["FullyShardedDataParallelPlugin(fsdp_version=2" + (", activation_checkpointing=True" if s.checkpointing
-                                                               else "") + ")",
-              f"DataLoader(batch_size={s.micro_batch})"]
+    script = script_settings(s)
     if s.sync_each_batch:
         script.append("GradientAccumulationPlugin(sync_each_batch=True)")
     return (f"best: {row.layout.name}\n\n{row.layout.config_line()}\n\nin the script: {', '.join(script)}\n\n"
@@ -93,7 +103,8 @@ def memory_terms(memory: Memory) -> list[tuple[str, float, str]]:
 def memory_text(layout: Layout, setting: Setting, memory: Memory, budget: float | None = None) -> str:
     """The memory columns of one layout (``ndparallel estimate-memory``)."""
     lines = [f"{layout.name}: micro-batch {setting.micro_batch} x {setting.seq_len} tokens, {setting.mixed_precision}, "
-             f"activation checkpointing {'on' if setting.checkpointing else 'off'}"]
+             f"activation checkpointing {'on' if setting.checkpointing else 'off'}, memory features "
+             f"{setting.features} (C chunked loss, T tiled MLP, O offload)"]
     lines += [f"  {name:<26} {value / GiB:9.2f} GiB" for name, value, _ in memory_terms(memory) if name != "peak"]
     lines.append(f"  {'(activations AC off / on)':<26} {memory.activations_without_checkpointing / GiB:9.2f} / "
                  f"{memory.activations_with_checkpointing / GiB:.2f} GiB")
@@ -137,7 +148,8 @@ def row_json(row: Row) -> dict[str, Any]:
     return {
         "layout": row.layout.sizes(), "name": row.layout.name, "parallelism_config": row.layout.config_line(),
         "micro_batch": s.micro_batch, "gradient_accumulation_steps": s.accumulation,
-        "activation_checkpointing": s.checkpointing, "fits": row.fits, "miss_bytes": row.miss,
+        "activation_checkpointing": s.checkpointing, "chunked_loss": s.chunked_loss, "tiled_mlp": s.tiled_mlp,
+        "offload": s.offload, "fits": row.fits, "miss_bytes": row.miss,
         "memory_bytes": {name: term.bytes for name, term in row.memory.terms.items()},
         "activations_bytes": {"checkpointing_off": row.memory.activations_without_checkpointing,
                               "checkpointing_on": row.memory.activations_with_checkpointing},

@@ -39,6 +39,11 @@ class Request:
     optimizer: str = "adamw"
     allow_cross_node_tp: bool = False
     sync_each_batch: str = "auto"  # auto | on | off
+    # The memory features (`ndparallel.parallel.memory`): "auto" tries them off and on and keeps the fastest setting
+    # that fits (the chunked loss is never slower, so auto means on, as in the library).
+    chunked_loss: str = "auto"
+    tiled_mlp: str = "auto"
+    offload: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "seq_len", "global_batch_tokens"):
@@ -49,7 +54,7 @@ class Request:
             raise ValueError(f"--global-batch-tokens {self.global_batch_tokens} is not a multiple of --seq-len "
                              f"{self.seq_len}: a step holds whole sequences (e.g. "
                              f"{max(1, self.global_batch_tokens // self.seq_len) * self.seq_len})")
-        for name in ("checkpointing", "sync_each_batch"):
+        for name in ("checkpointing", "sync_each_batch", "chunked_loss", "tiled_mlp", "offload"):
             if getattr(self, name) not in CHECKPOINTING:
                 raise ValueError(f"{name} {getattr(self, name)!r}: use one of {list(CHECKPOINTING)}")
         if self.memory_gib is not None and self.memory_gib <= self.hardware.memory_reserve_gib:
@@ -117,7 +122,7 @@ class Plan:
 
 def evaluate(request: Request, layout: Layout, setting: Setting) -> Row:
     """Predictions for one layout run with one setting."""
-    memory = estimate(request.model, layout, setting)
+    memory = estimate(request.model, layout, setting, request.hardware.fragmentation)
     items = transfers(request.model, layout, setting, request.gpus_per_node)
     timing = step_time(request.model, layout, setting, items, request.hardware, request.global_batch_tokens)
     return Row(layout, setting, memory, items, timing, request.budget_bytes)
@@ -127,22 +132,39 @@ def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
+OPTIONS = {"auto": (False, True), "on": (True,), "off": (False,)}
+
+
+def memory_options(request: Request) -> list[tuple[bool, bool, bool, bool]]:
+    """(checkpointing, chunked loss, tiled MLP, offload) combinations the request allows; offloading only with
+    checkpointing, and "auto" for the chunked loss is on (never slower in the model, on by default in the library)."""
+    chunked = (True,) if request.chunked_loss == "auto" else OPTIONS[request.chunked_loss]
+    out = []
+    for ac, loss, tiled, offload in itertools.product(OPTIONS[request.checkpointing], chunked,
+                                                      OPTIONS[request.tiled_mlp], OPTIONS[request.offload]):
+        if offload and not ac:
+            if request.offload == "on":
+                raise ValueError("--offload on needs activation checkpointing (--activation-checkpointing on|auto)")
+            continue
+        out.append((ac, loss, tiled, offload))
+    return out
+
+
 def best_row(request: Request, layout: Layout) -> Row:
     """The fastest setting of `layout` that fits, else the one with the smallest peak."""
     per_rank = request.samples // layout.batch
-    options = {"auto": (False, True), "on": (True,), "off": (False,)}
     fitting: list[Row] = []
     smallest: Row | None = None
     # Reduce-scattering every micro-step only changes anything with accumulation over a sharded group.
-    syncs = options[request.sync_each_batch] if layout.fsdp > 1 and per_rank > 1 else (False,)
-    for checkpointing, sync in itertools.product(options[request.checkpointing], syncs):
+    syncs = OPTIONS[request.sync_each_batch] if layout.fsdp > 1 and per_rank > 1 else (False,)
+    for (checkpointing, loss, tiled, offload), sync in itertools.product(memory_options(request), syncs):
         for micro in _divisors_desc(per_rank):
             if micro % layout.pp:  # pipeline stages cut each micro-step into pp micro-batches
                 continue
             if sync and micro == per_rank and len(syncs) > 1:
                 continue  # no accumulation: the same as without sync_each_batch
             setting = Setting(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
-                              request.optimizer, sync)
+                              request.optimizer, sync, loss, tiled, offload)
             row = evaluate(request, layout, setting)
             if row.fits:
                 fitting.append(row)

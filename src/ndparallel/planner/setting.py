@@ -11,6 +11,11 @@ from .model import ModelSpec
 MIXED_PRECISIONS = ("bf16", "fp32")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors the optimizer keeps per parameter
 FP32 = 4
+# The library's defaults for the chunked loss and tiled MLPs (`ndparallel.parallel.memory`: cross_entropy.chunk_rows,
+# tiled_mlp.MIN_TILE), restated here so the planner imports no torch; tests/planner/test_planner_memory.py checks that
+# they agree.
+LOSS_MIN_CHUNKS, LOSS_CHUNK_BYTES, LOSS_MIN_ROWS = 16, 256 * 2**20, 64
+MLP_MIN_TILE = 1024
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,10 @@ class Setting:
     checkpointing: bool = False  # activation checkpointing of every decoder layer
     optimizer: str = "adamw"
     sync_each_batch: bool = False  # GradientAccumulationPlugin(sync_each_batch=True): reduce-scatter every micro-step
+    chunked_loss: bool = True  # MemoryKwargs(chunked_loss=...): on by default in the library for these models
+    tiled_mlp: bool = False  # MemoryKwargs(tiled_mlp=True)
+    offload: bool = False  # activation_checkpointing={"offload": True}: checkpointed layers' inputs in host memory
+    mlp_tile: int | None = None  # MemoryKwargs(mlp_tile_size=...); None: the library's default
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in MIXED_PRECISIONS:
@@ -32,6 +41,15 @@ class Setting:
             raise ValueError(f"optimizer {self.optimizer!r}: the planner knows {sorted(OPTIMIZER_STATES)}")
         if self.seq_len < 1 or self.micro_batch < 1 or self.accumulation < 1:
             raise ValueError("seq_len, micro_batch and accumulation must be >= 1")
+        if self.offload and not self.checkpointing:
+            raise ValueError("activation offloading moves the inputs of checkpointed layers: it needs activation "
+                             "checkpointing")
+
+    @property
+    def features(self) -> str:
+        """The memory features on, as letters: C chunked loss, T tiled MLP, O offload ("-": none)."""
+        return "".join(k for k, on in (("C", self.chunked_loss), ("T", self.tiled_mlp), ("O", self.offload))
+                       if on) or "-"
 
     @property
     def compute_bytes(self) -> int:
@@ -41,6 +59,19 @@ class Setting:
     def tokens(self, layout: Layout) -> int:
         """Tokens one rank holds in a micro-step: its samples' share of the sequence under cp x sp."""
         return self.micro_batch * self.seq_len // layout.seq_split
+
+
+def loss_chunk_rows(tokens: int, vocab_local: int) -> int:
+    """Rows per chunk of the chunked loss by default (`ndparallel.parallel.memory.cross_entropy.chunk_rows`)."""
+    by_bytes = max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab_local)))
+    return min(tokens, max(LOSS_MIN_ROWS, min(math.ceil(tokens / LOSS_MIN_CHUNKS), by_bytes)))
+
+
+def mlp_tile_tokens(hidden: int, tokens: int, tile: int | None = None) -> int:
+    """Tokens per tile of a tiled MLP (`ndparallel.parallel.memory.tiled_mlp`: `tile`, by default the hidden size
+    and at least 1024), at most the sequence: the sequence cut into ceil(tokens / tile) equal tiles."""
+    tile = tile or max(MLP_MIN_TILE, hidden)
+    return math.ceil(tokens / math.ceil(tokens / tile))
 
 
 def local_shape(shape: tuple[int, ...], tp_dim: int | None, tp: int) -> tuple[int, ...]:

@@ -5,7 +5,9 @@ how much of the communication hides behind the compute.
   performs them: 6 N_matmul + 12 L d_attn K, with K the keys a query attends to on average -- S/2 under the causal
   mask (the MFU convention of `ndparallel.metrics` counts the whole score matrix, K = S), w - w^2/2S under a
   sliding window w < S -- plus one forward of the layers again (2 N_layers + 4 L d_attn K) with activation
-  checkpointing.
+  checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
+- activation offloading: each layer's input goes to host memory and back (2 x L x n x h x c bytes per micro-step)
+  at the profile's host_bandwidth, on the copy engines: exposed only beyond overlap x compute.
 - each collective: bytes / bandwidth of its link class + calls x latency.
 - data-parallel traffic (FSDP2 all-gathers and reduce-scatters, HSDP all-reduces) runs while other layers compute:
   exposed = max(0, its time - overlap x compute). Tensor-, context- and sequence-parallel collectives sit on the
@@ -59,6 +61,8 @@ def hardware_flops_per_token(model: ModelSpec, setting: Setting) -> float:
     flops = 6 * (layer_matmul + head) + 3 * attention
     if setting.checkpointing:
         flops += 2 * layer_matmul + attention
+    if setting.tiled_mlp:  # each tile's checkpoint runs the MLP's forward once more in backward
+        flops += 2 * model.layers * (3 if model.gated else 2) * model.hidden * model.intermediate
     return flops
 
 
@@ -88,6 +92,11 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
             critical += seconds
     hidden = min(overlappable, hw.overlap * compute)
     exposed = critical + overlappable - hidden
+    offload = 0.0
+    if setting.offload:  # every layer's input to host memory and back, per micro-step, on the copy engines
+        moved = 2 * model.layers // layout.pp * setting.tokens(layout) * model.hidden * setting.compute_bytes
+        offload = setting.accumulation * moved / hw.host_bandwidth
+        exposed += max(0.0, offload - hw.overlap * compute)
     held, _, _ = state_elements(model, layout)
     moved = (2 * (1 + OPTIMIZER_STATES[setting.optimizer]) + 1) * FP32
     optimizer = held * moved / hw.hbm_bandwidth
@@ -99,7 +108,9 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
                    f"TFLOP/s x {hw.compute_efficiency})"
                    + (f" x ({micro} + {layout.pp} - 1) / {micro} (pipeline bubble)" if layout.pp > 1 else ""),
         "exposed": f"critical {critical * 1e3:.2f} ms + data-parallel {overlappable * 1e3:.2f} ms - hidden "
-                   f"min(that, {hw.overlap} x compute) = {hidden * 1e3:.2f} ms",
+                   f"min(that, {hw.overlap} x compute) = {hidden * 1e3:.2f} ms"
+                   + (f"; offload {offload * 1e3:.2f} ms to and from host memory at {hw.host_bandwidth / 1e9:.0f} GB/s, "
+                      f"exposed beyond {hw.overlap} x compute" if setting.offload else ""),
         "optimizer": f"{held:,} parameters x {moved} B / {hw.hbm_bandwidth / 1e12:.2f} TB/s",
     }
     return Timing(compute, comm, overlappable, critical, exposed, optimizer, step, tps, mfu, flops, how)

@@ -77,11 +77,13 @@ def test_loss_parallel_matches_single_process(model, flags):
 def _loss_parallel_logits() -> tuple:
     import torch
 
-    from ndparallel import Accelerator, ParallelismConfig, TorchTensorParallelConfig
+    from ndparallel import Accelerator, MemoryKwargs, ParallelismConfig, TorchTensorParallelConfig
     from tiny_models import build_model
 
+    # A training forward with labels returns no logits under the chunked loss (on by default): turned off to get them.
     acc = Accelerator(parallelism_config=ParallelismConfig(
-        tp_size=2, tp_handler=TorchTensorParallelConfig(loss_parallel=True)))
+        tp_size=2, tp_handler=TorchTensorParallelConfig(loss_parallel=True)),
+        kwargs_handlers=[MemoryKwargs(chunked_loss=False)])
     model = acc.prepare(build_model("llama"))
     ids = torch.arange(32).reshape(2, 16)
     out = model(input_ids=ids, labels=ids)

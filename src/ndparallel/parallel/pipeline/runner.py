@@ -33,11 +33,15 @@ from ...config import PP_SCHEDULES, PipelineParallelConfig
 from ...loss import count_loss_tokens
 from ..adapted import adapter_free
 from ..interface import PreparedModel
+from ..memory import chunked_loss_of
+from ..memory.cross_entropy import aligned_labels
 from ..sequence import active
 from .split import StagePlan
 
 # Batch keys a decoder stage takes besides the token ids and the labels.
 _DECODER_INPUTS = ("attention_mask", "position_ids")
+# With the chunked loss, training hands every stage the aligned labels too; the last one computes its loss from them.
+_LOSS_LABELS = "loss_labels"
 
 
 class PipelineModel(nn.Module, PreparedModel):
@@ -165,13 +169,16 @@ class PipelineModel(nn.Module, PreparedModel):
     def _train(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor, shifted: bool,
                items: float | None = None) -> Any:
         sums: list[torch.Tensor] = []
+        chunked = chunked_loss_of(self.module) if self.plan.kind == "decoder" else None
+        if chunked is not None:  # the last stage returns each micro-batch's summed token loss (`DecoderStage`)
+            inputs = {**inputs, _LOSS_LABELS: target if shifted else aligned_labels(target, None)}
         if self.plan.kind == "decoder":
             tokens = items if items is not None else \
                 count_loss_tokens({"shift_labels" if shifted else "labels": target})
             scale = self.loss_factor() / tokens if tokens else 0.0
 
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-                total = self._token_loss_sum(logits, labels, shifted)
+                total = logits if chunked is not None else self._token_loss_sum(logits, labels, shifted)
                 sums.append(total.detach())
                 return total * scale
         else:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..adapted import adapter_free
+from ..memory import chunked_loss_of
 from .split import StageLayers, StagePlan
 
 
@@ -60,13 +61,18 @@ class DecoderStage(nn.Module):
         self.config = model.config
         self._no_split_modules = getattr(model, "_no_split_modules", None)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.chunked = chunked_loss_of(model) if last else None  # the head and loss over chunks of tokens
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, loss_labels: torch.Tensor | None = None) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         hidden = self.model(**inputs, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False).last_hidden_state
         out = hidden
+        if self.last and loss_labels is not None and self.chunked is not None:
+            # Training with the chunked loss (`memory.loss_head`): the micro-batch's summed token loss, no logits;
+            # its transforms include the soft-capping.
+            return self.chunked.head_loss(hidden, loss_labels)
         if self.last:
             out = self.lm_head(hidden)
             if self.softcap is not None:  # Gemma's final soft-capping, as its forward applies it

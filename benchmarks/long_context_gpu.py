@@ -1,0 +1,205 @@
+"""Long sequences on one CUDA GPU: the GPU rows of issue 29, and the planner's memory checked against the allocator.
+
+    python benchmarks/long_context_gpu.py [--out gpu_check_out] [--models 1b 3b] [--seqs 8192 32768]
+                                          [--max-seq 131072]
+    python benchmarks/long_context.py --gpu               # the same, with the defaults
+    bash scripts/gpu_check.sh                             # the GPU check runs it after benchmarks/gpu.py
+
+A ~1B and a ~3B Llama (Llama 3.2 1B's and 3B's shapes, random init from a config, vocabulary 128256, tied head),
+bf16 mixed precision with fp32 master weights, AdamW, one sequence per step, through `Accelerator.prepare` on one
+GPU (FSDP2 over one rank), in two settings: **all** -- activation checkpointing with offloading, the chunked loss,
+tiled MLPs -- and **plain** -- FSDP2 with activation checkpointing and the model's own loss:
+
+(a) at each --seqs length: ``torch.cuda.max_memory_reserved`` and ``max_memory_allocated`` over one step (after a
+    warm-up step that creates the optimizer's state), against the planner's predicted peak and allocated
+    (`ndparallel.planner.memory.estimate` with this GPU's profile, its fragmentation constant included), and the
+    tokens/s of --timed steps (median);
+(b) the longest sequence, a multiple of 4096 up to --max-seq, whose step runs without a CUDA out-of-memory error,
+    for each setting (doubling, then --bisect halvings).
+
+Each measurement runs in a fresh process (tests/harness.py, one rank), so an out-of-memory error or the allocator's
+cache of one run does not reach the next. ``--device cpu`` runs a tiny model only to check that the program runs
+(no memory figures there). Prints a Markdown table and writes it (long_context_gpu.md) and the raw figures
+(long_context_gpu.json) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import torch  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
+
+GiB = 2**30
+MODELS = {  # name -> LlamaConfig fields (Llama 3.2 1B and 3B shapes)
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16),
+}
+SETTINGS = {  # name -> (MemoryKwargs fields, activation_checkpointing), and the planner's feature flags
+    "all": ({"chunked_loss": True, "tiled_mlp": True}, {"every": 1, "offload": True}),
+    "plain": ({"chunked_loss": False}, True),
+}
+FEATURES = {"all": dict(chunked_loss=True, tiled_mlp=True, offload=True), "plain": dict(chunked_loss=False)}
+QUANTUM = 4096
+
+
+def config(model: str, seq: int, vocab: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**MODELS[model], vocab_size=vocab, max_position_embeddings=max(seq, 8192), use_cache=False,
+                       tie_word_embeddings=True, attn_implementation="sdpa")
+
+
+def _run(model: str, setting: str, seq: int, vocab: int, timed: int, cpu: bool) -> dict | None:
+    """On the one rank: warm-up step, a step whose peak is read, `timed` steps; None on out-of-memory."""
+    from transformers import LlamaForCausalLM
+
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs
+
+    fields, checkpointing = SETTINGS[setting]
+    accelerator = Accelerator(mixed_precision="bf16", cpu=cpu, kwargs_handlers=[MemoryKwargs(**fields)],
+                              fsdp_plugin=FullyShardedDataParallelPlugin(activation_checkpointing=checkpointing))
+    cuda = accelerator.device.type == "cuda"
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(config(model, seq, vocab))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5)
+    net, optimizer = accelerator.prepare(net, optimizer)
+    net.train()
+    g = torch.Generator().manual_seed(1)
+
+    def step(length: int) -> None:
+        ids = torch.randint(0, vocab, (1, length), generator=g).to(accelerator.device)
+        accelerator.backward(net(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    try:
+        step(min(seq, 1024))
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        step(seq)
+        sync()
+        reserved = torch.cuda.max_memory_reserved() if cuda else 0
+        allocated = torch.cuda.max_memory_allocated() if cuda else 0
+        times = []
+        for _ in range(timed):
+            start = time.perf_counter()
+            step(seq)
+            sync()
+            times.append(time.perf_counter() - start)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        accelerator.end_training()
+    return {"reserved": reserved, "allocated": allocated,
+            "tokens_per_s": seq / statistics.median(times) if times else None}
+
+
+def run(model: str, setting: str, seq: int, args: argparse.Namespace, timed: int = 0) -> dict | None:
+    return run_ranks(_run, 1, model, setting, seq, args.vocab, timed, args.device == "cpu", timeout=3600)[0]
+
+
+def predicted(model: str, setting: str, seq: int, vocab: int, gpu: str) -> tuple[float, float]:
+    """(predicted peak, allocated) bytes of one step on one GPU (the planner's `estimate`)."""
+    from ndparallel.planner import Layout, Setting, get_hardware, spec_from_config
+    from ndparallel.planner.memory import estimate
+
+    spec = spec_from_config(config(model, seq, vocab).to_dict(), model)
+    memory = estimate(spec, Layout(), Setting(seq, 1, 1, "bf16", True, **FEATURES[setting]),
+                      get_hardware(gpu).fragmentation)
+    return memory.peak, memory["allocated"]
+
+
+def profile_name() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    for key, profile in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g")):
+        if key in name:
+            if profile == "a100-80g" and torch.cuda.get_device_properties(0).total_memory < 60 * GiB:
+                return "a100-40g"
+            return profile
+    return "h100"  # an unknown GPU is compared with the H100's constants (said in the table's title)
+
+
+def longest(model: str, setting: str, args: argparse.Namespace) -> int:
+    fits, length = 0, QUANTUM
+    while length <= args.max_seq and run(model, setting, length, args) is not None:
+        fits, length = length, 2 * length
+    if length > args.max_seq or not fits:
+        return fits
+    lo, hi = fits, length
+    for _ in range(args.bisect):
+        mid = (lo + hi) // 2 // QUANTUM * QUANTUM
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if run(model, setting, mid, args) is not None else (lo, mid)
+    return lo
+
+
+def gpu_rows(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["1b", "3b"])
+    p.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--max-seq", type=int, default=131072, help="longer: attention time grows as its square")
+    p.add_argument("--bisect", type=int, default=3)
+    p.add_argument("--timed", type=int, default=3)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a tiny model, no memory figures")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("long_context_gpu: no CUDA GPU (--device cpu checks that the program runs)")
+    if args.device == "cpu":
+        args.models, args.seqs, args.vocab, args.max_seq, args.bisect, args.timed = ["tiny"], [256], 512, 8192, 1, 1
+    gpu = profile_name()
+    rows, lines = [], [f"### Long sequences on one {torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}"
+                       f" (planner profile {gpu})", "",
+                       "| model | setting | seq | reserved GiB, measured / predicted | allocated GiB, measured / "
+                       "predicted | tokens/s |", "|---|---|---|---|---|---|"]
+    for model in args.models:
+        for seq in args.seqs:
+            for setting in SETTINGS:
+                r = run(model, setting, seq, args, args.timed)
+                peak, allocated = predicted(model, setting, seq, args.vocab, gpu)
+                rows.append({"model": model, "setting": setting, "seq": seq, "measured": r,
+                             "predicted": {"peak": peak, "allocated": allocated}})
+                cells = ("out of memory", "out of memory", "-") if r is None else (
+                    f"{r['reserved'] / GiB:.1f} / {peak / GiB:.1f} ({r['reserved'] / peak - 1:+.0%})",
+                    f"{r['allocated'] / GiB:.1f} / {allocated / GiB:.1f} ({r['allocated'] / allocated - 1:+.0%})",
+                    f"{r['tokens_per_s']:,.0f}")
+                lines.append(f"| {model} | {setting} | {seq} | " + " | ".join(cells) + " |")
+                print(lines[-1], flush=True)
+    lines += ["", "| model | longest sequence, all | plain FSDP2 + AC | ratio |", "|---|---|---|---|"]
+    longest_rows = {}
+    for model in args.models:
+        found = {setting: longest(model, setting, args) for setting in SETTINGS}
+        longest_rows[model] = found
+        ratio = f"{found['all'] / found['plain']:.1f}x" if found["plain"] else "-"
+        lines.append(f"| {model} | {found['all']:,} | {found['plain']:,} | {ratio} |")
+        print(lines[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "long_context_gpu.md").write_text("\n".join(lines) + "\n")
+    result = {"gpu": gpu, "rows": rows, "longest": longest_rows}
+    (args.out / "long_context_gpu.json").write_text(json.dumps(result, indent=1))
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    gpu_rows()

@@ -1,0 +1,16 @@
+"""Long sequences in less memory: what lives outside attention once CP/SP shard it.
+
+- `cross_entropy`: the LM head and its cross-entropy over chunks of tokens (`linear_cross_entropy`), exact, also
+  vocabulary-parallel over ``tp``; `head_source`: what a model does to its logits between head and loss, read from its
+  source; `loss_head`: the hooks that put the chunked loss on a Hugging Face causal LM;
+- `tiled_mlp`: decoder MLPs over tiles of the sequence, recomputed tile by tile in backward;
+- `offload`: activations saved for backward (the inputs of checkpointed blocks) moved to host memory and back;
+- `config`: `MemoryKwargs`, the switches; `apply`: the step of `ndparallel.parallel.parallelize`.
+"""
+
+from .apply import apply_memory_features
+from .config import MemoryKwargs
+from .cross_entropy import linear_cross_entropy
+from .loss_head import chunked_loss_of, chunked_loss_status
+
+__all__ = ["MemoryKwargs", "apply_memory_features", "chunked_loss_of", "chunked_loss_status", "linear_cross_entropy"]

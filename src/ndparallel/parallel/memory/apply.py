@@ -1,0 +1,25 @@
+"""The memory step of `ndparallel.parallel.parallelize`: after tensor and sequence parallelism (the head keeps its
+input as their hooks lay it out), before activation checkpointing and FSDP2."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from .loss_head import install
+from .tiled_mlp import apply_tiled_mlp
+
+if TYPE_CHECKING:  # options.py imports this package (for MemoryKwargs)
+    from ...mesh import ParallelMesh
+    from ..options import PrepareOptions
+
+
+def apply_memory_features(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
+    """The chunked loss and the tiled MLPs `options.memory` asks for (`MemoryKwargs`)."""
+    install(model, options.memory)
+    if options.memory.tiled_mlp:
+        plugin = options.fsdp_plugin
+        apply_tiled_mlp(model, options.memory.mlp_tile_size,
+                        plugin.transformer_cls_names_to_wrap if plugin is not None else None)
+    return model

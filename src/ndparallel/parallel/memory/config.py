@@ -1,0 +1,60 @@
+"""`MemoryKwargs`: the long-sequence memory features a prepared model gets (``Accelerator(kwargs_handlers=[...])``).
+
+Activation offloading is the other one; it belongs to activation checkpointing and is set there:
+``FullyShardedDataParallelPlugin(activation_checkpointing={"every": 1, "offload": True})``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...plugins import KwargsHandler, parse_bool
+
+CHUNKED_LOSS_ENV = "NDPARALLEL_CHUNKED_LOSS"
+TILED_MLP_ENV = "NDPARALLEL_TILED_MLP"
+
+
+@dataclass
+class MemoryKwargs(KwargsHandler):
+    """What a prepared causal LM does to train long sequences in less memory (README, "Long sequences").
+
+    chunked_loss: the LM head and the loss over chunks of tokens, so the ``tokens x vocabulary`` logits never exist
+        (`ndparallel.parallel.memory.loss_head`); training forwards with labels then return ``outputs.logits = None``.
+        "auto" (default): on wherever it is exact (transformers causal LMs with their own ``ForCausalLMLoss`` and a
+        plain linear head); True: required, refused with the reason where it cannot be; False: off.
+    loss_chunk_size: tokens per chunk of the chunked loss (None: at least 16 chunks of at most 256 MiB of fp32
+        logits each, and at least 64 tokens).
+    tiled_mlp: each decoder block's MLP computed over tiles of the sequence and recomputed tile by tile in backward,
+        so its ``tokens x intermediate`` activations exist for one tile at a time (`tiled_mlp`). Default False.
+    mlp_tile_size: tokens per MLP tile (None: the model's hidden size, at least 1024).
+    """
+
+    chunked_loss: bool | str = "auto"
+    loss_chunk_size: int | None = None
+    tiled_mlp: bool = False
+    mlp_tile_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.chunked_loss, str) and self.chunked_loss.strip().lower() == "auto"):
+            self.chunked_loss = parse_bool(self.chunked_loss, "MemoryKwargs.chunked_loss (or 'auto')")
+        else:
+            self.chunked_loss = "auto"
+        self.tiled_mlp = parse_bool(self.tiled_mlp, "MemoryKwargs.tiled_mlp")
+        for name in ("loss_chunk_size", "mlp_tile_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"MemoryKwargs.{name} must be None or an int >= 1, got {value!r}")
+
+    @classmethod
+    def from_env(cls, handler: MemoryKwargs | None, environ: Mapping[str, str]) -> MemoryKwargs:
+        """`handler` (or the defaults) with the fields it leaves at their defaults read from ``NDPARALLEL_CHUNKED_LOSS``
+        (auto / true / false) and ``NDPARALLEL_TILED_MLP`` (true / false)."""
+        fields: dict[str, Any] = dict(handler.__dict__) if handler is not None else {}
+        default = cls()
+        if environ.get(CHUNKED_LOSS_ENV) and fields.get("chunked_loss", "auto") == default.chunked_loss:
+            fields["chunked_loss"] = environ[CHUNKED_LOSS_ENV]
+        if environ.get(TILED_MLP_ENV) and not fields.get("tiled_mlp", False):
+            fields["tiled_mlp"] = environ[TILED_MLP_ENV]
+        return cls(**fields)
