@@ -1,8 +1,9 @@
 """A soak under faults: train under ``ndparallel launch --max-restarts``, SIGKILL a random rank every so often (some
 of the kills during a save), and check that the job ends with every loss of a run that was never interrupted.
 
-    python benchmarks/soak.py [--steps 500] [--save-every 25] [--kill-every 50] [--seed 0] [--async-save]
-                              [--nproc 4] [--dp-replicate-size 2] [--dp-shard-size 2] [--max-restarts 20]
+    python benchmarks/soak.py [--steps 500] [--save-every 25] [--kill-every 50] [--save-kills 0.4] [--seed 0]
+                              [--async-save] [--nproc 4 --dp-replicate-size 2 --dp-shard-size 2] [--max-restarts 20]
+                              [--keep-files] [--json-out FILE]
 
 Linux only (it finds the ranks in /proc). Not a test: it runs for minutes and prints figures. Both runs are
 `examples/resume.py` -- the README example's model and data (examples/nd_parallel.py), checkpoints every
@@ -16,13 +17,14 @@ Linux only (it finds the ranks in /proc). Not a test: it runs for minutes and pr
    [kill_every/2, 3 kill_every/2]; about `--save-kills` of them are moved to a save step and land during the save
    (after the save began, at a random point of the first half of the time the saves of this run took until their
    staging directory was gone: for `--async-save` that includes the background write), the others at a random point
-   of the step after T_i. The rank is drawn at random; its process is found by the environment the launch gave it (a tag of this run,
-   `RANK` and the attempt `TORCHELASTIC_RESTART_COUNT`). A kill counts as "during a save" when a staging directory
-   (`.checkpoint_<i>.partial`) existed both just before and just after it.
+   of the step after T_i. The rank is drawn at random; its process is found by the environment the launch gave it
+   (a tag of this run, `RANK` and the attempt `TORCHELASTIC_RESTART_COUNT`). A kill counts as "during a save" when a
+   staging directory (`.checkpoint_<i>.partial`) existed both just before and just after it.
 
 Printed: kills (and how many during a save, and where), restarts, the steps lost (completed steps run again after a
-restart), the time each restart took (from the kill to the first step after the resume, split into: until the new
-ranks started, until they had loaded the checkpoint, the first step), both runs' wall times, the comparison of every
+restart), the time each restart took (from the kill to the first step after the resume, split into: until torchrun
+had stopped the other ranks, until the new ranks had started, until they had prepared the model, until they had loaded
+the checkpoint, the first step), both runs' wall times, the comparison of every
 logged loss with the reference's (bit for bit: the same layout on CPU reduces in the same order), the processes of
 the run left after the launcher exited (orphans), and whether every checkpoint left on disk verifies (sizes and
 CRC32s). The exit code is 0 only when all of these hold.
@@ -83,8 +85,8 @@ def kill_plan(steps: int, save_every: int, kill_every: int, save_kills: float, n
             step = -(-step // save_every) * save_every
         elif step % save_every == 0:
             step -= 1  # after the step before a save step: the kill lands in the step, not in the save
-        if plan and step <= plan[-1].step:  # two kills moved to the same save step
-            step = plan[-1].step + save_every
+        if plan and step <= plan[-1].step:  # the last kill was moved up to a save step at or past this one
+            step = plan[-1].step + (save_every if during_save else 1)
         if step >= steps + (1 if during_save else 0):
             break
         plan.append(Kill(step, during_save, rng.randrange(nproc), rng.random()))
@@ -404,7 +406,8 @@ def report(args: argparse.Namespace, reference: Run, soak: Run) -> bool:
               f"{'restart s':>9} {'= stop':>6} {'+ start':>7} {'+ prepare':>9} {'+ load':>6} {'+ 1st step':>10}")
         for i, (k, after, lost_here, total, stop, start, prepare, load, first_step) in enumerate(rows):
             print(f"  {i + 1:4d} {k.rank:4d} {k.last_step:10d} {'yes' if k.staging else 'no':>7} "
-                  f"{after['resumed_step']:10d} {lost_here:4d} {total:9.1f} {'-' if stop is None else f'{stop:.1f}':>6} "
+                  f"{after['resumed_step']:10d} {lost_here:4d} {total:9.1f} "
+                  f"{'-' if stop is None else f'{stop:.1f}':>6} "
                   f"{start:7.1f} {prepare:9.1f} {load:6.2f} {first_step:10.2f}")
         print("  restart s: from the kill to the first step after the resume (or the end, when nothing was left to "
               "train) = stop: until torchrun reported the rank failed, having stopped the others (from its log) + "
@@ -465,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds without an event of the run before it is declared hung")
     p.add_argument("--dir", type=Path, default=None, help="where the runs write (default: a temporary directory)")
     p.add_argument("--keep-files", action="store_true",
-                   help="keep the runs' directories (checkpoints, event logs, launcher output) instead of deleting them")
+                   help="keep the runs' directories (checkpoints, event logs, launcher output); default: delete them")
     p.add_argument("--json-out", type=Path, default=None, help="write the events and kills here")
     args = p.parse_args(argv)
     if not sys.platform.startswith("linux"):

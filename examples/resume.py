@@ -11,8 +11,8 @@ or another layout (sizes from the launcher):
 
 A checkpoint only becomes visible when complete, so a crash during a save leaves the previous one to resume from.
 `--async-save` writes checkpoints in the background (``save_state(async_save=True)``); `--event-log FILE` appends
-one JSON line per event of the main process (start, prepared, resumed, every step's exact loss, each save's begin and end),
-flushed at once so that it survives a ``kill -9``: `benchmarks/soak.py` reads it while it kills ranks.
+one JSON line per event of the main process (start, prepared, resumed, every step's exact loss, each save's begin
+and end), flushed at once so that it survives a ``kill -9``: `benchmarks/soak.py` reads it while it kills ranks.
 """
 
 from __future__ import annotations
