@@ -10,6 +10,9 @@ or another layout (sizes from the launcher):
     # to see a restart: add --crash-at-step 15 (rank 1 kills itself once, in the first attempt only)
 
 A checkpoint only becomes visible when complete, so a crash during a save leaves the previous one to resume from.
+`--async-save` writes checkpoints in the background (``save_state(async_save=True)``); `--event-log FILE` appends
+one JSON line per event of the main process (start, prepared, resumed, every step's exact loss, each save's begin
+and end), flushed at once so that it survives a ``kill -9``: `benchmarks/soak.py` reads it while it kills ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,7 +53,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-at-step", type=int, default=None,
                    help="rank 1 (else 0) kills itself with SIGKILL after this step, in the first attempt only")
     p.add_argument("--json-out", type=Path, default=None, help="write this attempt's losses here (main process)")
+    p.add_argument("--async-save", action="store_true", help="save_state(async_save=True): write in the background")
+    p.add_argument("--event-log", type=Path, default=None,
+                   help="append one JSON line per event here (main process), flushed at once")
     return p.parse_args(argv)
+
+
+class EventLog:
+    """JSON lines appended by the main process and flushed at once (each line is one write: a ``kill -9`` loses at
+    most the line being written). Losses are written as Python floats, which JSON round-trips exactly."""
+
+    def __init__(self, path: Path | None, attempt: int, enabled: bool) -> None:
+        self.file = open(path, "a", encoding="utf-8") if path is not None and enabled else None  # noqa: SIM115
+        self.attempt = attempt
+
+    def __call__(self, event: str, **fields) -> None:
+        if self.file is not None:
+            line = {"event": event, "attempt": self.attempt, "time": time.time(), "pid": os.getpid(), **fields}
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,12 +87,16 @@ def main(argv: list[str] | None = None) -> dict:
                                             total_limit=args.keep),
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, stepped by hand below
     )
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    log = EventLog(args.event_log, attempt, accelerator.is_main_process)
+    log("start")
     set_seed(0)
     model = build_model({"seq_len": args.seq_len})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.1, 1.0 - step / args.steps))
     dataloader = DataLoader(build_dataset(args.seq_len), batch_size=args.batch_size, shuffle=True, drop_last=True)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    log("prepared")
 
     # Resume: everything prepared above (and the data position, random states, step counter) comes back.
     resumed_from = None
@@ -74,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         resumed_from = accelerator.load_state()  # the newest complete checkpoint of the project
         accelerator.print(f"resumed from {resumed_from} at step {accelerator.gradient_state.optimizer_steps}")
     step = accelerator.gradient_state.optimizer_steps
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    log("resumed", step=step, checkpoint=None if resumed_from is None else str(resumed_from))
 
     losses: dict[int, float] = {}
     model.train()
@@ -95,8 +125,12 @@ def main(argv: list[str] | None = None) -> dict:
             step += 1
             losses[step] = step_loss.item()
             accelerator.print(f"step {step}: loss {losses[step]:.4f}")
+            log("step", step=step, loss=losses[step])
             if step % args.checkpoint_every == 0 or step == args.steps:
-                accelerator.print(f"saved {accelerator.save_state()}")
+                log("save-begin", step=step)
+                saved = accelerator.save_state(async_save=args.async_save)
+                log("save-end", step=step, checkpoint=str(saved))
+                accelerator.print(f"saved {saved}" + (" (writing in the background)" if args.async_save else ""))
             if step == args.crash_at_step and attempt == 0 and \
                     accelerator.process_index == min(1, accelerator.num_processes - 1):
                 os.kill(os.getpid(), signal.SIGKILL)  # a hard failure: no cleanup, no exception
@@ -107,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
                "world_size": accelerator.num_processes}
     if args.json_out is not None and accelerator.is_main_process:
         args.json_out.write_text(json.dumps(summary))
-    accelerator.end_training()
+    accelerator.end_training()  # waits for a background save still being written
+    log("end", step=step)
+    log.close()
     return summary
 
 
