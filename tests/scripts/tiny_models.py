@@ -199,6 +199,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {  # name -> (config class, model c
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                      router_aux_loss_coef=0.1, tie_word_embeddings=False)),
+    # Qwen3-MoE trained on the token loss alone (no load-balancing term): what pipeline stages take.
+    "qwen3_moe_token_loss": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             dict(_SMALL, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  output_router_logits=False, tie_word_embeddings=False)),
     # A shared expert beside the routed ones, scaled by a sigmoid gate.
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

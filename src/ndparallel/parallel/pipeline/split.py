@@ -116,10 +116,14 @@ def check_splittable(model: nn.Module, pp: int) -> str:
         raise ValueError(f"{where}: {name} adds learned positions ({positions[0]}) to its embeddings inside its "
                          "forward, which a later stage cannot skip; pipeline stages are not supported for it")
     experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, k, None)]
-    if experts:
-        raise ValueError(f"{where}: {name} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}), "
-                         "whose load-balancing loss adds up over every layer of every stage; pipeline stages are "
-                         "not supported for it yet: use FSDP2 / TP / CP / SP")
+    if experts and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        # The stages compute the token loss only; the auxiliary loss would need every layer's routing of the whole
+        # batch before the first backward, which 1F1B-style schedules do not wait for.
+        raise ValueError(f"{where}: {name} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}) "
+                         f"whose loss adds a load-balancing term (output_router_logits=True, router_aux_loss_coef="
+                         f"{config.router_aux_loss_coef}) over every layer of every stage; pipeline stages do not "
+                         "compute it yet: set config.output_router_logits=False (the token loss alone, as DeepSeek-V3 "
+                         "trains), or use a layout without pp (FSDP2 / TP / CP / SP / EP)")
     if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
         raise ValueError(f"{where}: {name} scales its logits (logit_scale) in its forward; pipeline stages are not "
                          "supported for it")
