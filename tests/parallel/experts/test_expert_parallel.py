@@ -155,6 +155,21 @@ def test_pipeline_stages_take_a_mixture_of_experts_trained_on_the_token_loss():
     assert diff <= 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,tolerance", [
+    (["--activation-checkpointing"], 1e-5),  # the block recomputed in backward: its all-to-alls run again
+    (["--dynamo-backend", "aot_eager", "--regional-compilation"], 1e-5),  # the dispatch is not traced
+    (["--mixed-precision", "bf16"], 5e-2),  # tokens travel in bf16; the fp32 trajectory within bf16 rounding
+], ids=["activation_checkpointing", "regional_compilation", "bf16"])
+def test_options_under_expert_parallelism(extra, tolerance):
+    results = run_layout("qwen3_moe", 2, LAYOUTS["ep2"][2], 1, *extra)
+    diff = loss_diff(results, reference("qwen3_moe"))
+    assert diff <= tolerance and (tolerance == 1e-5 or diff > 0), f"{extra}: {diff:.2e} from one process"
+    if "--regional-compilation" in extra:
+        graphs = results[0]["graphs"]  # compiled once, in the first step: no recompilation afterwards
+        assert graphs[0] > 0 and graphs == [graphs[0]] * len(graphs), graphs
+
+
 # ---- parameters: SGD, whose update is the gradient itself ------------------------------------------------------------
 def max_param_diff(results: list[dict], ref: dict) -> float:
     """Over every rank's parameters (under pipeline stages each holds its stages'), which together cover the model."""
