@@ -493,7 +493,8 @@ class ParallelismConfig:
 
     # ---- serialisation ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: getattr(self, name) for name in SIZE_FIELDS}
+        # ep_size only when used (a file without it stays readable by older versions), as pp_handler below
+        out: dict[str, Any] = {name: getattr(self, name) for name in SIZE_FIELDS if name != "ep_size" or self.ep_size != 1}
         out["tp_handler"] = dataclasses.asdict(self.tp_handler)
         out["cp_handler"] = dataclasses.asdict(self.cp_handler)
         if self.pp_size != 1 or self.pp_handler != PipelineParallelConfig():

@@ -261,20 +261,24 @@ ROUND_TRIP_CONFIGS = [
     ),
     lambda: ParallelismConfig(pp_size=2, dp_shard_size=2, pp_handler=PipelineParallelConfig(
         schedule="interleaved_1f1b", microbatches=8, split=[1, 2, 3])),
+    lambda: ParallelismConfig(dp_shard_size=4, ep_size=2),
 ]
+ROUND_TRIP_IDS = ["defaults", "minus_one", "handlers", "pipeline", "experts"]
 
 
-@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=["defaults", "minus_one", "handlers", "pipeline"])
+@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=ROUND_TRIP_IDS)
 def test_dict_round_trip(make):
     pc = make()
     data = pc.to_dict()
     # pp_handler only when pipeline stages are configured (a file without them stays readable by older versions)
-    assert set(data) == set(SIZE_FIELDS) | {"tp_handler", "cp_handler"} | ({"pp_handler"} if pc.pp_size > 1 else set())
+    # ep_size likewise, only with expert parallelism
+    assert set(data) == (set(SIZE_FIELDS) - ({"ep_size"} if pc.ep_size == 1 else set())) | {"tp_handler", "cp_handler"} | (
+        {"pp_handler"} if pc.pp_size > 1 else set())
     assert isinstance(data["tp_handler"], dict) and isinstance(data["cp_handler"], dict)
     assert ParallelismConfig.from_dict(data) == pc
 
 
-@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=["defaults", "minus_one", "handlers", "pipeline"])
+@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=ROUND_TRIP_IDS)
 def test_yaml_round_trip(make, tmp_path):
     pc = make()
     path = tmp_path / "config.yaml"

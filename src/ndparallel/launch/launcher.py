@@ -45,7 +45,6 @@ import torch
 
 from ndparallel.config import (
     ACCUMULATION_ENV,
-    AXIS_FIELDS,
     MIXED_PRECISION,
     MIXED_PRECISION_ENV,
     SIZE_FIELDS,
@@ -132,7 +131,7 @@ def read_config_file(path: str | os.PathLike, flags: dict[str, Any] | None = Non
 def default_nproc(sizes: dict[str, int], nnodes: int) -> int:
     """Processes per node when none is given: the product of the sizes on one node without -1, else 1 (ep_size is
     carved out of the others: no factor)."""
-    axes = [size for name, size in sizes.items() if name in AXIS_FIELDS]
+    axes = [size for name, size in sizes.items() if name != "ep_size"]
     if axes and nnodes == 1 and -1 not in axes:
         return math.prod(axes)
     return 1
