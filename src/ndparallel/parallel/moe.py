@@ -18,10 +18,12 @@ micro-step's G covers the tokens of that micro-step on every rank and weighs lik
 process accumulating the same micro-batches. Evaluation (``model.eval()`` or ``torch.no_grad()``) keeps each rank's
 own auxiliary loss, so a forward on one rank alone cannot hang on the all-gather.
 
-Expert layouts: FSDP2 shards the experts' stacked weights along the expert dimension over ``fsdp`` (each rank stores
-num_experts / fsdp of them and all-gathers them for compute, as every FSDP parameter); under tensor parallelism the
-experts stay whole on every tp rank (`tensor.styles.ALIASES`: transformers' ``moe_tp_experts``) while attention and
-dense layers are split. Expert parallelism (experts placed on ranks, tokens exchanged all-to-all) is not offered.
+Expert layouts: without expert parallelism FSDP2 shards the experts' stacked weights along the expert dimension over
+``fsdp`` (each rank stores num_experts / fsdp of them and all-gathers them for compute, as every FSDP parameter);
+under tensor parallelism the experts stay whole on every tp rank (`tensor.styles.ALIASES`: transformers'
+``moe_tp_experts``) while attention and dense layers are split. With ``ep_size`` the experts are placed on the ranks
+of ``ep`` and tokens travel to them all-to-all (`ndparallel.parallel.experts`); the router runs on every rank's own
+tokens, so this loss is computed the same way.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def render_table(cases: list[Case] = CASES) -> str:
         "AdamW steps "
         "with clipping and matches the single-process losses within 1e-5 (\"tested\"), or the layout refuses it on "
         "every rank with the reason given. Mixture-of-experts: FSDP2 shards the experts along the expert dimension; "
-        "under TP they stay whole on every tp rank; no expert parallelism.",
+        "under TP they stay whole on every tp rank; with `ep_size`, see the table in Expert parallelism.",
         "",
         "| family | " + " | ".join(title for title, _, _ in LAYOUTS.values()) + " |",
         "|---|" + "---|" * len(LAYOUTS),
