@@ -297,6 +297,23 @@ def _where(store: Any, world: int) -> dict[int, list[Any]]:
     return out
 
 
+def where_ranks(timeout: datetime.timedelta | None = None) -> str:
+    """Every rank's last monitored call, one line each, from the default store (waiting at most `timeout` for it)."""
+    store, world = _store(), dist.get_world_size()
+    if timeout is not None:
+        store.set_timeout(timeout)
+    lines = []
+    where = _where(store, world)
+    for rank in range(world):
+        entry = where.get(rank)
+        if entry is None:
+            lines.append(f"rank {rank}: has made no monitored call yet")
+        else:
+            lines.append(f"rank {rank} ({entry[3]}): {_STATES[entry[2]]} {entry[1]!r} (its call #{entry[0]}, "
+                         f"{time.time() - entry[4]:.0f} s ago)")
+    return "\n  ".join(lines)
+
+
 def _report(store: Any, world: int, seq: int, name: str | None) -> str:
     """Where every rank is: its last monitored call and whether it waits there; with `name`, first which ranks are
     at call #`seq` named `name` and which are not."""
@@ -512,6 +529,7 @@ class _Watch:
 
 __all__ = [
     "CollectiveTimeoutError",
+    "where_ranks",
     "accelerator_fingerprint",
     "check_agreement",
     "dataloader_fingerprint",

@@ -49,6 +49,14 @@ from .loss import BatchInfo, GradientState, count_loss_tokens
 from .runtime import group_name, resolve_group
 
 
+def uneven_refusal(holding: int, shards: int, why: str) -> str:
+    """The error of an uneven last batch (``even_batches=False``) where every rank must run every step."""
+    return (f"even_batches=False: the last batch of this pass goes to {holding} of the {shards} ranks with distinct "
+            f"samples, and the others have none, but {why}: the ranks with a batch would wait for the others "
+            "forever. Keep even_batches=True (the last batch is evened out; gather_for_metrics drops the repeats), "
+            "use drop_last=True, or train with DDP and accelerator.join_uneven_inputs")
+
+
 class ShardedBatchSampler(Sampler[list[int]]):
     """This shard's batch of each group of `num_shards` consecutive batches of `batch_sampler`."""
 
@@ -61,6 +69,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.even_batches = even_batches
         self.last_remainder = 0  # real samples of the last pass's final global batch, when it was not whole
+        self.lockstep = ""  # why every rank must run every step (set by the Accelerator), "" if they need not
         # Where the next pass starts (set when resuming from a checkpoint, read once by `__iter__`): skip this many
         # batches of `batch_sampler`, or -- when resuming with another batch size -- this many of its sampler's
         # indices, re-batched after that.
@@ -124,6 +133,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 group = []
         if group and not self.drop_last and not self.even_batches:  # as they come: a short batch, or none
             self.last_remainder = sum(len(b) for b in group)
+            if len(group) < self.num_shards and self.lockstep:
+                raise ValueError(uneven_refusal(len(group), self.num_shards, self.lockstep))
             if self.shard_index < len(group):
                 yield group[self.shard_index]
         elif group and not self.drop_last:
@@ -168,6 +179,7 @@ class IterableDatasetShard(IterableDataset):
         self.drop_last = drop_last
         self.even_batches = even_batches
         self.last_remainder = 0
+        self.lockstep = ""  # as `ShardedBatchSampler.lockstep`
         self.resume_samples = 0  # samples of the pass consumed before a checkpoint (read once by `__iter__`)
 
     def set_epoch(self, epoch: int) -> None:
@@ -202,6 +214,9 @@ class IterableDatasetShard(IterableDataset):
                 buffer = []
         if buffer and not self.drop_last and not self.even_batches:  # as they come: a short batch, or none
             self.last_remainder = len(buffer)
+            holding = -(-len(buffer) // self.batch_size)
+            if holding < self.num_shards and self.lockstep:
+                raise ValueError(uneven_refusal(holding, self.num_shards, self.lockstep))
             yield from buffer[lo:hi]
         elif buffer and not self.drop_last:
             self.last_remainder = len(buffer)
@@ -238,7 +253,7 @@ class PreparedDataLoader:
                  gradient_state: GradientState | None = None,
                  local_count: Callable[[Any], int | None] | None = None, split_batches: bool = False,
                  even_batches: bool = True, non_blocking: bool = False,
-                 sequence_plan: Callable[[Any], Any] | None = None) -> None:
+                 sequence_plan: Callable[[Any], Any] | None = None, lockstep: str = "") -> None:
         self.base_loader = loader
         self.device = device  # this rank's device: batches go there (if put_on_device), token counts always
         self.put_on_device = put_on_device
@@ -313,6 +328,9 @@ class PreparedDataLoader:
                 batch_sampler = BatchSampler(batch_sampler.sampler, batch_size, drop_last)
             self._shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last, seed, even_batches)
             self.loader = DataLoader(loader.dataset, batch_sampler=self._shard, **kwargs)
+        # Why every rank must run every step (FSDP2, tp, cp, sp, pp: collectives in every forward), if it must: an
+        # uneven last batch (even_batches=False) is then refused on every rank before any of them runs it.
+        self._shard.lockstep = lockstep
 
     # ---- Accelerate's surface: even_batches (join_uneven_inputs overrides it), batch_sampler ----------------------
     @property

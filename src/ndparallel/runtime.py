@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -170,12 +171,18 @@ _RECORD_BYTES = 512  # every record is padded to this size, so each beat is one 
 
 
 class _Heartbeat:
+    last: str = ""
     fd: int | None = None
     pid: int = -1
     host: str = ""
     call: str = ""
     since: float = 0.0
     written: float = 0.0
+
+
+def last_library_call() -> str:
+    """The name of the last library call this process made (`heartbeat`'s), "" before any."""
+    return _Heartbeat.last
 
 
 def heartbeat(call: str) -> None:
@@ -186,6 +193,7 @@ def heartbeat(call: str) -> None:
     a few microseconds, cheap enough for every training step. The launcher reports a rank whose record is older
     than the stall timeout, names the call it was last in, and stops the job.
     """
+    _Heartbeat.last = call  # what `last_library_call` reports, launched with --stall-timeout or not
     directory = os.environ.get(HEARTBEAT_ENV)
     if not directory:
         return
@@ -207,7 +215,8 @@ def heartbeat(call: str) -> None:
         _Heartbeat.call, _Heartbeat.since = call, now
     record = json.dumps({"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                          "host": _Heartbeat.host, "pid": _Heartbeat.pid, "call": call[:200],
-                         "since": _Heartbeat.since, "time": now}).encode()
+                         "since": _Heartbeat.since, "time": now,
+                         "thread": threading.main_thread().ident}).encode()  # whose stack the launcher reads
     try:
         if hasattr(os, "pwrite"):
             os.pwrite(_Heartbeat.fd, record.ljust(_RECORD_BYTES), 0)

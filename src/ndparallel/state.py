@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import monitored_barrier
+from .failures import explain_collective_failures
 from .singletons import current
 from .loss import GradientState
 from .runtime import Runtime, init_runtime
@@ -62,6 +63,7 @@ class PartialState:
         if not self._shared or not dist.is_initialized():
             self._shared.clear()
             self.runtime: Runtime = init_runtime(cpu, **{k: v for k, v in kwargs.items() if v is not None})
+            explain_collective_failures()  # a rank that dies in a collective says where every rank was
 
     @staticmethod
     def _reset_state() -> None:

@@ -166,3 +166,30 @@ def test_one_rank_with_an_fsdp_plugin_wraps_only_for_what_fsdp_does_there():
     offloaded = run_ranks(_one_rank_with_a_plugin, 1, True)[0]
     assert offloaded["fsdp"] and offloaded["dtensor"] and offloaded["checkpointed"] == [True, True]
     assert abs(offloaded["loss"] - offloaded["expected"]) < 5e-2, offloaded  # FSDP2 casts parameters, not ops
+
+
+def _backward_outside_accumulate(inside: bool) -> list[str]:
+    import warnings
+
+    from ndparallel import Accelerator
+
+    acc = Accelerator(gradient_accumulation_steps=2)
+    model = acc.prepare(torch.nn.Linear(4, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            loss = model(torch.ones(2, 4)).sum()
+            if inside:
+                with acc.accumulate(model):
+                    acc.backward(loss)
+            else:
+                acc.backward(loss)
+    return [str(w.message) for w in caught if "accumulate" in str(w.message)]
+
+
+def test_backward_outside_accumulate_with_accumulation_steps_warns_once():
+    """With gradient_accumulation_steps > 1, a loop that never enters accumulate() steps on every micro-batch (as in
+    Accelerate): said once, not silently, and not at all inside accumulate()."""
+    outside = run_ranks(_backward_outside_accumulate, 1, False)[0]
+    assert len(outside) == 1 and "gradient_accumulation_steps=2, but backward() runs outside" in outside[0]
+    assert run_ranks(_backward_outside_accumulate, 1, True)[0] == []

@@ -247,3 +247,28 @@ def test_gather_for_metrics_keeps_the_real_samples_of_a_final_partial_batch(worl
     assert gathered[-1] == pytest.approx([m for m in means for _ in range(4)][:last])
     if world == 1:
         assert gathered[-1] == pytest.approx([float(np.mean(leftovers))] * last)
+
+
+def _uneven_last_batch(sizes: dict[str, int]) -> str:
+    from ndparallel import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin, ParallelismConfig
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}),
+                      dataloader_config=DataLoaderConfiguration(even_batches=False),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = acc.prepare(torch.nn.Linear(4, 4))
+    loader = acc.prepare(DataLoader(torch.randn(10, 4), batch_size=2))  # 5 batches over 2 ranks: one left over
+    try:
+        for x in loader:
+            acc.backward(model(x).sum())
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_uneven_last_batch_is_refused_where_every_rank_must_run_every_step():
+    """even_batches=False leaves one rank without a last batch; under FSDP2 the others would wait for it forever.
+    Every rank raises, naming even_batches and why, before running the batch."""
+    for message in run_ranks(_uneven_last_batch, 2, {"dp_shard": 2}, timeout=60):
+        assert message.startswith("even_batches=False: the last batch of this pass goes to 1 of the 2 ranks with "
+                                  "distinct samples, and the others have none, but FSDP2 all-gathers the sharded "
+                                  "parameters in every forward"), message

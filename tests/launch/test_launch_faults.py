@@ -6,6 +6,7 @@ that stops making library calls is reported by --stall-timeout and the job exits
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,8 +22,9 @@ SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "launch_faults.py
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process and signal checks use Linux's /proc")
 
 
-def launch(*args: str) -> subprocess.Popen:
+def launch(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NDPARALLEL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(extra_env or {})
     return subprocess.Popen([sys.executable, "-m", "ndparallel.cli", "launch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
@@ -132,3 +134,29 @@ def test_a_stalled_rank_is_reported_and_the_job_exits_non_zero():
     assert "The other ranks of this node were last heard: rank 0 in 'barrier' " in err
     assert "ndparallel launch: rank(s) [1] were stopped for making no progress (--stall-timeout)" in err
     assert elapsed < 40, elapsed
+
+
+def test_the_stalled_rank_named_is_the_one_stuck_in_its_own_code():
+    """Rank 1, stuck in its own code, was heard from after rank 0 went into a barrier for it: the one heard from
+    longest ago is rank 0. The ranks' stacks tell them apart: rank 0 is named as only waiting, rank 1 is stopped."""
+    proc = launch("--nproc-per-node", "2", "--stall-timeout", "3", SCRIPT, "stall-late")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert "its last library call was 'backward', entered " in err, err[-3000:]
+    assert "; it is not in a collective but at launch_faults.py:" in err and " in <module>" in err, err[-3000:]
+    assert "Rank(s) [0] only wait for it in collectives (rank 0 at " in err, err[-3000:]
+    assert "ndparallel launch: rank(s) [1] were stopped for making no progress (--stall-timeout)" in err
+
+
+def test_a_save_on_one_rank_is_named_in_every_ranks_error(tmp_path):
+    """save_state under `if accelerator.is_main_process:` while rank 1 trains on: rank 0's error names the barrier and
+    who did not come; rank 1, which dies inside an FSDP2 collective of its training step, says where it was and
+    where every rank was -- rank 0 in save_state -- instead of the backend's bare timeout."""
+    proc = launch("--nproc-per-node", "2", SCRIPT, "save-on-one", "--out", str(tmp_path / "ckpt"),
+                  extra_env={"NDPARALLEL_TIMEOUT": "5"})
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert "monitored_barrier('save_state'): not every rank arrived within 5 s" in err, err[-4000:]
+    assert "ndparallel: rank 1 stopped in a collective that did not complete, inside " in err, err[-4000:]
+    assert "(its last library call: 'backward')" in err
+    assert re.search(r"rank 0 \([^)]*\): (gave up )?waiting in 'save_state'", err), err[-4000:]

@@ -51,6 +51,20 @@ def pause_after_models(marker: str) -> None:
     state.get_optimizer_state_dict = paused
 
 
+def pause_before_commit(marker: str) -> None:
+    """Test hook, in this process only: the next save stops once every file is written (when it checksums them, just
+    before the commit) -- for a background save, in its writer thread while training goes on --, writes `marker` and
+    sleeps until killed."""
+    from ndparallel.checkpoint import storage
+
+    def paused(*args, **kwargs):
+        Path(marker).write_text("files written, not committed")
+        while True:
+            time.sleep(60)
+
+    storage.checksum_files = paused
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     for axis in ("pp", "dp_replicate", "dp_shard", "tp", "cp"):
@@ -74,6 +88,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load", default=None, help="a checkpoint directory, or 'latest' (the project's newest)")
     p.add_argument("--pause-in-save", type=int, default=None, help="step whose save pauses (pause_after_models)")
     p.add_argument("--pause-marker", default=None)
+    p.add_argument("--async-save", action="store_true", help="save_state(async_save=True); --pause-in-save then "
+                   "pauses the background writer before its commit (pause_before_commit)")
+    p.add_argument("--progress-file", default=None, help="the main process writes each step number here")
     p.add_argument("--return-params", action="store_true")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
@@ -140,11 +157,15 @@ def main(argv: list[str] | None = None) -> dict:
                 step += 1
                 counter.count += 1
                 losses[step] = float(logged)
+                if args.progress_file and accelerator.is_main_process:
+                    Path(args.progress_file).write_text(str(step))
                 if step == args.pause_in_save:
-                    pause_after_models(args.pause_marker)
+                    accelerator.wait_for_checkpoint()  # an earlier background save must not be the one paused
+                    (pause_before_commit if args.async_save else pause_after_models)(args.pause_marker)
                 if step in args.save_at:
                     saved.append(accelerator.save_state(
-                        None if args.project_dir else os.path.join(args.save_dir, f"step_{step}")))
+                        None if args.project_dir else os.path.join(args.save_dir, f"step_{step}"),
+                        async_save=args.async_save))
                 if step >= args.steps:
                     break
 

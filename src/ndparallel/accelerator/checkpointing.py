@@ -46,15 +46,27 @@ class CheckpointingMixin:
                                                              for i in bad))
         self.prepared.custom_objects.extend(objects)
 
-    def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+    def save_state(self, output_dir: str | os.PathLike | None = None, *, async_save: bool = False,
+                   **kwargs: Any) -> str:
         """Write a crash-safe, sharded checkpoint of everything prepared (and registered); return its directory.
 
         Without `output_dir`, ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
         ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps the newest ``total_limit``. Collective.
+
+        ``async_save=True`` (ndparallel's): the state is copied to host memory and written in the background while
+        training goes on; the next `save_state`, `load_state`, `wait_for_checkpoint` and `end_training` wait for it
+        (and raise its error). Until it commits, the previous checkpoint stays the newest complete one.
         """
         self._ignored_kwargs("save_state", kwargs)
         self._check_same_directory("save_state", output_dir)
-        return str(checkpoint.save_state(self.prepared, self._run_settings(), self.project_configuration, output_dir))
+        return str(checkpoint.save_state(self.prepared, self._run_settings(), self.project_configuration, output_dir,
+                                         async_save=async_save))
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait until a ``save_state(async_save=True)`` under way has committed (raising its error if it failed);
+        return its directory, or None when none was under way."""
+        done = checkpoint.wait_for_saves()
+        return None if done is None else str(done)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
         """Restore a checkpoint written by `save_state` under this or any other layout (the newest complete one

@@ -4,8 +4,8 @@ It only orchestrates: settings are resolved by `settings`, the process state kep
 built by `ndparallel.mesh`, models parallelised by `ndparallel.parallel`, data loaders sharded by `ndparallel.data`,
 the loss made right by `ndparallel.loss`, sequences sharded by `ndparallel.parallel.sequence`, clipping done by
 `ndparallel.clip`, metrics gathered by `ndparallel.gather_reduce`, experiments logged by `ndparallel.tracking`; what it
-prepared is kept in one `ndparallel.prepared.PreparedObjects`, which checkpoints read and write. The process surface,
-collectives and checkpoints live in the mixins beside this module.
+prepared is kept in one `ndparallel.prepared.PreparedObjects`, which checkpoints read and write. The training step
+(`training_step`), the process surface, collectives and checkpoints live in the mixins beside this module.
 
 Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
 - a prepared LR scheduler steps once per data-parallel rank and optimizer step, as Accelerate's steps once per
@@ -18,25 +18,23 @@ Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from .. import agreement, checkpoint, clip, metrics, parallel
+from .. import agreement, checkpoint, metrics, parallel
 from ..batch_size import release_memory
 from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
-from ..config import ParallelismConfig, compute_dtype
+from ..config import ParallelismConfig
 from ..data import PreparedDataLoader
 from ..loss import GradientState, is_causal_lm
 from ..mesh import ParallelMesh
@@ -44,13 +42,14 @@ from ..optim import AcceleratedOptimizer, AcceleratedScheduler
 from ..parallel.sequence import SequenceSharding
 from ..plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 from ..prepared import PreparedObjects
-from ..runtime import heartbeat, release_process_group
+from ..runtime import release_process_group
 from ..state import AcceleratorState, PartialState
 from ..tracking import GeneralTracker, Trackers, progress_bar
 from . import settings as _settings
 from .checkpointing import CheckpointingMixin
 from .collectives import CollectivesMixin
 from .processes import ProcessesMixin
+from .training_step import TrainingStepMixin
 
 _PREPARED_TYPES = (DistributedDataParallel, FSDPModule, parallel.PreparedModel, AcceleratedOptimizer, PreparedDataLoader,
                    AcceleratedScheduler)
@@ -77,7 +76,7 @@ def _weak(obj: Any) -> Callable[[], Any]:
         return lambda: obj
 
 
-class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
+class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, CheckpointingMixin):
     """Trains models with the parallelisms of a `ParallelismConfig` (plain DDP over every process without one).
 
     Accelerate's arguments, in Accelerate's order:
@@ -165,6 +164,8 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         # The plain objects prepare() has taken, to refuse them a second time: id -> a weak reference (an id alone
         # could be reused by a new object once the old one is freed).
         self._taken: dict[int, Callable[[], Any]] = {}
+        self._accumulating = 0  # accumulate() blocks entered and not left
+        self._warned_outside_accumulate = False
         checkpoint.announce(s.fsdp_plugin)  # cpu_ram_efficient_loading: tell transformers, as Accelerate does
 
     # ---- settings as properties over the one copy (Accelerate's names; settable where Accelerate's are) -----------
@@ -361,11 +362,21 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             local_count=sharding.count_loss_tokens if sharding is not None else None,
             sequence_plan=sharding.plan if sharding is not None and sharding.balance_documents else None,
             split_batches=config.split_batches, even_batches=config.even_batches, non_blocking=config.non_blocking,
+            lockstep=self._lockstep_reason(),
         )
         self.prepared.dataloaders.append(prepared)
         return prepared
 
     prepare_dataloader = prepare_data_loader
+
+    def _lockstep_reason(self) -> str:
+        """Why every rank must run every step of a data loader (collectives in every forward), or "" under DDP (whose
+        ranks can run uneven numbers of steps inside `join_uneven_inputs`) and on one process."""
+        sizes = [f"{axis}_size={self.mesh.size(axis)}" for axis in ("tp", "cp", "sp", "pp") if self.mesh.size(axis) > 1]
+        reasons = [f"{' x '.join(sizes)} runs collectives in every forward"] if sizes else []
+        if self._settings.fsdp and self.num_processes > 1:
+            reasons.insert(0, "FSDP2 all-gathers the sharded parameters in every forward")
+        return "; ".join(reasons)
 
     def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):
@@ -389,149 +400,6 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
             raise TypeError("skip_first_batches takes a data loader returned by prepare(); prepare it first")
         dataloader.skip_batches(num_batches)
         return dataloader
-
-    # ---- the training step ------------------------------------------------------------------------------------------
-    def _loss_weight_inside_the_model(self) -> float:
-        """What a model that runs backward inside its own call (pipeline stages) weighs this rank's loss by: the
-        factor `backward` would scale it by (`GradientState.loss_factor`). A loop that scales the loss it gets back
-        before calling `backward` -- the Hugging Face Trainer does -- needs that scale here as well
-        (`ndparallel.integrations.trainer`)."""
-        return self.gradient_state.loss_factor()
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, with the loss weighted so gradients equal the single-process ones.
-
-        `loss` must be this rank's mean loss over its own samples or tokens (what HF models return); see
-        `ndparallel.loss` for the factor and why.
-        """
-        heartbeat("backward")  # progress that `ndparallel launch --stall-timeout` watches
-        kwargs.pop("learning_rate", None)  # Accelerate's LOMO argument: no LOMO optimizers here
-        # A model whose call ran this step's backward already (pipeline stages: ndparallel.parallel.pipeline) leaves
-        # nothing to do; every model is asked (a list, not a generator), so every such flag is cleared.
-        if any([parallel.interface(m).consume_backward() for m in self.prepared.models]):
-            return
-        loss = loss * self.gradient_state.loss_factor()
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        with self.loss_parallel():
-            loss.backward(**kwargs)
-
-    def loss_parallel(self) -> contextlib.AbstractContextManager:
-        """torch's `loss_parallel` context when ``TorchTensorParallelConfig(loss_parallel=True)`` and tp > 1 (else
-        nothing): cross-entropy on logits split over the vocabulary. Prepared models enter it for their own
-        forward and `backward` for the backward; wrap a loss you compute yourself from ``outputs.logits`` in it."""
-        if self.mesh.size("tp") > 1 and self.parallelism_config.tp_handler.loss_parallel:
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module) -> Iterator[None]:
-        """One micro-step: gradients synchronise (and the optimizer steps) only on the last of a window (on every
-        micro-step with ``GradientAccumulationPlugin(sync_each_batch=True)``)."""
-        sync = self.gradient_state.advance()
-        with contextlib.ExitStack() as stack:
-            if not sync and not self._settings.sync_each_batch:
-                for model in models or self.prepared.models:
-                    stack.enter_context(self.no_sync(model))
-            yield
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        """Skip the gradient reduction of backward passes inside (gradients accumulate locally)."""
-        if isinstance(model, DistributedDataParallel):
-            with model.no_sync():
-                yield
-        elif isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
-        else:
-            yield
-
-    @contextlib.contextmanager
-    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
-        """Reduce gradients in the backward passes inside even on an accumulation micro-step."""
-        if isinstance(model, DistributedDataParallel):
-            before = (model.require_backward_grad_sync, model.require_forward_param_sync)
-            model.require_backward_grad_sync = model.require_forward_param_sync = True
-            # A forward run under no_sync did not arm DDP's reducer for this backward: arm it now (every parameter
-            # expected, as DDP does after a synchronising forward without find_unused_parameters).
-            model.reducer.prepare_for_backward([])
-            try:
-                yield
-            finally:
-                model.require_backward_grad_sync, model.require_forward_param_sync = before
-        elif isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(True)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(self.sync_gradients or self._settings.sync_each_batch)
-        else:
-            yield
-
-    @contextlib.contextmanager
-    def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
-                               buffer_seq_dims: list[int] | None = None,
-                               no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
-        """Shard `buffers` in place along `buffer_seq_dims` over ``cp x sp`` for the block; a no-op without CP/SP.
-
-        Inside, each buffer holds this rank's part of every sequence (load-balanced: chunks r and 2*cp-1-r of
-        2*cp; with sp > 1, a contiguous 1/sp of that; see `ndparallel.parallel.sequence.SequenceShards`) and the
-        prepared model's attention spans the whole sequence. On exit, buffers not in `no_restore_buffers` get their
-        full contents back. Pass ``shift_labels`` (labels shifted by one *before* sharding) rather than ``labels``,
-        and ``position_ids``; run backward inside too. Nothing here communicates: bad input raises on every rank
-        before any collective.
-        """
-        if buffers is not None and buffer_seq_dims is not None and len(buffers) != len(buffer_seq_dims):
-            raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(buffer_seq_dims)} "
-                             "buffer_seq_dims")
-        if self.sequence_sharding is None:
-            yield
-            return
-        batch = self.gradient_state.batch
-        with self.sequence_sharding.sharded(buffers, buffer_seq_dims, no_restore_buffers,
-                                            expected_tokens=batch.local_tokens if batch is not None else None,
-                                            layout=batch.sequence_layout if batch is not None else None):
-            yield
-
-    @contextlib.contextmanager
-    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
-        """``torch.autocast`` in the mixed-precision dtype (nothing with mixed_precision="no"); an
-        `AutocastKwargs` overrides the Accelerator's."""
-        dtype = compute_dtype(self.mixed_precision)
-        kwargs = {**self._settings.autocast_kwargs, **(autocast_handler.to_kwargs() if autocast_handler else {})}
-        enabled = dtype is not None and kwargs.pop("enabled", True)
-        with torch.autocast(self.device.type, dtype=dtype, enabled=enabled, **kwargs):
-            yield
-
-    def unscale_gradients(self, optimizer: Any = None) -> None:
-        if self.scaler is None:
-            return
-        optimizers = [optimizer] if isinstance(optimizer, AcceleratedOptimizer) else (optimizer or
-                                                                                      self.prepared.optimizers)
-        for opt in optimizers:
-            try:
-                self.scaler.unscale_(opt.optimizer)
-            except RuntimeError as exc:  # already unscaled since the last update(): nothing to do
-                if "already been called" not in str(exc):
-                    raise
-
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the total gradient norm, computed correctly over sharded (DTensor) and plain gradients."""
-        self.unscale_gradients()
-        # Pipeline stages hold different parameters: their parts of the norm add up over ``pp`` (a tied weight's
-        # second copy, on the last stage, counted once).
-        stages = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
-        twice = {id(p) for m in self.prepared.models for p in parallel.interface(m).norm_duplicates()}
-        return clip.clip_grad_norm_(parameters, max_norm, norm_type, across=stages, counted_elsewhere=twice)
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clamp every gradient element to [-clip_value, clip_value] (elementwise: exact on shards)."""
-        self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     # ---- trackers, progress, step metrics -----------------------------------------------------------------------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
@@ -583,6 +451,10 @@ class Accelerator(ProcessesMixin, CollectivesMixin, CheckpointingMixin):
         metrics.write_run_metrics(getattr(self, "_step_timer", None), self.process_index, self.num_processes,
                                   self.device)
         self.trackers.finish()
+        try:
+            checkpoint.wait_for_saves()  # a background save commits before the process group goes
+        finally:
+            checkpoint.background.release()
         if dist.is_initialized():
             self.wait_for_everyone()
             release_process_group()

@@ -83,9 +83,9 @@ class ProcessesMixin:
     sequence_parallel_rank = _axis_property("sp", "rank")
     data_parallel_size = _axis_property("batch", "size")  # dp_replicate * dp_shard, ParallelismConfig's meaning
 
-    @property
-    def pipeline_parallel_rank(self) -> int:
-        raise NotImplementedError("pipeline parallelism is not available in this version of ndparallel")
+    # Accelerate raises here (it has no pipeline parallelism); ndparallel answers the stage's coordinate.
+    pipeline_parallel_rank = _axis_property("pp", "rank")
+    pp_rank, pp_size = _axis_property("pp", "rank"), _axis_property("pp", "size")
 
     @property
     def should_save_model(self) -> bool:

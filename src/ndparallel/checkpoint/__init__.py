@@ -8,18 +8,20 @@ Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `sav
 - `manifest`: the metadata file, tensor names and shapes, tied names: what is checked before anything loads;
 - `validate`: the values of the small files and metadata fields, checked before anything loads;
 - `training_state`: what `save_state` / `load_state` write and read, from the Accelerator's record of prepared objects;
+- `background`: ``save_state(async_save=True)``: host copies of the state, the writer thread, waiting for it;
 - `export`: `save_model`, `get_state_dict`, `merge_weights` (``ndparallel merge-weights``);
 - `adapters`: PEFT models saved as PEFT saves them (the adapter), or with their LoRA merged in;
 - `load_pretrained`: ``cpu_ram_efficient_loading`` and `init_empty_weights`.
 """
 
 from .adapters import adapter_state_dict, is_peft_model, save_adapter
+from .background import wait as wait_for_saves
 from .export import get_state_dict, merge_weights, save_model
-from .manifest import read_metadata
 from .load_pretrained import announce, init_empty_weights, parallelize_loading_weights
+from .manifest import read_metadata
 from .project import ProjectConfiguration, latest_checkpoint
-from .training_state import FULL, SHARDED, RunSettings, load_state, save_state
 from .storage import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .training_state import FULL, SHARDED, RunSettings, load_state, save_state
 
 __all__ = [
     "adapter_state_dict",
@@ -42,4 +44,5 @@ __all__ = [
     "read_metadata",
     "save_model",
     "save_state",
+    "wait_for_saves",
 ]

@@ -22,11 +22,11 @@ def tensor_shapes(state: dict[str, Any]) -> dict[str, list[int]]:
     return {name: list(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
 
 
-def model_tensors(model: nn.Module) -> dict[str, list[int]]:
-    """Name -> global shape of every tensor of a prepared model's state dict, under the model's own names.
-    Collective for a model with pipeline stages: each rank holds its stages' tensors, gathered here into the whole
-    model's table (every rank calls it)."""
-    shapes = tensor_shapes(get_model_state_dict(state_module(model)))
+def model_tensors(model: nn.Module, state: dict[str, Any] | None = None) -> dict[str, list[int]]:
+    """Name -> global shape of every tensor of a prepared model's state dict (`state`, when the caller has it),
+    under the model's own names. Collective for a model with pipeline stages: each rank holds its stages' tensors,
+    gathered here into the whole model's table (every rank calls it)."""
+    shapes = tensor_shapes(get_model_state_dict(state_module(model)) if state is None else state)
     if not interface(model).holds_every_parameter and dist.is_initialized():
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, shapes)

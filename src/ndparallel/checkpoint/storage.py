@@ -25,6 +25,7 @@ classes, dtypes, sizes and paths.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -32,6 +33,7 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -80,6 +82,26 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+_collectives = threading.local()  # .group: the process group checkpoint collectives of this thread use
+
+
+@contextlib.contextmanager
+def collectives_on(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Run this thread's checkpoint collectives (`agree`, `on_main`, `barrier`, `checksum_files`, DCP's) on `group`
+    -- a background save uses a process group of its own, so its collectives never meet training's."""
+    before = getattr(_collectives, "group", None)
+    _collectives.group = group
+    try:
+        yield
+    finally:
+        _collectives.group = before
+
+
+def group() -> dist.ProcessGroup | None:
+    """The process group of this thread's checkpoint collectives (None: the default group)."""
+    return getattr(_collectives, "group", None)
+
+
 def agree(error: BaseException | str | None) -> None:
     """Collective: raise on every rank when any rank had an error -- the same class and message everywhere (the
     lowest failing rank's).
@@ -96,7 +118,7 @@ def agree(error: BaseException | str | None) -> None:
     found: list[Any] = [mine]
     if is_distributed():
         found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, mine)
+        dist.all_gather_object(found, mine, group=group())
     first = next((f for f in found if f is not None), None)
     if first is not None:
         kind, message = first
@@ -112,7 +134,7 @@ def on_main(fn: Callable[[], Any]) -> Any:
         except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it (or they would hang)
             payload = [("error", exc if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}")]
     if is_distributed():
-        dist.broadcast_object_list(payload, src=0)
+        dist.broadcast_object_list(payload, src=0, group=group())
     status, value = payload[0]
     if status == "error":
         if isinstance(value, BaseException):
@@ -123,7 +145,7 @@ def on_main(fn: Callable[[], Any]) -> Any:
 
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=group())
 
 
 # ---- staging and commit -------------------------------------------------------------------------------------
@@ -260,19 +282,26 @@ def write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+
+
 def write_json(path: Path, obj: Any) -> None:
-    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    write_bytes(path, json_bytes(obj))
 
 
-def torch_bytes(obj: Any, what: str) -> bytes:
-    """Serialise `obj` with torch.save and check that it reads back with ``weights_only=True``.
+def torch_bytes(obj: Any, what: str, check: bool = True) -> bytes:
+    """Serialise `obj` with torch.save and (`check`) check that it reads back with ``weights_only=True``.
 
     The check fails the *save* when a state holds something a safe load refuses (a lambda, a NumPy array, a
-    custom class), instead of failing the resume much later.
+    custom class), instead of failing the resume much later; it is left out only for states the library makes
+    itself of tensors and plain values (the random states).
     """
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = buffer.getvalue()
+    if not check:
+        return data
     try:
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - report whatever the safe unpickler refused
@@ -334,14 +363,14 @@ def checksum_files(root: Path) -> dict[str, dict[str, int]]:
     files = list_files(root) if rank() == 0 else None
     holder = [files]
     if is_distributed():
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=0, group=group())
     files = holder[0]
     mine = {name: {"bytes": (root / name).stat().st_size, "crc32": crc32_file(root / name)}
             for name in files[rank()::world_size()]}
     parts: list[Any] = [mine]
     if is_distributed():
         parts = [None] * world_size()
-        dist.all_gather_object(parts, mine)
+        dist.all_gather_object(parts, mine, group=group())
     return {name: info for part in parts for name, info in sorted(part.items())}
 
 

@@ -32,6 +32,7 @@ records come as a `RunSettings`.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import random
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -59,9 +61,15 @@ from ..config import ParallelismConfig
 from ..parallel import interface, state_module, unwrap
 from ..prepared import PreparedObjects
 from ..runtime import heartbeat
-from . import storage, validate
+from . import background, storage, validate
 from .manifest import compare_tensors, model_tensors, read_metadata, tied_names
-from .project import ProjectConfiguration, checkpoint_number, complete_checkpoints, next_number, prune
+from .project import (
+    ProjectConfiguration,
+    checkpoint_number,
+    complete_checkpoints,
+    next_number,
+    prune,
+)
 from .storage import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -179,7 +187,8 @@ def _write_state(state: dict[str, Any], directory: Path, full: bool) -> None:
                 f.flush()
                 os.fsync(f.fileno())
     else:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
+                 process_group=storage.group())
 
 
 def _read_state(state: dict[str, Any], directory: Path, full: bool, what: str) -> dict[str, Any]:
@@ -219,12 +228,18 @@ def _written(what: str, directory: Path, write: Callable[[], None]) -> None:
 
 # ---- save --------------------------------------------------------------------------------------------------------
 def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration,
-               output_dir: str | Path | None = None) -> Path:
+               output_dir: str | Path | None = None, async_save: bool = False) -> Path:
     """Collective: write a checkpoint of everything `prepared` holds; return its directory (see the module doc).
 
     An existing `output_dir` is replaced only if it is empty or a complete ndparallel checkpoint; anything else
     is refused on every rank before anything is written. A failed write raises on every rank, saying why, and
-    removes this save's partial files; previous checkpoints are untouched."""
+    removes this save's partial files; previous checkpoints are untouched.
+
+    With `async_save`, the state is copied to host memory here and written by a thread of this rank (its
+    collectives on a process group of their own, `storage.collectives_on`), while training goes on: the next save,
+    `load_state` and `background.wait` wait for it, and raise its error if it failed. Until it commits, the newest
+    complete checkpoint is the one before."""
+    background.wait()
     automatic = project.automatic_checkpoint_naming
     if automatic:
         if output_dir is not None:
@@ -246,90 +261,137 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
         return final, storage.prepare_staging(final)
 
     final, staging = on_main(make_staging)
+    started = time.perf_counter()
     try:
-        _write_checkpoint(prepared, run, project, final, staging, owners)
+        parts = _parts(prepared, run, project, final, owners, staged=async_save)
     except BaseException:
         if rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    if automatic:
-        project.iteration = checkpoint_number(final) + 1
+    if async_save:
+        background.start(lambda: _write_parts(parts, run, project, final, staging, started), final)
+    else:
+        _write_parts(parts, run, project, final, staging, started)
     return final
 
 
-def _write_checkpoint(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration, final: Path,
-                      staging: Path, owners: list[int]) -> None:
-    """Collective: write every file into `staging`, checksum them, then (rank 0) commit it as `final`."""
+@dataclass
+class _Parts:
+    """What one checkpoint writes: each model's and optimizer's state (made when written, or already copied to host
+    memory for a background write), the small files' bytes, and the metadata but for the files' checksums."""
+
+    states: list[tuple[str, str, Callable[[], dict[str, Any]], torch.nn.Module | None]]  # what, directory, state, HF model
+    small: dict[str, bytes]
+    metadata: dict[str, Any]
+
+
+def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration, final: Path,
+           owners: list[int], staged: bool) -> _Parts:
+    """Collective when `staged` (the states are made and copied to host memory now); the small files are read now
+    either way, so that what is written is the state of this moment."""
     full = run.state_dict_type == FULL
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
-    started = time.perf_counter()
-    models = []
-    shapes = [model_tensors(m) for m in prepared.models]
+    states: list[tuple[str, str, Callable[[], dict[str, Any]], torch.nn.Module | None]] = []
     for i, model in enumerate(prepared.models):
-        state = get_model_state_dict(state_module(model), options=options)
-        models.append({"tensors": shapes[i]})
-
-        def write_model(i: int = i, model: torch.nn.Module = model, state: dict[str, Any] = state) -> None:
-            _write_state(state, staging / f"model_{i}", full)
-            if rank() == 0:
-                _hf_config_files(unwrap(model), staging / f"model_{i}")
-        _written(f"model {i}", final.parent, write_model)
-        del state
+        states.append((f"model {i}", f"model_{i}", functools.partial(get_model_state_dict, state_module(model),
+                                                                      options=options), unwrap(model)))
     # An optimizer that has not stepped yet has no state; torch's get_optimizer_state_dict gives it one by stepping
     # it with zero gradients and lr 0 (Adam's step count becomes 1, which shifts its bias correction from then on).
     # Such an optimizer is left as it was, and the checkpoint says so (load_state restores it without state).
     fresh = [j for j, opt in enumerate(prepared.optimizers) if not opt.optimizer.state]
-    for j, opt in enumerate(prepared.optimizers):
-        owner = prepared.models[owners[j]]
-        state = get_optimizer_state_dict(state_module(owner), opt.optimizer, options=options)
+
+    def optimizer_state(j: int, state: dict[str, Any] | None = None) -> dict[str, Any]:
+        opt, owner = prepared.optimizers[j], prepared.models[owners[j]]
+        if state is None:
+            state = get_optimizer_state_dict(state_module(owner), opt.optimizer, options=options)
         if j in fresh:
             opt.optimizer.state.clear()
-        state = _renamed(state, _tied_copy_names(owner))
-        _written(f"optimizer {j}", final.parent,
-                 lambda j=j, state=state: _write_state(state, staging / f"optimizer_{j}", full))
-        del state
+        return _renamed(state, _tied_copy_names(owner))
 
-    def write_small() -> None:
-        if rank() == 0:
-            for k, scheduler in enumerate(prepared.schedulers):
-                storage.write_bytes(staging / f"scheduler_{k}.pt",
-                                    storage.torch_bytes(scheduler.state_dict(), f"LR scheduler {k}"))
-            if prepared.scaler is not None:
-                storage.write_bytes(staging / "scaler.pt",
-                                    storage.torch_bytes(prepared.scaler.state_dict(), "grad scaler"))
-            for k, obj in enumerate(prepared.custom_objects):
-                storage.write_bytes(staging / f"custom_checkpoint_{k}.pt", storage.torch_bytes(
-                    obj.state_dict(), f"registered object {k} ({type(obj).__name__})"))
-            storage.write_json(staging / "dataloaders.json", [dl.state_dict() for dl in prepared.dataloaders])
-            storage.write_json(staging / "gradient_state.json", prepared.gradient_state.state_dict())
-        storage.write_bytes(staging / f"random_states_{rank()}.pt", storage.torch_bytes(_rng_state(), "RNG state"))
-    _written("the small states (schedulers, data loaders, random states...)", final.parent, write_small)
-
-    storage.barrier()  # every rank's files are written before they are checksummed
-    files = storage.checksum_files(staging)
+    for j in range(len(prepared.optimizers)):
+        states.append((f"optimizer {j}", f"optimizer_{j}", functools.partial(optimizer_state, j), None))
+    tables = None
+    if staged:  # a copy in host memory, made now: training may change the parameters as soon as this returns
+        made: dict[str, dict[str, Any]] = {}
+        for i, model in enumerate(prepared.models):
+            mine = [j for j, owner in enumerate(owners) if owner == i]
+            if len(mine) == 1:  # one call for a model and its optimizer: torch checks its options once (~5x faster)
+                j = mine[0]
+                made[f"model_{i}"], optimizer = get_state_dict(state_module(model), prepared.optimizers[j].optimizer,
+                                                               options=options)
+                made[f"optimizer_{j}"] = optimizer_state(j, optimizer)
+        copies = [background.host_copy(made[name] if name in made else make(), name) for _, name, make, _ in states]
+        made.clear()
+        states = [(what, name, functools.partial(lambda copy: copy, copy), model)
+                  for (what, name, _, model), copy in zip(states, copies)]
+        tables = [model_tensors(m, copies[i]) for i, m in enumerate(prepared.models)]
+    small: dict[str, bytes] = {}
+    if rank() == 0:
+        for k, scheduler in enumerate(prepared.schedulers):
+            small[f"scheduler_{k}.pt"] = storage.torch_bytes(scheduler.state_dict(), f"LR scheduler {k}")
+        if prepared.scaler is not None:
+            small["scaler.pt"] = storage.torch_bytes(prepared.scaler.state_dict(), "grad scaler")
+        for k, obj in enumerate(prepared.custom_objects):
+            small[f"custom_checkpoint_{k}.pt"] = storage.torch_bytes(
+                obj.state_dict(), f"registered object {k} ({type(obj).__name__})")
+        small["dataloaders.json"] = storage.json_bytes([dl.state_dict() for dl in prepared.dataloaders])
+        small["gradient_state.json"] = storage.json_bytes(prepared.gradient_state.state_dict())
+    small[f"random_states_{rank()}.pt"] = storage.torch_bytes(_rng_state(), "RNG state", check=False)
     metadata = {
         "format": storage.FORMAT, "format_version": storage.FORMAT_VERSION, "complete": True,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": prepared.gradient_state.optimizer_steps,
+        "step": prepared.gradient_state.optimizer_steps,
         "iteration": checkpoint_number(final) if project.automatic_checkpoint_naming else None,
         "world_size": world_size(), "parallelism": run.parallelism.to_dict(), "device": run.device_type,
         "state_dict_type": SHARDED if not full else FULL, "mixed_precision": run.mixed_precision,
         "gradient_accumulation_steps": run.gradient_accumulation_steps, "versions": _versions(),
-        **_components(prepared), "model_tensors": [m["tensors"] for m in models],
+        **_components(prepared), "model_tensors": tables or [model_tensors(m) for m in prepared.models],
         "model_tied": [tied_names(unwrap(m)) for m in prepared.models], "optimizer_models": owners,
         "fresh_optimizers": fresh,
-        "files": files, "save_seconds": round(time.perf_counter() - started, 3),
     }
+    return _Parts(states, small, metadata)
 
-    def finish() -> None:
-        storage.commit(staging, final, metadata)
-        if project.automatic_checkpoint_naming:
-            try:
-                prune(final.parent, project.total_limit, keep=final)
-            except OSError as exc:  # the new checkpoint is complete: deleting old ones is not worth failing over
-                warnings.warn(f"save_state: could not delete old checkpoints beyond total_limit="
-                              f"{project.total_limit} in {final.parent}: {exc}", stacklevel=2)
 
-    on_main(finish)
+def _write_parts(parts: _Parts, run: RunSettings, project: ProjectConfiguration, final: Path, staging: Path,
+                 started: float) -> None:
+    """Collective: write every file into `staging`, checksum them, then (rank 0) commit it as `final`; on a failure,
+    rank 0 removes the staging directory and every rank raises."""
+    full = run.state_dict_type == FULL
+    try:
+        for what, name, make, model in parts.states:
+            state = make()
+
+            def write(state: dict[str, Any] = state, name: str = name, model: torch.nn.Module | None = model) -> None:
+                _write_state(state, staging / name, full)
+                if rank() == 0 and model is not None:
+                    _hf_config_files(model, staging / name)
+            _written(what, final.parent, write)
+            del state
+
+        def write_small() -> None:
+            for file, data in parts.small.items():
+                storage.write_bytes(staging / file, data)
+        _written("the small states (schedulers, data loaders, random states...)", final.parent, write_small)
+        storage.barrier()  # every rank's files are written before they are checksummed
+        metadata = {**parts.metadata, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "files": storage.checksum_files(staging),
+                    "save_seconds": round(time.perf_counter() - started, 3)}
+
+        def finish() -> None:
+            storage.commit(staging, final, metadata)
+            if project.automatic_checkpoint_naming:
+                try:
+                    prune(final.parent, project.total_limit, keep=final)
+                except OSError as exc:  # the new checkpoint is complete: deleting old ones is not worth failing over
+                    warnings.warn(f"save_state: could not delete old checkpoints beyond total_limit="
+                                  f"{project.total_limit} in {final.parent}: {exc}", stacklevel=2)
+
+        on_main(finish)
+    except BaseException:
+        if rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if project.automatic_checkpoint_naming:  # the next automatic name comes after this one, once it is written
+        project.iteration = checkpoint_number(final) + 1
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
@@ -474,6 +536,7 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
     checkpoint raises the same `CheckpointError` on every rank and leaves `prepared` as it was. Without
     `input_dir` (automatic naming), a damaged newest checkpoint is skipped, with a warning, for the newest one that
     verifies; with `input_dir`, it raises."""
+    background.wait()  # a background save under way first commits (or fails)
     if input_dir is not None:
         path = Path(input_dir)
         meta, small = _check(prepared, path)

@@ -30,6 +30,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -55,7 +56,7 @@ from ndparallel.config import (
 from ndparallel.launch import accelerate_launch
 from ndparallel.launch.accelerate_launch import Translated
 from ndparallel.runtime import CPU_ENV, HEARTBEAT_ENV
-from ndparallel.launch.worker import LAUNCHER_PID_ENV, alive
+from ndparallel.launch.worker import LAUNCHER_PID_ENV, STACK_SIGNAL, alive
 
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 WORKER = str(Path(__file__).resolve().parent / "worker.py")  # what torchrun runs; it runs the script
@@ -346,29 +347,76 @@ class StallWatch:
         return out
 
     def check(self) -> str | None:
-        """Report and stop the longest-stalled rank, if one is past the timeout; return the report."""
+        """Report and stop the stalled rank, if one is past the timeout; return the report.
+
+        Every rank past the timeout is asked for its Python stack (`stacks`): a rank blocked in a collective (torch's
+        distributed code, or one of the library's calls, is on its stack) is only waiting for another; the one to
+        stop is the stalled rank that is not -- stuck in its own code. While every stalled rank waits and some rank
+        is still within the timeout (the one they wait for, stuck since its last call), the verdict waits for that
+        one to pass the timeout too; when all wait (a deadlock among collectives), or after twice the timeout, the
+        rank heard from longest ago is stopped."""
         now = time.time()
         records = sorted(self.records(), key=lambda r: r["rank"])
         stale = sorted((r for r in records if now - r["time"] > self.timeout), key=lambda r: r["time"])
         if not stale:
             return None
-        culprit = stale[0]
+        stacks = self.stacks(stale)
+        waiting = {r["rank"]: _collective_frame(stacks.get(r["rank"])) for r in stale}
+        elsewhere = [r for r in stale if stacks.get(r["rank"]) and waiting[r["rank"]] is None]
+        if not elsewhere and len(stale) < len(records) and now - stale[0]["time"] < 2 * self.timeout:
+            return None  # the stalled ranks wait for one not yet past the timeout: it is the one to name
+        culprit = (elsewhere or stale)[0]
         others = "; ".join(f"rank {r['rank']} in {r['call']!r} {now - r['time']:.0f} s ago" for r in records
                            if r is not culprit) or "none"
+        where = ""
+        if culprit in elsewhere:
+            where = f"; it is not in a collective but at {_frame(stacks[culprit['rank']][0])}"
+        waiters = [r["rank"] for r in stale if r is not culprit and waiting[r["rank"]] is not None]
+        waiting_for_it = (f" Rank(s) {waiters} only wait for it in collectives ("
+                          + "; ".join(f"rank {w} at {_frame(waiting[w])}" for w in waiters) + ")." if waiters else "")
         report = (f"rank {culprit['rank']} (host {culprit['host']}, pid {culprit['pid']}) made no progress for "
                   f"{now - culprit['time']:.0f} s (--stall-timeout {self.timeout:g}): its last library call was "
-                  f"{culprit['call']!r}, entered {now - culprit['since']:.0f} s ago. The other ranks of this node were "
-                  f"last heard: {others}. Stopping rank {culprit['rank']}: the job ends with a non-zero exit, or "
-                  "restarts under --max-restarts")
+                  f"{culprit['call']!r}, entered {now - culprit['since']:.0f} s ago{where}. The other ranks of this "
+                  f"node were last heard: {others}.{waiting_for_it} Stopping rank {culprit['rank']}: the job ends with "
+                  "a non-zero exit, or restarts under --max-restarts")
         _note(report)
         self.stopped_ranks.append(int(culprit["rank"]))
         try:
             os.kill(int(culprit["pid"]), signal.SIGKILL)
         except ProcessLookupError:
             pass
-        for path in self.directory.glob("rank_*.json"):  # the next attempt starts afresh
-            path.unlink(missing_ok=True)
+        for path in [*self.directory.glob("rank_*.json"), *self.directory.glob("stack_*.txt")]:
+            path.unlink(missing_ok=True)  # the next attempt starts afresh
         return report
+
+    def stacks(self, ranks: list[dict[str, Any]], wait: float = 1.0) -> dict[int, list[str]]:
+        """The main thread's Python stack of each of `ranks` (frames innermost first, as ``File "...", line N in f``),
+        asked with `worker.STACK_SIGNAL` (each rank's faulthandler writes ``stack_<rank>.txt``); ranks that do not
+        answer within `wait` seconds are left out."""
+        if STACK_SIGNAL is None:
+            return {}
+        asked = {}
+        for record in ranks:
+            path = self.directory / f"stack_{record['rank']}.txt"
+            if not path.exists():
+                continue  # a rank whose worker does not answer (started before its file existed)
+            size = path.stat().st_size
+            try:
+                os.kill(int(record["pid"]), STACK_SIGNAL)
+            except ProcessLookupError:
+                continue
+            asked[record["rank"]] = (path, size, record.get("thread"))
+        deadline = time.monotonic() + wait
+        out: dict[int, list[str]] = {}
+        while asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for rank, (path, size, thread) in list(asked.items()):
+                text = path.read_text(errors="replace")[size:]
+                frames = _main_thread_frames(text, thread)
+                if frames:
+                    out[rank] = frames
+                    del asked[rank]
+        return out
 
     def _run(self) -> None:
         poll = min(max(self.timeout / 4, 0.2), 5.0)
@@ -381,6 +429,34 @@ class StallWatch:
     def stop(self) -> None:
         self._done.set()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _main_thread_frames(dump: str, thread: int | None) -> list[str]:
+    """From a faulthandler dump, the frames (innermost first) of thread `thread` (the main thread's ident), or of the
+    first thread listed when the ident is unknown."""
+    blocks = [b for b in dump.split("\n\n") if "(most recent call first)" in b]
+    for block in blocks:
+        head, *lines = block.strip().splitlines()
+        if thread is None or f"0x{thread:016x}" in head:  # "[Current t|T]hread 0x... (most recent call first):"
+            return [line.strip() for line in lines if line.strip().startswith("File ")]
+    return []
+
+
+_LIBRARY_COLLECTIVES = ("/torch/distributed/", "/torch/nn/parallel/", "/ndparallel/")
+
+
+def _collective_frame(frames: list[str] | None) -> str | None:
+    """The innermost frame of `frames` in a collective (torch's distributed code or a library call), or None."""
+    for frame in frames or []:
+        if any(part in frame for part in _LIBRARY_COLLECTIVES) and "/ndparallel/launch/worker.py" not in frame:
+            return frame
+    return None
+
+
+def _frame(frame: str) -> str:
+    """``File "/a/b/c.py", line 12 in f`` as ``c.py:12 in f``."""
+    match = re.match(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)', frame)
+    return f"{Path(match['file']).name}:{match['line']} in {match['func']}" if match else frame
 
 
 def _rendezvous_args(args: argparse.Namespace, nnodes: int) -> tuple[list[str], RollCall | None]:

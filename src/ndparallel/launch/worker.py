@@ -167,9 +167,33 @@ def attach_integrations() -> None:
             after_import(name, "ndparallel.integrations:on_import")
 
 
+HEARTBEAT_DIR_ENV = "NDPARALLEL_HEARTBEAT_DIR"  # = ndparallel.runtime.HEARTBEAT_ENV (this file imports no ndparallel)
+STACK_SIGNAL = signal.SIGUSR1 if hasattr(signal, "SIGUSR1") else None
+_stack_file = None  # kept open: faulthandler writes into it from a signal handler
+
+
+def stacks_on_request() -> None:
+    """Under ``ndparallel launch --stall-timeout``: on `STACK_SIGNAL`, write every thread's Python stack to
+    ``<heartbeat dir>/stack_<RANK>.txt`` (faulthandler: from the signal handler itself, so even a rank blocked inside
+    a native collective answers). The launcher reads it to tell a rank stuck in its own code from ranks that only
+    wait for it (`ndparallel.launch.launcher.StallWatch`)."""
+    global _stack_file
+    directory = os.environ.get(HEARTBEAT_DIR_ENV)
+    if not directory or STACK_SIGNAL is None:
+        return
+    import faulthandler
+
+    try:
+        _stack_file = open(os.path.join(directory, f"stack_{os.environ.get('RANK', '0')}.txt"), "w")  # noqa: SIM115
+    except OSError:
+        return
+    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+
+
 def main(argv: list) -> None:
     die_with_launcher()
     attach_integrations()
+    stacks_on_request()
     try:
         _run(argv)
     finally:
