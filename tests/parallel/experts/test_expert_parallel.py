@@ -18,6 +18,7 @@ divided by ep. `python tests/parallel/experts/test_expert_parallel.py` rewrites 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 import accelerate_style  # noqa: E402
 from harness import assert_refused, outcomes, run_ranks  # noqa: E402
 from readme_sections import README, read_section, write_section  # noqa: E402
-from test_parity import GLOBAL_BATCH, reference, run_layout  # noqa: E402
+from test_parity import GLOBAL_BATCH, data_parallel_size, reference, run_layout  # noqa: E402
 from ndparallel.parallel.tensor.families import FAMILIES  # noqa: E402
 
 LAYOUTS = {  # id -> (column title, world size, flags of tests/scripts/accelerate_style.py, accumulation steps)
@@ -53,8 +54,6 @@ ROWS = {  # tiny model -> what it has (tests/scripts/tiny_models.py); its family
     "gpt_oss": "gpt-oss: 4 experts with biases, clamped SwiGLU, router with a bias, attention sinks, "
                "load-balancing loss",
 }
-AUX_PIPELINE = (r"whose loss adds a load-balancing term \(output_router_logits=True, router_aux_loss_coef=0.1\) over every "
-                r"layer of every stage; pipeline stages do not compute it yet")
 SINKS = r"context parallelism \(GptOssAttention\): s_aux cannot be honoured by context-parallel attention"
 
 
@@ -67,9 +66,6 @@ class Case:
 
 
 def _case(model: str, layout: str) -> Case:
-    if layout == "pp2_ep2" and model != "deepseek_v3":
-        return Case(model, layout, AUX_PIPELINE, "pipeline stages do not compute the load-balancing loss yet "
-                                                 "(works with output_router_logits=False)")
     if layout in ("ep2_cp2", "ep2_sp2") and model == "gpt_oss":
         return Case(model, layout, SINKS, "CP/SP attention has no attention sinks (as without ep)")
     return Case(model, layout)
@@ -149,10 +145,44 @@ def test_family_layout_is_refused(case):
 
 @pytest.mark.slow
 def test_pipeline_stages_take_a_mixture_of_experts_trained_on_the_token_loss():
-    """The pipeline refusal above is about the auxiliary loss only: Qwen3-MoE without it runs under pp 2 x ep 2."""
+    """Without the load-balancing term the stages skip its first pass: Qwen3-MoE on the token loss alone, pp 2 x ep 2."""
     _, world, flags, _ = LAYOUTS["pp2_ep2"]
     diff = loss_diff(run_layout("qwen3_moe_token_loss", world, flags, 1), reference("qwen3_moe_token_loss"))
     assert diff <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,flags,accum", [
+    (2, ["--pp-size", "2", "--activation-checkpointing"], 2),  # recomputation inside backward adds nothing twice
+    (4, ["--pp-size", "2", "--dp-shard-size", "2", "--pp-schedule", "gpipe"], 1),  # every forward, then backward
+], ids=["pp2_checkpointing_accum2", "pp2_gpipe_fsdp2"])
+def test_pipeline_load_balancing_loss_with_options(world, flags, accum):
+    """The load-balancing term under stages (`ndparallel.parallel.pipeline.balancing`) with activation checkpointing
+    and accumulation (each micro-step's term, as one process accumulating), and under GPipe with FSDP2."""
+    diff = loss_diff(run_layout("mixtral", world, flags, accum), reference("mixtral", mean_of_chunks=accum))
+    assert diff <= 1e-5, f"{flags}: {diff:.2e} from one process"
+
+
+def _pipeline_evaluation(_: None) -> dict:
+    """One process's evaluation loss (token loss + coef x its load-balancing term) and the same batch's under pp 2."""
+    from ndparallel import Accelerator, ParallelismConfig, set_seed
+    from tiny_models import VOCAB, build_model
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2))
+    set_seed(0)
+    model = build_model("qwen3_moe").eval()
+    ids = (torch.arange(2 * 16).view(2, 16) * 7) % VOCAB
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids)
+        model = accelerator.prepare(model)
+        got = model(input_ids=ids.to(accelerator.device), labels=ids.to(accelerator.device)).loss
+    return {"expected": float(expected.loss), "aux": float(expected.aux_loss), "got": float(got)}
+
+
+def test_pipeline_evaluation_adds_the_load_balancing_term():
+    results = run_ranks(_pipeline_evaluation, 2, None)
+    assert results[0]["aux"] > 0.1
+    assert all(abs(r["got"] - r["expected"]) <= 1e-6 for r in results), results
 
 
 @pytest.mark.slow
@@ -189,22 +219,23 @@ SGD_LAYOUTS = {  # id -> (world size, flags)
     "hsdp2x2_ep2": (4, ["--dp-replicate-size", "2", "--dp-shard-size", "2", "--ep-size", "2"]),
     "ep2_tp2": (4, LAYOUTS["ep2_tp2"][2]),
     "pp2_ep2": (4, LAYOUTS["pp2_ep2"][2]),
+    "pp2": (2, ["--pp-size", "2"]),  # one sparse layer per stage: the load-balancing term needs both
 }
 
 
-def _sgd(model: str, world: int, flags: list[str], patch: str | None = None) -> tuple[float, dict]:
+def _sgd(model: str, world: int, flags: list[str], patched: Callable | None = None) -> tuple[float, dict]:
+    """SGD-trained parameters against one process's; `patched`: a rank function that breaks something first."""
     args = ("--optimizer", "sgd", "--lr", "0.5", "--return-params")
-    if patch is None:
+    if patched is None:
         results = run_layout(model, world, flags, 1, *args)
     else:
-        micro = GLOBAL_BATCH // int(flags[flags.index("--dp-shard-size") + 1])
-        argv = ["--model", model, "--micro-batch", str(micro), *flags, *args]
-        results = run_ranks(_without_gradient_scale, world, argv)
+        argv = ["--model", model, "--micro-batch", str(GLOBAL_BATCH // data_parallel_size(flags)), *flags, *args]
+        results = run_ranks(patched, world, argv)
     return max_param_diff(results, reference(model, optimizer="sgd", lr=0.5)), results[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,layout", [("qwen3_moe", layout) for layout in SGD_LAYOUTS if layout != "pp2_ep2"]
+@pytest.mark.parametrize("model,layout", [("qwen3_moe", layout) for layout in SGD_LAYOUTS if layout != "pp2"]
                          + [("deepseek_v3", "pp2_ep2")])
 def test_sgd_trains_the_single_process_parameters(model, layout):
     world, flags = SGD_LAYOUTS[layout]
@@ -224,7 +255,27 @@ def _without_gradient_scale(argv: list[str]) -> dict:
 def test_the_parameter_check_catches_an_expert_gradient_off_by_ep():
     """Guards the test above: the experts' gradient not divided by ep (each rank's experts then get the sum of their
     ep group's contributions, averaged over too few ranks) trains other experts, by far more than its tolerance."""
-    diff, _ = _sgd("qwen3_moe", 2, LAYOUTS["ep2"][2], patch="no gradient scale")
+    diff, _ = _sgd("qwen3_moe", 2, LAYOUTS["ep2"][2], patched=_without_gradient_scale)
+    assert diff > 1e-4
+
+
+def test_pipeline_stages_train_the_single_process_parameters_with_the_load_balancing_loss():
+    """pp 2: each stage holds one of the two sparse layers, and the term needs both stages' routing of the batch."""
+    diff, _ = _sgd("qwen3_moe", *SGD_LAYOUTS["pp2"])
+    assert diff <= 1e-6, f"pp 2: SGD-trained parameters differ from one process by {diff:.2e}"
+
+
+def _without_balancing_gradient(argv: list[str]) -> dict:
+    from ndparallel.parallel.pipeline import balancing
+
+    balancing._AddGradient.apply = lambda scores, logits, extra: scores  # in this forked rank only
+    return accelerate_style.main(argv)
+
+
+@pytest.mark.slow
+def test_the_parameter_check_catches_a_missing_load_balancing_gradient():
+    """Guards the test above: stages that leave the term's gradient out train other parameters."""
+    diff, _ = _sgd("qwen3_moe", *SGD_LAYOUTS["pp2"], patched=_without_balancing_gradient)
     assert diff > 1e-4
 
 
