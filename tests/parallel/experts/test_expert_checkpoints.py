@@ -27,8 +27,8 @@ MODEL = "qwen3_moe"
 INPUT = (torch.arange(2 * 16).view(2, 16) * 5) % VOCAB
 
 
-def _run(directory: str, layout: dict, load: bool) -> dict:
-    return train_save_load(MODEL, directory, layout, load, momentum_sgd=True)
+def _run(directory: str, layout: dict, load: bool, async_save: bool = False) -> dict:
+    return train_save_load(MODEL, directory, layout, load, momentum_sgd=True, async_save=async_save)
 
 
 def _save_pretrained(directory: str) -> dict:
@@ -63,6 +63,19 @@ def test_a_state_saved_under_ep4_resumes_under_other_ep_sizes_and_layouts(tmp_pa
     assert {k: tuple(v.shape) for k, v in written.items()} == {k: tuple(v.shape) for k, v in own.items()}
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert all(torch.equal(p.detach(), saved[0]["state"][name]) for name, p in exported.named_parameters())
+
+
+def test_a_background_save_under_ep2_resumes_without_ep(tmp_path):
+    """save_state(async_save=True): the host copy keeps each expert shard a DTensor over the ep mesh, so the
+    background write holds the same global layout as a blocking one."""
+    saved = run_ranks(_run, 2, str(tmp_path), {"dp_shard_size": 2, "ep_size": 2}, False, True)
+    assert saved[0]["state"] is not None
+    resumed = run_ranks(_run, 1, str(tmp_path), {}, True)[0]["state"]
+    blocking = tmp_path / "blocking"
+    run_ranks(_run, 2, str(blocking), {"dp_shard_size": 2, "ep_size": 2}, False)
+    from_blocking = run_ranks(_run, 1, str(blocking), {}, True)[0]["state"]
+    assert max((resumed[k] - from_blocking[k]).abs().max().item() for k in resumed) == 0.0
+    assert max((resumed[k] - saved[0]["state"][k]).abs().max().item() for k in resumed) > 1e-3  # a step was taken
 
 
 @pytest.mark.slow

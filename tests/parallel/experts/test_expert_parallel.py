@@ -74,7 +74,10 @@ def _case(model: str, layout: str) -> Case:
 CASES = [_case(model, layout) for model in ROWS for layout in LAYOUTS]
 PARITY = [c for c in CASES if c.refused is None]
 REFUSED = [c for c in CASES if c.refused is not None]
-CORE = ("qwen3_moe", "mixtral")  # fast loop: their 2-rank cells; every other cell is marked slow
+CORE = ("qwen3_moe", "mixtral")  # fast loop: their 2-rank cells, and DIAGONAL; every other cell is marked slow
+# One 4-rank cell of each other family, together one of each 4-rank layout: every family and every layout kind is in
+# the fast loop once.
+DIAGONAL = {("qwen2_moe", "ep2_tp2"), ("deepseek_v3", "ep4"), ("gpt_oss", "ep2_fsdp2"), ("mixtral", "pp2_ep2")}
 
 
 def _id(case: Case) -> str:
@@ -82,8 +85,8 @@ def _id(case: Case) -> str:
 
 
 def _marked(cases: list[Case]) -> list:
-    return [pytest.param(c, id=_id(c), marks=() if c.model in CORE and LAYOUTS[c.layout][1] == 2 else
-                         pytest.mark.slow) for c in cases]
+    fast = {(c.model, c.layout) for c in cases if c.model in CORE and LAYOUTS[c.layout][1] == 2} | DIAGONAL
+    return [pytest.param(c, id=_id(c), marks=() if (c.model, c.layout) in fast else pytest.mark.slow) for c in cases]
 
 
 # ---- the README table -------------------------------------------------------------------------------------------
