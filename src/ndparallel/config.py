@@ -32,7 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 # Mesh axes, outermost first. TP is innermost: it needs the fastest links. The mesh takes them from the config
 # (`ParallelismConfig.sizes`, in this order).
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
-SIZE_FIELDS: tuple[str, ...] = tuple(f"{axis}_size" for axis in AXES)
+AXIS_FIELDS: tuple[str, ...] = tuple(f"{axis}_size" for axis in AXES)  # their product is the world size
+# Every size a config, a flag, a file or a variable sets. ep_size is no axis: the expert-parallel ranks are carved out
+# of the ranks that already hold different tokens (dp_shard x cp x sp), so it does not multiply the world size.
+SIZE_FIELDS: tuple[str, ...] = (*AXIS_FIELDS, "ep_size")
 ENV_PREFIX = "NDPARALLEL_"
 # Settings `ndparallel launch` passes to the Accelerator of every rank (used when the script leaves them unset).
 MIXED_PRECISION_ENV = ENV_PREFIX + "MIXED_PRECISION"
@@ -256,6 +259,9 @@ class ParallelismConfig:
     - tp_handler / cp_handler: `TorchTensorParallelConfig` / `TorchContextParallelConfig`.
     - pp_size: pipeline stages (ndparallel's; Accelerate has no pipeline axis); pp_handler: a
       `PipelineParallelConfig` (schedule, micro-batches, split).
+    - ep_size: expert parallelism (ndparallel's): the experts of a mixture-of-experts model are split over ep ranks,
+      which exchange tokens all-to-all (`ndparallel.parallel.experts`). Not an axis of its own: ep ranks are taken
+      from dp_shard x cp x sp (innermost first), which ep_size must divide, so it does not change the world size.
     """
 
     dp_replicate_size: int | None = None
@@ -270,6 +276,7 @@ class ParallelismConfig:
     sp_handler: Any = None
     pp_size: int | None = None
     pp_handler: PipelineParallelConfig | None = None
+    ep_size: int | None = None
     # Fields left unset (None): sizes 1 and default handlers, or what `from_env` reads for them.
     unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
@@ -288,7 +295,11 @@ class ParallelismConfig:
         for name in SIZE_FIELDS:
             value = getattr(self, name)
             setattr(self, name, _check_size(name, 1 if value is None else value))
-        unknown = [name for name in SIZE_FIELDS if getattr(self, name) == -1]
+        if self.ep_size == -1:
+            raise ValueError("ep_size must be >= 1: the expert-parallel ranks are carved out of dp_shard x cp x sp, "
+                             "so -1 ('the ranks that are left') has no meaning for it; give the number of ranks "
+                             "the experts are split over")
+        unknown = [name for name in AXIS_FIELDS if getattr(self, name) == -1]
         if len(unknown) > 1:
             raise ValueError(
                 f"at most one size may be -1 ('the ranks that are left'); got -1 for {', '.join(unknown)}"
@@ -342,6 +353,10 @@ class ParallelismConfig:
         """Axis name -> size, outermost first (may contain one -1 before `resolve`)."""
         return {axis: getattr(self, f"{axis}_size") for axis in AXES}
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep_size != 1
+
     def formula(self) -> str:
         """The sizes other than 1 as a product, e.g. ``dp_shard(2) * tp(2)`` ("1" when all are 1)."""
         return " * ".join(f"{axis}({size})" for axis, size in self.sizes().items() if size != 1) or "1"
@@ -366,7 +381,19 @@ class ParallelismConfig:
                 f"{total} processes in all."
             )
             raise ValueError(f"{resolved.formula()} = {total} != world size {world_size}.{hint}")
+        resolved._check_expert_parallel()
         return resolved
+
+    def _check_expert_parallel(self) -> None:
+        """ep_size must divide the ranks it is taken from (dp_shard x cp x sp), with every size resolved."""
+        taken_from = self.dp_shard_size * self.cp_size * self.sp_size
+        if taken_from % self.ep_size:
+            divisors = [d for d in range(1, taken_from + 1) if taken_from % d == 0]
+            raise ValueError(
+                f"ep_size={self.ep_size} must divide the ranks the experts are split over, dp_shard("
+                f"{self.dp_shard_size}) * cp({self.cp_size}) * sp({self.sp_size}) = {taken_from} (the ranks that hold "
+                f"different tokens; dp_replicate and tp ranks hold copies); use ep_size in {divisors}, or more "
+                "dp_shard ranks")
 
     @property
     def total_size(self) -> int:
@@ -466,7 +493,8 @@ class ParallelismConfig:
 
     # ---- serialisation ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: getattr(self, name) for name in SIZE_FIELDS}
+        # ep_size only when used (a file without it stays readable by older versions), as pp_handler below
+        out: dict[str, Any] = {name: getattr(self, name) for name in SIZE_FIELDS if name != "ep_size" or self.ep_size != 1}
         out["tp_handler"] = dataclasses.asdict(self.tp_handler)
         out["cp_handler"] = dataclasses.asdict(self.cp_handler)
         if self.pp_size != 1 or self.pp_handler != PipelineParallelConfig():

@@ -11,6 +11,13 @@ by rank arithmetic:
   ranks over which the data-parallel wrapper averages gradients;
 - the single axes ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``sp``, ``tp``;
 
+- ``ep`` and ``expert_shard`` (expert parallelism, ``ep_size``): the ``fsdp`` ranks, in their order (sp fastest),
+  cut into consecutive groups of ep_size: ``ep`` is this rank's group -- ranks that hold different experts and
+  exchange tokens all-to-all (`ndparallel.parallel.experts`) -- and ``expert_shard`` the ranks at this rank's place
+  in the other groups: they hold the same experts, which FSDP2 shards over them (``fsdp`` = expert_shard x ep). ep is
+  carved out of ranks that already hold different tokens, so it does not multiply the world size; without expert
+  parallelism ``ep`` has one rank and ``expert_shard`` is ``fsdp``.
+
 Every view but ``pp`` lies inside one pipeline stage: its group holds the ranks of this rank's stage only.
 - Accelerate's flattened names, kept for compatibility: ``dp`` (= batch), ``dp_shard_cp``, ``dp_cp``.
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -45,6 +53,11 @@ VIEWS: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+# Views carved out of ``fsdp`` by ep_size (not whole axes): name -> its size given (fsdp size, ep_size).
+EXPERT_VIEWS: dict[str, Callable[[int, int], int]] = {
+    "ep": lambda fsdp, ep: ep,
+    "expert_shard": lambda fsdp, ep: fsdp // ep,
 }
 
 
@@ -85,35 +98,59 @@ class ParallelMesh:
             self._views[name] = by_axes[live]
         if replicate_only:
             self._views["fsdp"] = self.world["dp_shard"]
+        self._expert_shard = self._carve_experts(config.ep_size)
         self._data_parallel: DeviceMesh | None = None
+        self._expert_data_parallel: DeviceMesh | None = None
         self._stage: DeviceMesh | None = None
         # Creating a gloo group is not a synchronisation point: a rank that raced ahead and exited (say, on a
         # bad-input error raised right after) would reset connections other ranks are still opening.
         if world_size > 1 and dist.get_backend() != "fake":
             dist.barrier()
 
+    def _carve_experts(self, ep: int) -> DeviceMesh | None:
+        """The ``ep`` and ``expert_shard`` views (see the module docstring); returns the expert_shard dimension, kept
+        even where it has one rank (FSDP2 wraps the experts over it), or None without expert parallelism."""
+        self._carved = {name: size(self.size("fsdp"), ep) for name, size in EXPERT_VIEWS.items()}
+        if ep == 1:
+            self._views["ep"], self._views["expert_shard"] = None, self._views["fsdp"]
+            return None
+        if not hasattr(DeviceMesh, "_unflatten"):
+            import torch
+
+            raise ValueError(f"ep_size={ep}: expert parallelism needs torch >= 2.9 (DeviceMesh._unflatten carves the "
+                             f"ep ranks out of fsdp); installed: torch {torch.__version__}")
+        split = self._views["fsdp"]._unflatten(0, (self._carved["expert_shard"], ep), ("expert_shard", "ep"))
+        self._views["ep"] = split["ep"]
+        self._views["expert_shard"] = split["expert_shard"] if self._carved["expert_shard"] > 1 else None
+        return split["expert_shard"]
+
     @property
     def names(self) -> list[str]:
-        return list(self._axes)
+        return [*self._axes, *EXPERT_VIEWS]
 
     def _axes_of(self, name: str) -> tuple[str, ...]:
+        if name in EXPERT_VIEWS:
+            return self._axes["fsdp"]
         try:
             return self._axes[name]
         except KeyError:
-            raise KeyError(f"no mesh view named {name!r}; valid names: {', '.join(self._axes)}") from None
+            raise KeyError(f"no mesh view named {name!r}; valid names: {', '.join(self.names)}") from None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         axes = self._axes_of(name)
         view = self._views[name]
         if view is None:
+            sizes = (f"{name} of fsdp={self.size('fsdp')} with ep_size={self.config.ep_size}" if name in EXPERT_VIEWS
+                     else ' x '.join(f'{a}_size={self._sizes[a]}' for a in axes))
             raise ValueError(
-                f"mesh view {name!r} ({' x '.join(f'{a}_size={self._sizes[a]}' for a in axes)}) holds this rank "
-                f"alone and has no process group; check mesh.size({name!r}) > 1 before asking for it"
+                f"mesh view {name!r} ({sizes}) holds this rank alone and has no process group; check "
+                f"mesh.size({name!r}) > 1 before asking for it"
             )
         return view
 
     def size(self, name: str) -> int:
-        return math.prod(self._sizes[a] for a in self._axes_of(name))
+        axes = self._axes_of(name)
+        return self._carved[name] if name in EXPERT_VIEWS else math.prod(self._sizes[a] for a in axes)
 
     def rank(self, name: str) -> int:
         """This rank's coordinate along view `name` (0 .. size-1)."""
@@ -156,8 +193,22 @@ class ParallelMesh:
                 self._data_parallel = self._views["fsdp"]
         return self._data_parallel
 
+    def expert_data_parallel(self) -> DeviceMesh:
+        """The mesh FSDP2 wraps the experts over under expert parallelism: (dp_replicate, expert_shard) when
+        dp_replicate > 1, else ``expert_shard`` -- a one-rank dimension where ep takes all of fsdp (FSDP2 then only
+        manages the experts' gradients and mixed precision)."""
+        if self._expert_shard is None:
+            raise ValueError("expert_data_parallel(): no expert parallelism on this mesh (ep_size=1)")
+        if self._expert_data_parallel is None:
+            self._expert_data_parallel = self._expert_shard
+            if self.size("dp_replicate") > 1:
+                self._expert_data_parallel = self._concatenate_meshes([self._views["dp_replicate"], self._expert_shard])
+        return self._expert_data_parallel
+
     def _concatenate(self, names: tuple[str, ...]) -> DeviceMesh:
-        views = [self._views[n] for n in names]
+        return self._concatenate_meshes([self._views[n] for n in names])
+
+    def _concatenate_meshes(self, views: list[DeviceMesh]) -> DeviceMesh:
         if hasattr(DeviceMesh, "_concatenate"):
             return DeviceMesh._concatenate(views)
         with warnings.catch_warnings():  # older torch: slicing (flattened) dimensions from the root mesh
@@ -166,7 +217,8 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{axis}={size}" for axis, size in self._sizes.items())
-        return f"ParallelMesh({sizes}, device_type={self.device_type!r})"
+        experts = f", ep={self.config.ep_size}" if self.config.ep_size > 1 else ""
+        return f"ParallelMesh({sizes}{experts}, device_type={self.device_type!r})"
 
 
 def _alias(root: DeviceMesh, name: str, view: DeviceMesh) -> None:

@@ -23,7 +23,7 @@ from ndparallel.config import (
 from ndparallel.parallel.sequence import CP_ATTENTION
 from ndparallel.plugins import FullyShardedDataParallelPlugin
 
-SIZE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size")
+SIZE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size", "ep_size")
 
 
 # ---- ParallelismConfig: construction and resolve ------------------------------------------------------
@@ -183,8 +183,39 @@ def test_to_env_round_trip():
         "NDPARALLEL_CP_SIZE": "1",
         "NDPARALLEL_SP_SIZE": "2",
         "NDPARALLEL_TP_SIZE": "2",
+        "NDPARALLEL_EP_SIZE": "1",
     }
     assert ParallelismConfig.from_env(environ=env) == pc
+
+
+# ---- expert parallelism: carved out of dp_shard x cp x sp, no factor of the world size ------------------------
+@pytest.mark.parametrize("kwargs, world", [
+    (dict(dp_shard_size=4, ep_size=4), 4),
+    (dict(dp_shard_size=-1, ep_size=2), 8),  # checked once the -1 is filled
+    (dict(dp_shard_size=2, cp_size=2, sp_size=2, tp_size=2, ep_size=8), 16),
+    (dict(dp_replicate_size=2, dp_shard_size=2, cp_size=3, ep_size=3), 12),
+])
+def test_ep_size_does_not_multiply_the_world(kwargs, world):
+    resolved = ParallelismConfig(**kwargs).resolve(world)
+    assert resolved.total_size == world and resolved.ep_size == kwargs["ep_size"] and resolved.ep_enabled
+    assert "ep" not in resolved.sizes()
+
+
+@pytest.mark.parametrize("kwargs, world, match", [
+    (dict(dp_shard_size=4, ep_size=3), 4, r"ep_size=3 must divide the ranks the experts are split over, dp_shard\(4\) "
+                                          r"\* cp\(1\) \* sp\(1\) = 4 .*use ep_size in \[1, 2, 4\]"),
+    (dict(dp_replicate_size=2, tp_size=2, ep_size=2), 4, r"ep_size=2 must divide .* = 1 .*dp_replicate and tp ranks "
+                                                         r"hold copies"),
+    (dict(dp_shard_size=-1, tp_size=2, ep_size=4), 4, r"ep_size=4 must divide .*dp_shard\(2\)"),
+])
+def test_ep_size_must_divide_the_ranks_it_is_taken_from(kwargs, world, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelismConfig(**kwargs).resolve(world)
+
+
+def test_ep_size_minus_one_is_refused():
+    with pytest.raises(ValueError, match=r"ep_size must be >= 1: .*-1 \('the ranks that are left'\) has no meaning"):
+        ParallelismConfig(dp_shard_size=4, ep_size=-1)
 
 
 # ---- Accelerate-compatible properties -----------------------------------------------------------------
@@ -230,20 +261,24 @@ ROUND_TRIP_CONFIGS = [
     ),
     lambda: ParallelismConfig(pp_size=2, dp_shard_size=2, pp_handler=PipelineParallelConfig(
         schedule="interleaved_1f1b", microbatches=8, split=[1, 2, 3])),
+    lambda: ParallelismConfig(dp_shard_size=4, ep_size=2),
 ]
+ROUND_TRIP_IDS = ["defaults", "minus_one", "handlers", "pipeline", "experts"]
 
 
-@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=["defaults", "minus_one", "handlers", "pipeline"])
+@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=ROUND_TRIP_IDS)
 def test_dict_round_trip(make):
     pc = make()
     data = pc.to_dict()
     # pp_handler only when pipeline stages are configured (a file without them stays readable by older versions)
-    assert set(data) == set(SIZE_FIELDS) | {"tp_handler", "cp_handler"} | ({"pp_handler"} if pc.pp_size > 1 else set())
+    # ep_size likewise, only with expert parallelism
+    assert set(data) == (set(SIZE_FIELDS) - ({"ep_size"} if pc.ep_size == 1 else set())) | {"tp_handler", "cp_handler"} | (
+        {"pp_handler"} if pc.pp_size > 1 else set())
     assert isinstance(data["tp_handler"], dict) and isinstance(data["cp_handler"], dict)
     assert ParallelismConfig.from_dict(data) == pc
 
 
-@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=["defaults", "minus_one", "handlers", "pipeline"])
+@pytest.mark.parametrize("make", ROUND_TRIP_CONFIGS, ids=ROUND_TRIP_IDS)
 def test_yaml_round_trip(make, tmp_path):
     pc = make()
     path = tmp_path / "config.yaml"
@@ -270,8 +305,8 @@ def test_from_yaml_without_parallelism_section(tmp_path):
 @pytest.mark.parametrize(
     "data, error, match",
     [
-        ({"tp_size": 2, "ep_size": 2}, ValueError,
-         r"unknown parallelism config key\(s\) \['ep_size'\]; valid keys: \[.*'tp_size'.*\]"),
+        ({"tp_size": 2, "expert_size": 2}, ValueError,
+         r"unknown parallelism config key\(s\) \['expert_size'\]; valid keys: \[.*'ep_size'.*'tp_size'.*\]"),
         ({"tp": 2, "dp_shard": 2}, ValueError, r"unknown parallelism config key\(s\) \['dp_shard', 'tp'\]"),
         ([("tp_size", 2)], TypeError, r"a parallelism config must be a mapping, got list"),
         ({"cp_handler": {"cp_comm_strategy": "all_to_all"}}, ValueError, r"Invalid cp_comm_strategy: all_to_all"),

@@ -119,7 +119,7 @@ def test_views(shape):
     for rank in range(n):
         with fake_world(rank, n):
             mesh = build(shape, fsdp=True)  # FSDP2 will wrap: the data-parallel mesh exists for every shape
-            assert set(mesh.names) == set(ALL_VIEWS) | {"pp"}
+            assert set(mesh.names) == set(ALL_VIEWS) | {"pp", "ep", "expert_shard"}
             assert mesh.config.sizes() == {"pp": 1, **sizes}
             for name, axes in ALL_VIEWS.items():
                 want = expected_ranks(rank, shape, axes)
@@ -196,12 +196,50 @@ def test_unknown_view_lists_valid_names():
         mesh = build((1, 2, 1, 1, 2))
         valid = ", ".join(mesh.names)
         for call in (mesh.__getitem__, mesh.size, mesh.rank, mesh.ranks, mesh.group):
-            with pytest.raises(KeyError, match=r"no mesh view named 'ep'; valid names: " + re.escape(valid)):
-                call("ep")
+            with pytest.raises(KeyError, match=r"no mesh view named 'experts'; valid names: " + re.escape(valid)):
+                call("experts")
         with pytest.raises(KeyError) as info:
             mesh["dp_shard_tp"]
         message = str(info.value)
-        assert all(name in message for name in [*ALL_VIEWS, "pp"])
+        assert all(name in message for name in [*ALL_VIEWS, "pp", "ep", "expert_shard"])
+
+
+# ---- expert parallelism: ep and expert_shard carved out of fsdp ----------------------------------------------------
+EP_CASES = [(shape, ep) for shape in SHAPES if math.prod(shape) <= 8
+            for ep in range(2, shape[1] * shape[2] * shape[3] + 1) if (shape[1] * shape[2] * shape[3]) % ep == 0]
+
+
+@pytest.mark.parametrize("shape,ep", EP_CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c))
+def test_expert_views(shape, ep):
+    """``ep``: this rank's block of ep consecutive fsdp ranks (fsdp's own order, sp fastest); ``expert_shard``: the
+    fsdp ranks at this rank's place in every block; FSDP2 wraps experts over (dp_replicate, expert_shard)."""
+    n = math.prod(shape)
+    sizes = dict(zip(AXES, shape))
+    for rank in range(n):
+        with fake_world(rank, n):
+            mesh = ParallelMesh(ParallelismConfig(**{f"{a}_size": s for a, s in sizes.items()}, ep_size=ep), "cpu",
+                                fsdp=True)
+            fsdp = expected_ranks(rank, shape, EXPECTED_VIEWS["fsdp"])
+            place = fsdp.index(rank)
+            block = fsdp[place - place % ep: place - place % ep + ep]
+            shard = fsdp[place % ep::ep]
+            assert (mesh.ranks("ep"), mesh.rank("ep"), mesh.size("ep")) == (block, block.index(rank), ep), (shape, rank)
+            assert (mesh.ranks("expert_shard"), mesh.size("expert_shard")) == (shard, len(fsdp) // ep), (shape, rank)
+            replicas = [expected_ranks(r, shape, ("dp_replicate",)) for r in shard]
+            want = [[row[i] for row in replicas] for i in range(sizes["dp_replicate"])]
+            experts_dp = mesh.expert_data_parallel().mesh
+            assert (experts_dp.tolist() == want) if sizes["dp_replicate"] > 1 else (experts_dp.tolist() == shard)
+
+
+def test_no_expert_parallelism_keeps_ep_a_one_rank_view():
+    with fake_world(1, 4):
+        mesh = build((1, 4, 1, 1, 1), fsdp=True)
+        assert (mesh.size("ep"), mesh.rank("ep"), mesh.ranks("ep")) == (1, 0, [1])
+        assert mesh.ranks("expert_shard") == mesh.ranks("fsdp") == [0, 1, 2, 3]
+        with pytest.raises(ValueError, match=r"mesh view 'ep' \(ep of fsdp=4 with ep_size=1\) holds this rank alone"):
+            mesh.group("ep")
+        with pytest.raises(ValueError, match=r"no expert parallelism on this mesh \(ep_size=1\)"):
+            mesh.expert_data_parallel()
 
 
 def _new_groups(shape: tuple[int, ...], fsdp: bool) -> int:

@@ -115,7 +115,7 @@ def test_other_distributed_types_and_ignored_sections(tmp_path):
     ({"fsdp_config": {"fsdp_sharding": "FULL"}}, [], "unknown fsdp_config key(s) ['fsdp_sharding']"),
     ({"fsdp_config": {"fsdp_auto_wrap_policy": "EVERYTHING"}}, [], "fsdp_config: auto_wrap_policy='EVERYTHING' is "
                                                                    "not supported"),
-    ({"parallelism_config": {"parallelism_config_ep_size": 2}}, [], "unknown parallelism_config key(s)"),
+    ({"parallelism_config": {"parallelism_config_experts_size": 2}}, [], "unknown parallelism_config key(s)"),
     ({"parallelism_config": {"parallelism_config_sp_size": 2, "parallelism_config_dp_shard_size": 4,
                              "parallelism_config_sp_backend": "deepspeed"}}, [],
      "parallelism_config: sp_size=2 with sp_backend='deepspeed': ndparallel runs Ulysses sequence parallelism itself"),

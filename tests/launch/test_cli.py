@@ -218,9 +218,9 @@ def test_config_without_flags_or_terminal_writes_defaults(monkeypatch, tmp_path)
 
 
 def test_config_prompts_on_a_terminal(monkeypatch, tmp_path):
-    # pp, dp_replicate, dp_shard, cp, sp, tp (0 and "x" refused), nnodes, nproc (3 refused), mixed precision
+    # pp, dp_replicate, dp_shard, cp, sp, tp (0 and "x" refused), ep, nnodes, nproc (3 refused), mixed precision
     # ("fp4" refused), gradient accumulation, cpu
-    answers = iter(["", "", "2", "", "", "0", "x", "2", "", "3", "", "fp4", "bf16", "", "yes"])
+    answers = iter(["", "", "2", "", "", "0", "x", "2", "", "", "3", "", "fp4", "bf16", "", "yes"])
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
     monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
     path = tmp_path / "c.yaml"
@@ -235,6 +235,19 @@ def test_config_checks_sizes_against_nproc(capsys, tmp_path):
     assert main(["config", "--config-file", str(tmp_path / "c.yaml"), "--nproc-per-node", "3", "--tp-size", "2"]) == 2
     assert "ndparallel config: error: tp(2) = 2 != world size 3" in capsys.readouterr().err
     assert not (tmp_path / "c.yaml").exists()
+
+
+def test_ep_size_travels_from_flags_and_files_without_changing_the_process_count(tmp_path, capsys):
+    """--ep-size is carved out of dp_shard x cp x sp: no factor of the process count, checked to divide it."""
+    p = plan("--dp-shard-size", "4", "--ep-size", "2", SCRIPT)
+    assert p.nproc_per_node == 4 and p.env["NDPARALLEL_EP_SIZE"] == "2"
+    path = tmp_path / "c.yaml"
+    assert main(["config", "--config-file", str(path), "--dp-shard-size", "4", "--ep-size", "2"]) == 0
+    assert yaml.safe_load(path.read_text())["parallelism"]["ep_size"] == 2
+    assert ParallelismConfig.from_yaml(path).ep_size == 2
+    assert plan("--config-file", str(path), SCRIPT).env["NDPARALLEL_EP_SIZE"] == "2"
+    assert main(["config", "--config-file", str(path), "--dp-shard-size", "2", "--ep-size", "4"]) == 2
+    assert "ep_size=4 must divide the ranks the experts are split over, dp_shard(2)" in capsys.readouterr().err
 
 
 # ---- env ------------------------------------------------------------------------------------------------

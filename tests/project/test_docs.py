@@ -44,6 +44,10 @@ def build_model():
     return _tiny_model("llama")
 
 
+def build_moe_model():
+    return _tiny_model("qwen3_moe")
+
+
 class _Counter:  # "anything with state_dict() / load_state_dict()"
     count = 0
 
@@ -77,7 +81,7 @@ accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=-1)
                           fsdp_plugin=FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True))
 '''
 SETUPS = {
-    "data": _DATA,  # build_model(), dataset, seq_len, my_object; torch and F imported
+    "data": _DATA,  # build_model(), build_moe_model(), dataset, seq_len, my_object; torch and F imported
     "training": _TRAINING,  # + model, optimizer, scheduler, dataloader, not prepared
     "prepared": _PREPARED,  # + accelerator (sizes from the marker), all four prepared, model.train(), one batch
     "pretrained": _PRETRAINED,  # + a tiny model saved in path/to/local/model, an accelerator loading after sharding

@@ -3,7 +3,7 @@
 With Accelerate the imports would read:
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, set_seed
-(pipeline stages, --pp-size, are ndparallel's own: Accelerate has no PipelineParallelConfig.)
+(pipeline stages, --pp-size, and expert parallelism, --ep-size, are ndparallel's own: Accelerate has neither.)
 
 Run it under `ndparallel launch` or the test harness; `main(argv)` returns the per-step losses (and, with
 --return-params, the trained parameters gathered in full) so tests can compare them with `reference.py`.
@@ -32,7 +32,7 @@ from tiny_models import PLAIN_PLAN, VOCAB, TokenDataset, build_model, make_optim
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama")
-    for axis in ("pp", "dp_replicate", "dp_shard", "tp", "cp", "sp"):
+    for axis in ("pp", "dp_replicate", "dp_shard", "tp", "cp", "sp", "ep"):
         p.add_argument(f"--{axis.replace('_', '-')}-size", type=int, default=None)
     p.add_argument("--pp-schedule", default="1f1b")
     p.add_argument("--pp-microbatches", type=int, default=None)
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     pp = {} if args.pp_size is None else dict(pp_size=args.pp_size, pp_handler=PipelineParallelConfig(
         schedule=args.pp_schedule, microbatches=args.pp_microbatches, stages_per_rank=args.pp_stages_per_rank))
     pc = ParallelismConfig(dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size,
-                           tp_size=args.tp_size, cp_size=args.cp_size, sp_size=args.sp_size, **pp,
+                           tp_size=args.tp_size, cp_size=args.cp_size, sp_size=args.sp_size, ep_size=args.ep_size,
+                           **pp,
                            tp_handler=TorchTensorParallelConfig(
                                plan=PLAIN_PLAN if args.model == "plain" else None,
                                sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel),

@@ -164,6 +164,11 @@ PLAIN_PLAN = {
 # (tied embeddings, fused projections, q/k norms, sliding windows, soft-capping, Conv1D, experts) is kept.
 _SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, max_position_embeddings=128, attn_implementation="sdpa")
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}  # not the families' YaRN for 128 positions
+_DEEPSEEK_V3 = dict(_SMALL, num_key_value_heads=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                    first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=32, q_lora_rank=16,
+                    kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, routed_scaling_factor=2.5,
+                    rope_parameters=_ROPE, tie_word_embeddings=False)
 _GEMMA3 = dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
                layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=2.0,
                tie_word_embeddings=True, pad_token_id=0)
@@ -194,7 +199,38 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {  # name -> (config class, model c
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                      router_aux_loss_coef=0.1, tie_word_embeddings=False)),
+    # Qwen3-MoE trained on the token loss alone (no load-balancing term): what pipeline stages take.
+    "qwen3_moe_token_loss": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             dict(_SMALL, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  output_router_logits=False, tie_word_embeddings=False)),
+    # A shared expert beside the routed ones, scaled by a sigmoid gate.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, output_router_logits=True, router_aux_loss_coef=0.1,
+                       tie_word_embeddings=False)),
+    # Multi-head latent attention; 8 experts in 4 groups, sigmoid scores, each token's top-2 taken from its top-2
+    # groups; a shared expert; layer 0 dense; no auxiliary loss (a score-correction bias steers the routing).
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),
+    # Every token routed to experts 0 and 1 (the score-correction bias): under ep the other ranks receive nothing.
+    "deepseek_v3_skewed": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),
+    # Experts with biases, a clamped SwiGLU on interleaved gate/up columns, weights stored (experts, in, out); a router
+    # with a bias; attention sinks (eager attention: transformers has no SDPA path for them).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=4, output_router_logits=True,
+                     router_aux_loss_coef=0.1, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                     rope_parameters=_ROPE, tie_word_embeddings=False, attn_implementation="eager")),
 }
+
+
+def _skew_routing(model) -> None:
+    """Every token's top-2: experts 0 and 1 (their score-correction bias outweighs any sigmoid score)."""
+    for layer in model.model.layers:
+        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+        if bias is not None:
+            bias.zero_()[:2] = 1.0
+
+
+AFTER_BUILD = {"deepseek_v3_skewed": _skew_routing}  # tiny model -> what is done to it once built
 
 
 def build_family(name: str, **overrides):
@@ -203,4 +239,8 @@ def build_family(name: str, **overrides):
 
     config_cls, model_cls, fields = FAMILIES[name]
     config = getattr(transformers, config_cls)(**{**fields, **overrides})
-    return getattr(transformers, model_cls)(config)
+    model = getattr(transformers, model_cls)(config)
+    if name in AFTER_BUILD:
+        with torch.no_grad():
+            AFTER_BUILD[name](model)
+    return model

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +175,14 @@ def _check_files(model: nn.Module, path: Path, expected: dict[str, list[int]]) -
                 saved[key] = list(f.get_slice(key).get_shape())
     tied = [n for n in expected if n not in saved and _tied_source(model, n) in saved]
     problem = compare_tensors({**saved, **{n: expected[n] for n in tied}}, expected, f"pretrained weights in {path}")
+    per_expert = re.compile(r".*\.experts\.\d+\..*")
+    if problem and any(per_expert.fullmatch(k) for k in saved) and not any(per_expert.fullmatch(k) for k in expected):
+        raise CheckpointError(
+            f"pretrained weights in {path} store a mixture of experts one expert at a time (the Hugging Face Hub's "
+            f"layout, e.g. {next(k for k in saved if per_expert.fullmatch(k))!r}), where {type(model).__name__} "
+            "stacks them (transformers converts them in from_pretrained); each rank reading only its slices needs "
+            "the stacked names: load the real weights on rank 0 (from_pretrained there, init_empty_weights "
+            "elsewhere) to broadcast them, or read a directory written by accelerator.save_model")
     if problem:
         raise CheckpointError(problem)
     return {"tied": tied}

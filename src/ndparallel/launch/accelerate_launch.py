@@ -329,7 +329,8 @@ def to_file(config: ParallelismConfig | None, launch: Mapping[str, Any]) -> dict
     if fsdp:
         out["fsdp_config"] = {"fsdp_version": 2}
     if config is not None:
-        # Accelerate's ParallelismConfig has no pipeline axis: pp_size is written only where it is used
+        # Accelerate's ParallelismConfig has no pipeline axis nor expert parallelism: pp_size and ep_size are written
+        # only where they are used
         out["parallelism_config"] = {f"parallelism_config_{name}": getattr(config, name) for name in SIZE_FIELDS
-                                     if name != "pp_size" or config.pp_size != 1}
+                                     if name not in ("pp_size", "ep_size") or getattr(config, name) != 1}
     return out

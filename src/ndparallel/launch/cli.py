@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ndparallel.launch import accelerate_launch
-from ndparallel.config import ENV_PREFIX, MIXED_PRECISION, SIZE_FIELDS, ParallelismConfig
+from ndparallel.config import AXIS_FIELDS, ENV_PREFIX, MIXED_PRECISION, SIZE_FIELDS, ParallelismConfig
 
 DEFAULT_CONFIG_FILE = "ndparallel_config.yaml"
 PROG = "ndparallel"
@@ -187,7 +187,9 @@ def _add_planner_parsers(sub: Any) -> None:
     memory = sub.add_parser("estimate-memory", help="memory per GPU of one layout (params, grads, optimizer, "
                                                     "activations, buffers, peak)",
                             description="The memory columns of `ndparallel plan` for one layout given by its sizes "
-                                        "(unset sizes: 1; the world is their product).")
+                                        "(unset sizes: 1; the world is their product; ep_size is carved out of "
+                                        "dp_shard x cp x sp). For a mixture-of-experts config: expert parallelism's "
+                                        "figures (expert states per rank, all-to-all bytes per step).")
     _add_model_arguments(memory)
     sizes = memory.add_argument_group("parallelism sizes (unset: 1)")
     for name in SIZE_FIELDS:
@@ -249,10 +251,13 @@ def _sizes_given(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _checked_sizes(sizes: dict[str, int], nproc_per_node: int | None, nnodes: int) -> ParallelismConfig:
-    """Every size explicit (unset: 1), checked against nproc_per_node * nnodes when both are known."""
+    """Every size explicit (unset: 1), checked against nproc_per_node * nnodes when both are known (else, without -1,
+    ep_size against the sizes' product)."""
     pc = ParallelismConfig(**{name: sizes.get(name, 1) for name in SIZE_FIELDS})
     if sizes and nproc_per_node is not None:
         pc.resolve(nproc_per_node * nnodes)
+    elif sizes and -1 not in sizes.values():  # the world is their product: ep_size is checked against it
+        pc.resolve(pc.total_size)
     return pc
 
 
@@ -512,14 +517,29 @@ def _plan_measure(args: argparse.Namespace, request: Any, result: Any) -> list[d
                            lambda line: print(line, file=sys.stderr, flush=True))
 
 
+def _expert_figures(args: argparse.Namespace, layout: Any, setting: Any) -> Any:
+    """For a mixture-of-experts config, `planner.experts.expert_figures` of the layout and ep_size; None for a dense
+    one (where ep_size > 1 is refused)."""
+    from ndparallel.planner.experts import expert_figures, expert_spec
+    from ndparallel.planner.model import read_config
+
+    data, where = read_config(args.model)
+    spec = expert_spec(data, where)
+    if spec is None:
+        if args.ep_size != 1:
+            raise ValueError(f"--ep-size {args.ep_size}: {where} is not a mixture of experts")
+        return None
+    return expert_figures(spec, layout.fsdp, args.ep_size, setting.tokens(layout), setting.accumulation,
+                          setting.compute_bytes, setting.checkpointing, setting.optimizer)
+
+
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
     from ndparallel.planner import Layout, Setting, get_hardware, load_model, report
     from ndparallel.planner.layouts import Constraints, reasons
     from ndparallel.planner.memory import estimate
 
     try:
-        model = load_model(args.model)
-        layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in SIZE_FIELDS})
+        layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in AXIS_FIELDS})
         if min(layout.sizes().values()) < 1:
             raise ValueError(f"every size must be >= 1, got {layout.sizes()}")
         if args.seq_len is None:
@@ -527,6 +547,12 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
         setting = Setting(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
                           args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
                           args.chunked_loss == "on", args.tiled_mlp, args.offload)
+        experts = _expert_figures(args, layout, setting)
+        if experts is not None:  # a mixture of experts: expert parallelism's figures (the rest is not modelled)
+            print(json.dumps({"layout": layout.sizes(), "ep": args.ep_size, "experts": vars(experts)}, indent=1)
+                  if args.json else "\n".join(experts.lines()))
+            return 0
+        model = load_model(args.model)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch
         why = reasons(layout, Constraints(model, args.seq_len, samples, layout.world, allow_cross_node_tp=True))
         if why:

@@ -130,9 +130,11 @@ def read_config_file(path: str | os.PathLike, flags: dict[str, Any] | None = Non
 
 
 def default_nproc(sizes: dict[str, int], nnodes: int) -> int:
-    """Processes per node when none is given: the product of the sizes on one node without -1, else 1."""
-    if sizes and nnodes == 1 and -1 not in sizes.values():
-        return math.prod(sizes.values())
+    """Processes per node when none is given: the product of the sizes on one node without -1, else 1 (ep_size is
+    carved out of the others: no factor)."""
+    axes = [size for name, size in sizes.items() if name != "ep_size"]
+    if axes and nnodes == 1 and -1 not in axes:
+        return math.prod(axes)
     return 1
 
 

@@ -17,6 +17,7 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .compile import apply_model_compilation, apply_regional_compilation, check_compilation
 from .fp8 import apply_fp8, check_fp8
 from .data_parallel import apply_data_parallel, broadcast_module_states, uses_fsdp
+from .experts import apply_expert_parallel, check_expert_parallel
 from .interface import PreparedModel, interface, state_module, unwrap
 from .memory import apply_memory_features
 from .moe import apply_global_load_balancing
@@ -38,6 +39,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     check_sequence_parallel(model, mesh, options)
     check_compilation(model, mesh, options)
     check_fp8(model, mesh, options)
+    check_expert_parallel(model, mesh, options)
     # 1. Pipeline stages: this rank keeps only what its stages run (names unchanged); the rest of the layout applies
     # to that part. Before the move to the device, so nothing else is ever placed there.
     if stages is not None:
@@ -67,8 +69,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # 3b. Mixture-of-experts models: the load-balancing loss over the tokens of every rank of ``loss``, not each rank's.
     model = apply_global_load_balancing(model, mesh, options)
     # 3c. Long sequences in less memory: the LM head and its loss over chunks of tokens (after TP, whose hooks lay out
-    # the head's input), decoder MLPs over tiles of the sequence.
+    # the head's input), decoder MLPs over tiles of the sequence (mixtures of experts stay untiled).
     model = apply_memory_features(model, mesh, options)
+    # 3d. Expert parallelism over ``ep``: each rank keeps its experts; tokens travel to them all-to-all.
+    model = apply_expert_parallel(model, mesh, options)
     # 4. Activation checkpointing of the transformer blocks (activations offloaded to host memory when asked).
     model = apply_activation_checkpointing(model, mesh, options)
     # 5. Regional compilation: each block compiled in place, before FSDP2 wraps it.
@@ -79,7 +83,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
             apply_autocast(stage, mesh, options), mesh, options))
     # 6. Mixed precision outside FSDP2 is autocast; FSDP2 casts through its MixedPrecisionPolicy instead.
     model = apply_autocast(model, mesh, options)
-    # 7. Data parallel, outermost.
+    # 7. Data parallel, outermost (split experts first, over the ranks that hold the same experts).
     model = apply_data_parallel(model, mesh, options)
     # 8. Whole-model compilation, last (when not regional).
     return apply_model_compilation(model, mesh, options)

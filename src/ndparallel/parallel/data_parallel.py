@@ -8,6 +8,8 @@
   FSDP2 over a shard group of one rank (HSDP with dp_shard = 1): gradients are all-reduced over dp_replicate as
   DDP would, and the parameters stay DTensors for the optimizer, clipping and checkpoints. Pipeline stages
   replicate the same way: DDP's reducer cannot follow a schedule's many backward passes per step.
+- Experts split by expert parallelism (``ep_size``): FSDP2 over the ranks that hold the same experts
+  (`experts.shard_experts`), inside the blocks' FSDP2 over ``fsdp``.
 - Nothing on a world of one rank, also with an FSDP plugin unless it asks for what FSDP2 does there too (CPU
   offload, its own mixed-precision policy, meta-device loading): one rank has nothing to shard or reduce, and
   FSDP2's per-block hooks and copies cost 11% of a 1.1B model's step on an H100 (docs/gpu.md). The plugin's
@@ -36,6 +38,7 @@ from ..config import ParallelismConfig
 from ..mesh import ParallelMesh
 from ..plugins import FullyShardedDataParallelPlugin
 from .blocks import block_classes, modules_to_wrap
+from .experts import shard_experts
 from .options import PrepareOptions
 
 
@@ -125,6 +128,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
             "transformer_cls_names_to_wrap): FSDP2 shards the root module only",
             stacklevel=3,
         )
+    # Experts split by expert parallelism: over the ranks that hold the same experts, before the blocks around them.
+    shard_experts(model, mesh, fully_shard, **{**kwargs, "ignored_params": None})
     for module in modules_to_wrap(model, policy, blocks, plugin.min_num_params):
         # The chunked loss's head (`memory.loss_head`) computes after its own forward: it stays in the root unit,
         # which keeps its parameters gathered through forward and backward.

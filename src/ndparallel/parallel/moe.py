@@ -18,10 +18,12 @@ micro-step's G covers the tokens of that micro-step on every rank and weighs lik
 process accumulating the same micro-batches. Evaluation (``model.eval()`` or ``torch.no_grad()``) keeps each rank's
 own auxiliary loss, so a forward on one rank alone cannot hang on the all-gather.
 
-Expert layouts: FSDP2 shards the experts' stacked weights along the expert dimension over ``fsdp`` (each rank stores
-num_experts / fsdp of them and all-gathers them for compute, as every FSDP parameter); under tensor parallelism the
-experts stay whole on every tp rank (`tensor.styles.ALIASES`: transformers' ``moe_tp_experts``) while attention and
-dense layers are split. Expert parallelism (experts placed on ranks, tokens exchanged all-to-all) is not offered.
+Expert layouts: without expert parallelism FSDP2 shards the experts' stacked weights along the expert dimension over
+``fsdp`` (each rank stores num_experts / fsdp of them and all-gathers them for compute, as every FSDP parameter);
+under tensor parallelism the experts stay whole on every tp rank (`tensor.styles.ALIASES`: transformers'
+``moe_tp_experts``) while attention and dense layers are split. With ``ep_size`` the experts are placed on the ranks
+of ``ep`` and tokens travel to them all-to-all (`ndparallel.parallel.experts`); the router runs on every rank's own
+tokens, so this loss is computed the same way.
 """
 
 from __future__ import annotations
@@ -77,20 +79,23 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None
 
 
+def gather_token_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """`x`'s rows from every rank of `group`, concatenated in rank order (`_GatherRows`: differentiable); every rank
+    must hold as many rows of the same shape, which is checked (a clear error on every rank, not a hang)."""
+    sizes = [torch.zeros(x.dim(), dtype=torch.long) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor(x.shape, dtype=torch.long), group=group)
+    if any(s.tolist() != list(x.shape) for s in sizes):
+        raise ValueError("the load-balancing loss of a mixture-of-experts model needs the same number of tokens "
+                         f"on every rank of a step; router logits have shapes {[s.tolist() for s in sizes]}: "
+                         "give every rank batches of one shape (the prepared data loader does)")
+    return _GatherRows.apply(x, group)
+
+
 class _GlobalLoadBalancing:
     """Forward hook: the global load-balancing loss in place of this rank's (see the module docstring)."""
 
     def __init__(self, function: Callable[..., Any], group) -> None:
         self.function, self.group = function, group
-
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        sizes = [torch.zeros(x.dim(), dtype=torch.long) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(sizes, torch.tensor(x.shape, dtype=torch.long), group=self.group)
-        if any(s.tolist() != list(x.shape) for s in sizes):
-            raise ValueError("the load-balancing loss of a mixture-of-experts model needs the same number of tokens "
-                             f"on every rank of a step; router logits have shapes {[s.tolist() for s in sizes]}: "
-                             "give every rank batches of one shape (the prepared data loader does)")
-        return _GatherRows.apply(x, self.group)
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not (model.training and torch.is_grad_enabled()) or not isinstance(output, dict):
@@ -100,10 +105,10 @@ class _GlobalLoadBalancing:
             return output
         layers = len(logits)
         rows = torch.stack([layer.reshape(-1, layer.shape[-1]) for layer in logits], dim=1)  # (tokens, layers, E)
-        gathered = self._gather(rows)
+        gathered = gather_token_rows(rows, self.group)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            mask = self._gather(mask)
+            mask = gather_token_rows(mask, self.group)
         elif mask is not None:
             mask = None  # 4-D masks are not token masks; HF's function reads 2-D padding masks only
         total = self.function(tuple(gathered[:, i] for i in range(layers)), model.num_experts,

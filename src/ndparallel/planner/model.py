@@ -169,7 +169,8 @@ def spec_from_config(data: dict[str, Any], source: str = "config") -> ModelSpec:
     for expert_key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if isinstance(data.get(expert_key), int) and data[expert_key] > 1:
             raise ValueError(f"{source}: a mixture-of-experts model ({expert_key}={data[expert_key]}); the planner "
-                             "models dense decoders only")
+                             "models dense decoders only (`ndparallel estimate-memory --ep-size N` gives its expert "
+                             "states per rank and all-to-all bytes)")
     missing = [key for key in REQUIRED_FIELDS if data.get(key) is None]
     if missing:
         raise ValueError(f"{source}: the config lacks {', '.join(missing)}; the planner needs "

@@ -112,12 +112,28 @@ def test_more_stages_than_layers_is_refused():
 
 @pytest.mark.parametrize("name,overrides,match", [
     ("gpt2", {}, r"GPT2LMHeadModel cannot be split into pipeline stages: ndparallel splits Hugging Face causal LMs"),
-    ("qwen3_moe", {}, r"is a mixture of experts \(num_experts=4\)"),
     ("plain", {}, r"PlainTransformer cannot be split into pipeline stages: .* nn.Sequential"),
 ])
 def test_models_a_pipeline_cannot_run_exactly_are_refused(name, overrides, match):
     with pytest.raises(ValueError, match=match):
         plan_stages(build_model(name, **overrides), 2, PipelineParallelConfig())
+
+
+def test_a_mixture_of_experts_whose_routers_the_family_table_does_not_know_is_refused_with_its_balancing_loss():
+    """The stages add the load-balancing term from the routers the family table names (tests/parallel/experts cover
+    the families it knows); OLMoE is not among them. Without the term it splits."""
+    import transformers
+
+    from tiny_models import _SMALL
+
+    def olmoe(aux: bool):
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**dict(_SMALL, num_experts=4,
+                                                                              output_router_logits=aux)))
+    with pytest.raises(ValueError, match=r"OlmoeForCausalLM is a mixture of experts \(num_experts=4\) whose loss adds "
+                                         r"a load-balancing term .* does not know its routers \(model_type 'olmoe'\); "
+                                         r"set config.output_router_logits=False"):
+        plan_stages(olmoe(True), 2, PipelineParallelConfig())
+    plan_stages(olmoe(False), 2, PipelineParallelConfig())
 
 
 def test_schedules_needing_more_microbatches_are_refused():

@@ -99,7 +99,7 @@ def render_table(cases: list[Case] = CASES) -> str:
         "AdamW steps "
         "with clipping and matches the single-process losses within 1e-5 (\"tested\"), or the layout refuses it on "
         "every rank with the reason given. Mixture-of-experts: FSDP2 shards the experts along the expert dimension; "
-        "under TP they stay whole on every tp rank; no expert parallelism.",
+        "under TP they stay whole on every tp rank; with `ep_size`, see the table in Expert parallelism.",
         "",
         "| family | " + " | ".join(title for title, _, _ in LAYOUTS.values()) + " |",
         "|---|" + "---|" * len(LAYOUTS),
@@ -284,9 +284,10 @@ def test_tied_weight_trains_to_the_single_process_parameters():
 
 
 def train_save_load(model_name: str, directory: str, layout: dict, load: bool, momentum_sgd: bool = False,
-                    save: bool = True) -> dict:
-    """Two steps then save_state + save_model under `layout` (`save`), or: load the state saved there and take one
-    more step. Returns whether the embedding and head are tied, and the gathered state dict (rank 0)."""
+                    save: bool = True, async_save: bool = False) -> dict:
+    """Two steps then save_state (in the background with `async_save`) + save_model under `layout` (`save`), or: load
+    the state saved there and take one more step. Returns whether the embedding and head are tied, and the gathered
+    state dict (rank 0)."""
     from ndparallel import Accelerator, ParallelismConfig, set_seed
 
     accelerator = Accelerator(parallelism_config=ParallelismConfig(**layout))
@@ -305,8 +306,9 @@ def train_save_load(model_name: str, directory: str, layout: dict, load: bool, m
         optimizer.step()
         optimizer.zero_grad()
     if not load and save:
-        accelerator.save_state(f"{directory}/state")
+        accelerator.save_state(f"{directory}/state", async_save=async_save)
         accelerator.save_model(model, f"{directory}/hf")
+        accelerator.wait_for_checkpoint()
     inner = accelerator.unwrap_model(model)
     state = accelerator.get_state_dict(model)
     return {"tied": getattr(inner, "lm_head").weight is inner.get_input_embeddings().weight,

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...mesh import ParallelMesh
+from ..adapted import adapter_free
 from ..options import PrepareOptions
+from .balancing import balancing_term
 from .runner import PipelineModel, check_schedule
 from .split import StageLayers, StagePlan, cut_to_rank, plan_stages
 from .stages import build_stage
@@ -60,9 +62,12 @@ def apply_pipeline(model: nn.Module, plan: StagePlan, mesh: ParallelMesh, option
     runs the schedule."""
     pp_rank = mesh.rank("pp")
     stages = {s: wrap(build_stage(model, plan, s)) for s in plan.stages_of(pp_rank)}
+    # A mixture of experts' load-balancing term over every stage's layers and the global batch (`balancing`).
+    balancing = balancing_term(adapter_free(model), stages, mesh.group("pp"),
+                               mesh.group("loss") if mesh.size("loss") > 1 else None, options.device)
     return PipelineModel(model, stages, plan, options.pp_handler, mesh.group("pp"), options.device,
                          tie_group=_ends_group(mesh) if plan.tied else None, loss_factor=options.loss_factor,
-                         sync_gradients=options.sync_gradients)
+                         sync_gradients=options.sync_gradients, balancing=balancing)
 
 
 def _ends_group(mesh: ParallelMesh) -> dist.ProcessGroup | None:

@@ -22,6 +22,7 @@ each), which is the rank's mean when micro-batches are equal in size, as they ar
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from ..interface import PreparedModel
 from ..memory import chunked_loss_of
 from ..memory.cross_entropy import aligned_labels
 from ..sequence import active
+from .balancing import BalancingTerm
 from .split import StagePlan
 
 # Batch keys a decoder stage takes besides the token ids and the labels.
@@ -55,7 +57,7 @@ class PipelineModel(nn.Module, PreparedModel):
     def __init__(self, module: nn.Module, stages: dict[int, nn.Module], plan: StagePlan,
                  handler: PipelineParallelConfig, group: dist.ProcessGroup, device: torch.device,
                  tie_group: dist.ProcessGroup | None = None, loss_factor: Callable[[], float] = lambda: 1.0,
-                 sync_gradients: Callable[[], bool] = lambda: True) -> None:
+                 sync_gradients: Callable[[], bool] = lambda: True, balancing: BalancingTerm | None = None) -> None:
         super().__init__()
         self.module = module
         # The causal LM whose parts the stages run: the module itself, or under PEFT the transformers model it adapts
@@ -72,6 +74,7 @@ class PipelineModel(nn.Module, PreparedModel):
         self.tie_group = tie_group  # this rank's copy of a tied embedding / head and the other end's
         self._backward_ran = False  # the last call ran backward: accelerator.backward has nothing left to do
         self._schedules: dict[Any, Any] = {}
+        self.balancing = balancing  # a mixture of experts' load-balancing term (`balancing`), else None
         self.config = getattr(module, "config", None)
 
     # ---- the prepared-model interface (`ndparallel.parallel.interface`) ----------------------------------------
@@ -188,8 +191,12 @@ class PipelineModel(nn.Module, PreparedModel):
                 loss = user_loss(output, labels)
                 sums.append(loss.detach())
                 return loss * scale
+        aux = self._balancing_pass(input_ids, inputs) if self.balancing is not None else None
         schedule = self._schedule(input_ids, inputs, loss_fn, train=True)
-        schedule.step(input_ids, target=target, return_outputs=False, **inputs)
+        fresh = not getattr(schedule, "_ndparallel_stepped", False)
+        with self.balancing.adding(fresh) if aux is not None else nullcontext():
+            schedule.step(input_ids, target=target, return_outputs=False, **inputs)
+        schedule._ndparallel_stepped = True
         if self.tie_group is not None and self.sync_gradients():
             self._sum_tied_gradients()
         self._backward_ran = True
@@ -200,13 +207,27 @@ class PipelineModel(nn.Module, PreparedModel):
             loss = total / tokens if self.plan.kind == "decoder" else total / self.microbatches
         else:
             loss = torch.zeros((), device=self.device)
-        return self._output(self._broadcast(loss.float().reshape(1)).reshape(()), None)
+        loss = self._broadcast(loss.float().reshape(1)).reshape(())
+        if aux is not None:  # the load-balancing term of the global batch, as `ndparallel.parallel.moe` adds it
+            loss = loss + self.balancing.coef * aux.to(loss.device, loss.dtype)
+        return self._output(loss, None)
+
+    def _balancing_pass(self, input_ids: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """The load-balancing term's first pass (`balancing`): a forward-only schedule recording every router, the RNG
+        restored after it; returns G of the global batch and leaves the gradients the training schedule adds."""
+        schedule = self._schedule(input_ids, inputs, None, train=False)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), self.balancing.recording() as records:
+            schedule.step(input_ids, **inputs)
+        return self.balancing.value(records, self.microbatches, inputs.get("attention_mask"),
+                                    self.balancing.loss_group, factor=self.loss_factor())
 
     @torch.no_grad()
     def _evaluate(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor | None, shifted: bool,
                   items: float | None = None) -> Any:
         schedule = self._schedule(input_ids, inputs, None, train=False)
-        logits = schedule.step(input_ids, **inputs)
+        with self.balancing.recording() if self.balancing is not None else nullcontext() as records:
+            logits = schedule.step(input_ids, **inputs)
         last = self._stage_rank(self.plan.num_stages - 1) == dist.get_rank()
         logits = self._broadcast_tensor(logits if last else None)
         loss = None
@@ -218,6 +239,9 @@ class PipelineModel(nn.Module, PreparedModel):
                     logits.new_tensor(float("nan"))
             else:
                 loss = self._user_loss()(logits, target)
+            if records is not None:  # this rank's own load-balancing term over its tokens, as without stages
+                aux = self.balancing.value(records, self.microbatches, inputs.get("attention_mask"))
+                loss = loss + self.balancing.coef * aux.to(loss.device, loss.dtype)
         return self._output(loss, logits)
 
     # ---- a tied embedding and LM head ------------------------------------------------------------------------------

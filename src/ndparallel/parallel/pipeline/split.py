@@ -21,6 +21,7 @@ from torch import nn
 
 from ...config import PP_SCHEDULES, PipelineParallelConfig
 from ..adapted import adapter_free
+from ..experts.layout import family_experts
 
 # Attributes of a decoder's inner model that hold positions added to the embeddings in its forward: a later stage
 # that is handed hidden states would add them again, so such models are split by the user (an nn.Sequential).
@@ -116,10 +117,14 @@ def check_splittable(model: nn.Module, pp: int) -> str:
         raise ValueError(f"{where}: {name} adds learned positions ({positions[0]}) to its embeddings inside its "
                          "forward, which a later stage cannot skip; pipeline stages are not supported for it")
     experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, k, None)]
-    if experts:
-        raise ValueError(f"{where}: {name} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}), "
-                         "whose load-balancing loss adds up over every layer of every stage; pipeline stages are "
-                         "not supported for it yet: use FSDP2 / TP / CP / SP")
+    if experts and getattr(config, "output_router_logits", False) and family_experts(model)[1] is None:
+        # The stages add the load-balancing term from the routers' logits (`balancing`): the family table says
+        # where a family's routers are.
+        raise ValueError(f"{where}: {name} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}) "
+                         f"whose loss adds a load-balancing term (output_router_logits=True) over every layer of "
+                         f"every stage, and ndparallel's family table does not know its routers (model_type "
+                         f"{config.model_type!r}); set config.output_router_logits=False (the token loss alone), or "
+                         "use a layout without pp (FSDP2 / TP / CP / SP)")
     if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
         raise ValueError(f"{where}: {name} scales its logits (logit_scale) in its forward; pipeline stages are not "
                          "supported for it")

@@ -291,8 +291,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """(O_b, lse_b) of queries [B, H, n, D] against keys/values [B, Hkv, m, D] (``causal`` needs m == n).
 
     `mask` (a `masking.BlockMask`: which keys each query sees in padded and packed batches) sends the block to the
-    math kernel; a query that sees no key gets output 0 and log-sum-exp -inf."""
-    if mask is not None:
+    math kernel; a query that sees no key gets output 0 and log-sum-exp -inf. So do values of another head size than
+    the queries' (DeepSeek's multi-head latent attention), which the fused kernels do not take."""
+    if mask is not None or v.shape[-1] != q.shape[-1]:
         return _math_forward(q, k, v, scale, causal, mask)
     return _KERNELS[_backend(q)][0](q, k, v, scale, causal)
 
@@ -302,7 +303,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    mask: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's (dQ, dK, dV) given the final output `out` and log-sum-exp `lse`: in the accumulator dtype (math
     kernel) or the inputs' (fused kernels); callers add them into accumulator-dtype buffers."""
-    backend, acc = ("math" if mask is not None else _backend(q)), acc_dtype(q)
+    backend, acc = ("math" if mask is not None or v.shape[-1] != q.shape[-1] else _backend(q)), acc_dtype(q)
     if backend == "math":
         return _math_backward(dout, q, k, v, out, lse, scale, causal, mask)
     # The fused kernels take gradients and outputs in the inputs' dtype, the log-sum-exp in fp32.

@@ -1,6 +1,6 @@
-"""What tensor parallelism needs to know about each causal-LM family, as data (by ``config.model_type``).
+"""What the layouts need to know about each causal-LM family, as data (by ``config.model_type``).
 
-A family needs at most: a plan (where the model carries none, or where ndparallel's splits more than the model's
+Tensor parallelism: a family needs at most a plan (where the model carries none, or where ndparallel's splits more than the model's
 own), and the names of its fused layers -- layers whose weight packs several projections along its output features
 (Phi-3's ``qkv_proj`` and ``gate_up_proj``, GPT-2's ``c_attn``). Tied input/output embeddings, per-head q/k norms
 and mixtures of experts need no entry: the plan resolution handles them for every model (`ndparallel.parallel.tensor`).
@@ -17,6 +17,12 @@ computes all heads. A model whose attention slices q/k/v by its global sizes is 
 attributes of the layer's parent divided by tp; a dotted name is read through the parent's config, which gets a
 view of its own). A plan that leaves a fused layer's output split as one matrix ("colwise") is refused: rank 0 would
 hold all of gate, rank 1 all of up, and the model's slicing would pair the wrong halves.
+
+Expert parallelism (``ep_size``, `ndparallel.parallel.experts`): a mixture-of-experts family names its routed experts
+and its router (`Experts`). Only the experts module is replaced: its call -- hidden states, each token's top-k expert
+indices and weights, as the model's own router chose them -- sends each token to the ranks holding its experts and
+back; the router, shared experts and dense layers run as in one process. A family the table has no `Experts` entry
+for is refused under ep_size > 1.
 """
 
 from __future__ import annotations
@@ -48,12 +54,28 @@ class Fused:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """Where a mixture-of-experts family keeps its routed experts and router, and what routes (for messages and the
+    README). The experts module is transformers' stacked layout: one parameter per projection with the experts along
+    dimension 0 (``gate_up_proj``: (experts, 2 x intermediate, hidden), ...), called as ``experts(hidden_states,
+    top_k_index, top_k_weights)``."""
+
+    count: str  # the config field holding the number of routed experts
+    routing: str  # how the router picks each token's experts (what the README says)
+    modules: str = "mlp.experts"  # the experts module under a decoder layer (sparse layers only)
+    router: str = "mlp.gate"  # the router module under a decoder layer
+    shared: str | None = None  # what runs beside the routed experts on every token (dense, as in one process)
+    balancing: str = "load-balancing loss over the global batch"  # the router's auxiliary loss, or its absence
+
+
+@dataclass(frozen=True)
 class Family:
-    """Tensor-parallel facts about one family of models."""
+    """Facts about one family of models: tensor-parallel (plan, fused layers), expert-parallel (experts)."""
 
     plan: Mapping[str, str] | None = None  # ndparallel's plan; None: the model's own (config.base_model_tp_plan)
     replaces_own_plan: str | None = None  # why `plan` is used even when the model has a plan of its own
     fused: Mapping[str, Fused] = field(default_factory=dict)  # layer pattern (under a block) -> what it packs
+    experts: Experts | None = None  # a mixture of experts: where its experts and router are
 
 
 FAMILIES: dict[str, Family] = {
@@ -108,6 +130,21 @@ FAMILIES: dict[str, Family] = {
         replaces_own_plan="it splits the attention heads: the q/k norms over the whole projection run on split "
                           "features ('sharded_norm') where transformers' plan all-gathers q, k and v",
     ),
+    # Mixtures of experts: transformers' own plans (attention and dense layers split, experts whole on every tp rank).
+    "mixtral": Family(experts=Experts("num_local_experts", "softmax over the experts, top-k, renormalised")),
+    "qwen3_moe": Family(experts=Experts("num_experts", "softmax over the experts, top-k (renormalised with "
+                                                       "norm_topk_prob)")),
+    "qwen2_moe": Family(experts=Experts("num_experts", "softmax over the experts, top-k (renormalised with "
+                                                       "norm_topk_prob)",
+                                        shared="shared_expert, scaled by sigmoid(shared_expert_gate)")),
+    # No auxiliary loss: a score-correction bias (a buffer) steers the routing instead; the first
+    # first_k_dense_replace layers are dense.
+    "deepseek_v3": Family(experts=Experts("n_routed_experts", "sigmoid scores, top groups (n_group, topk_group), "
+                                                              "top-k with the score-correction bias, scaled",
+                                          shared="shared_experts", balancing="none (score-correction bias)")),
+    # Experts with biases and a clamped SwiGLU; the router has a bias and takes a softmax over its top-k logits.
+    "gpt_oss": Family(experts=Experts("num_local_experts", "top-k of the logits (with a bias), softmax over those k",
+                                      router="mlp.router")),
 }
 
 # The built-in plans by model type (llama, qwen2, mistral, gpt2, olmo2).

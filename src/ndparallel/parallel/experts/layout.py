@@ -1,0 +1,84 @@
+"""Which modules of a model are its routed experts and routers (from the family table), and the checks that refuse,
+on every rank alike and before any collective, what expert parallelism cannot split."""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from ..adapted import adapter_free
+from ..tensor.families import FAMILIES, Experts
+
+# Config fields through which transformers' mixtures of experts give their number of routed experts.
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+# What transformers' `use_experts_implementation` sets on a stacked experts module (`compute` reads them).
+LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_transposed")
+
+
+def family_experts(model: nn.Module) -> tuple[str | None, Experts | None]:
+    """The model type and the family table's `Experts` entry for it (None where it has none)."""
+    model_type = getattr(getattr(adapter_free(model), "config", None), "model_type", None)
+    family = FAMILIES.get(model_type)
+    return model_type, family.experts if family is not None else None
+
+
+def expert_count(model: nn.Module, experts: Experts) -> int:
+    return int(getattr(adapter_free(model).config, experts.count))
+
+
+def _under_layers(model: nn.Module, suffix: str) -> list[tuple[str, nn.Module]]:
+    """Modules named ``...layers.<i>.<suffix>`` (the decoder layers that have one), in module order."""
+    pattern = re.compile(r"(?:.*\.)?layers\.\d+\." + re.escape(suffix))
+    return [(name, module) for name, module in model.named_modules() if pattern.fullmatch(name)]
+
+
+def expert_modules(model: nn.Module, experts: Experts) -> list[tuple[str, nn.Module]]:
+    return _under_layers(model, experts.modules)
+
+
+def _stacked(module: nn.Module, count: int) -> list[str]:
+    return [name for name, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == count]
+
+
+def check_experts(model: nn.Module, ep: int) -> None:
+    """Raise where ``ep_size=ep`` cannot split `model`'s experts: a model without experts, a family the table does not
+    know, experts ep does not divide, an experts module that is not transformers' stacked layout."""
+    if ep == 1:
+        return
+    name = type(adapter_free(model)).__name__
+    model_type, experts = family_experts(model)
+    if experts is None:
+        config = getattr(adapter_free(model), "config", None)
+        counts = {f: getattr(config, f) for f in EXPERT_COUNTS if isinstance(getattr(config, f, None), int)}
+        if not any(counts.values()):
+            raise ValueError(f"ep_size={ep}: {name} has no experts (no {'/'.join(EXPERT_COUNTS)} in its config): "
+                             "expert parallelism splits the experts of a mixture-of-experts model; drop ep_size")
+        known = sorted(t for t, f in FAMILIES.items() if f.experts)
+        raise ValueError(f"ep_size={ep}: {name} (model_type {model_type!r}, {counts}) is a mixture of experts whose "
+                         f"router and experts ndparallel's family table does not know (it knows {known}: "
+                         "ndparallel.parallel.tensor.families.FAMILIES); train it without ep_size (FSDP2 shards its "
+                         "experts), or add an Experts entry for its family")
+    count = expert_count(model, experts)
+    if count % ep:
+        divisors = [d for d in range(1, count + 1) if count % d == 0]
+        raise ValueError(f"ep_size={ep} must divide the experts of {name}: {experts.count}={count} cannot be split "
+                         f"over {ep} ranks; use an ep_size in {divisors} (that also divides dp_shard x cp x sp)")
+    modules = expert_modules(model, experts)
+    routers = _under_layers(model, experts.router)
+    if not modules or len(routers) != len(modules):
+        raise ValueError(f"ep_size={ep}: {name} has {len(modules)} experts module(s) named layers.*.{experts.modules} "
+                         f"and {len(routers)} router(s) named layers.*.{experts.router}, where the family table "
+                         f"expects one of each per sparse layer of {model_type!r}")
+    for where, module in modules:
+        layout = all(hasattr(module, a) for a in LAYOUT_ATTRIBUTES) and not getattr(module, "has_post_expert_norm",
+                                                                                      False)
+        stacked = _stacked(module, count)
+        others = [n for n, _ in module.named_parameters() if n not in stacked]
+        if not layout or not stacked or others:
+            raise ValueError(
+                f"ep_size={ep}: {where!r} ({type(module).__name__}) is not transformers' stacked experts layout "
+                f"(one weight per projection with the {count} experts along dimension 0, and the attributes "
+                f"{list(LAYOUT_ATTRIBUTES)}); parameters {others or 'none'} are not stacked per expert. Expert "
+                "parallelism splits that layout only (transformers >= 5 builds it); per-expert modules (an "
+                "nn.ModuleList of MLPs, remote code, adapters on the experts) are trained without ep_size")
