@@ -214,7 +214,10 @@ class PipelineModel(nn.Module, PreparedModel):
 
     def _balancing_pass(self, input_ids: torch.Tensor, inputs: dict) -> torch.Tensor:
         """The load-balancing term's first pass (`balancing`): a forward-only schedule recording every router, the RNG
-        restored after it; returns G of the global batch and leaves the gradients the training schedule adds."""
+        restored after it; returns G of the global batch and leaves the gradients the training schedule adds. The
+        chunked loss's labels are left out: the last stage returns its logits, which the schedule can merge (a
+        micro-batch's loss is a 0-dim tensor, which it cannot)."""
+        inputs = {k: v for k, v in inputs.items() if k != _LOSS_LABELS}
         schedule = self._schedule(input_ids, inputs, None, train=False)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad(), self.balancing.recording() as records:
