@@ -76,15 +76,39 @@ def sent_bytes(kind: str, op: str, args: tuple, kwargs: dict, n: int) -> int:
     return _nbytes(args[0])
 
 
-class CollectiveCounter(TorchDispatchMode):
-    """Inside ``with CollectiveCounter() as c:``, ``c.bytes[kind]`` / ``c.calls[kind]`` add up every collective."""
+def _caller(skip: tuple[str, ...] = ("/torch/", "/contextlib.py", "comm_count.py")) -> str:
+    """``file:line`` of the innermost frame outside torch (and this module): who asked for it."""
+    import traceback
 
-    def __init__(self) -> None:
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in skip):
+            return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+    return "?"
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Inside ``with CollectiveCounter() as c:``, ``c.bytes[kind]`` / ``c.calls[kind]`` add up every collective;
+    ``c.by_group["all_reduce/4"]`` counts them by kind and group size. Host syncs -- ``item()``, ``int()``,
+    ``float()``, ``bool()`` of a tensor all reach the dispatcher as ``aten._local_scalar_dense`` -- are counted in
+    ``c.syncs`` and, by the innermost caller outside torch, in ``c.sync_sites``."""
+
+    def __init__(self, sites: bool = False) -> None:
         super().__init__()
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.by_group: dict[str, int] = defaultdict(int)
+        self.syncs = 0
+        self.sync_sites: dict[str, int] = defaultdict(int)
+        self.sites = sites  # also record who made each collective and sync (slower: a stack walk each)
+        self.collective_sites: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # An op on a tensor subclass (a DTensor) goes to the subclass first, with this mode still active, so the
+        # collectives it issues to redistribute (a norm's partial sums) reach this mode as ops on plain tensors.
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
         ns = func.namespace
         op = func._schema.name.split("::")[-1]
@@ -93,7 +117,52 @@ class CollectiveCounter(TorchDispatchMode):
             n = _group_size(args, kwargs)
             self.bytes[kind] += sent_bytes(kind, op, args, kwargs, n)
             self.calls[kind] += 1
+            self.by_group[f"{kind}/{n}"] += 1
+            if self.sites:
+                self.collective_sites[f"{kind}/{n} {_caller()}"] += 1
+        elif ns == "aten" and op == "_local_scalar_dense":
+            self.syncs += 1
+            if self.sites:
+                self.sync_sites[_caller()] += 1
         return func(*args, **kwargs)
+
+
+STORE_METHODS = ("set", "get", "add", "compare_set", "wait", "check", "delete_key", "num_keys", "multi_get",
+                 "multi_set", "append", "queue_push", "queue_pop", "set_timeout")
+
+
+class StoreCounter:
+    """Inside ``with StoreCounter() as s:``, ``s.calls["get"]`` counts the c10d store operations made from Python
+    (every Store subclass: TCPStore, PrefixStore, FileStore...), and ``s.sites`` who made them."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = defaultdict(int)
+        self.sites: dict[str, int] = defaultdict(int)
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> StoreCounter:
+        import torch.distributed as dist
+
+        for name in STORE_METHODS:
+            original = getattr(dist.Store, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counted(store, *args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                self.sites[f"{_name} {_caller()}"] += 1
+                return _original(store, *args, **kwargs)
+
+            setattr(dist.Store, name, counted)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist.Store, name, original)
+        self._saved.clear()
 
 
 # ---- memory ------------------------------------------------------------------------------------------------

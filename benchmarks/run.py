@@ -54,24 +54,28 @@ def need_matplotlib():
 
 # ---- analytic minimum ----------------------------------------------------------------------------------------
 def model_sizes(args) -> dict[str, int]:
-    """Parameter bytes of the unsharded model: total, inside decoder layers, and inside the TP plan's modules."""
+    """Parameter bytes of the unsharded model: total, inside decoder layers, inside the TP plan's modules, and inside
+    the plan's modules outside the decoder layers (the LM head)."""
     import fnmatch
 
     model = build_model(args)
     bytes_of = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
     patterns = [k.replace("*", "[0-9]*") + "." for k in TP_STYLES]
-    split = sum(b for n, b in bytes_of.items() if any(fnmatch.fnmatch(n, pat + "*") for pat in patterns))
+    split = {n for n in bytes_of if any(fnmatch.fnmatch(n, pat + "*") for pat in patterns)}
     return {"total": sum(bytes_of.values()), "blocks": sum(b for n, b in bytes_of.items() if ".layers." in n),
-            "tp_split": split}
+            "tp_split": sum(bytes_of[n] for n in split),
+            "tp_split_root": sum(bytes_of[n] for n in split if ".layers." not in n)}
 
 
 def minimum_bytes(layout: Layout, args, sizes: dict[str, int], elem: int = 4) -> dict[str, float]:
     """Bytes one rank must send per step (docs/benchmarks.md). elem: bytes of an activation element."""
     r, s, t, cp, sp = layout.dp_replicate, layout.fsdp, layout.tp, layout.cp, layout.sp
     params = sizes["tp_split"] / t + (sizes["total"] - sizes["tp_split"])  # per TP rank
+    root = sizes["tp_split_root"] / t + (sizes["total"] - sizes["blocks"] - sizes["tp_split_root"])  # outside blocks
     out = dict.fromkeys(KINDS, 0.0)
-    if s > 1:  # FSDP2 (ZeRO-3) over dp_shard x cp x sp: gather every parameter for forward and again for backward
-        out["all_gather"] += (s - 1) / s * 2 * params
+    if s > 1:  # FSDP2 (ZeRO-3) over dp_shard x cp x sp: gather every block's parameters for forward and again for
+        # backward, the root's (embedding, final norm, LM head) once: backward starts with them
+        out["all_gather"] += (s - 1) / s * (2 * params - root)
         out["reduce_scatter"] += (s - 1) / s * params
     if r > 1:  # replicas all-reduce their (sharded) gradients
         out["all_reduce"] += 2 * (r - 1) / r * params / s

@@ -209,7 +209,8 @@ class PlainRun:
             reshard = bool(shard_dims)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-            fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            # The root: torch's default (None: kept gathered from forward to backward, which starts with it).
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=None if reshard else False)
             self.autocast = False
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -147,7 +147,8 @@ class FullyShardedDataParallelPlugin:
     - transformer_cls_names_to_wrap: block class names (a list or a comma-separated string); default: the model's
       ``_no_split_modules``. min_num_params: for "size_based_wrap" (0 means no wrapping, as in Accelerate).
     - reshard_after_forward: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2); a bool or
-      "true"/"false".
+      "true"/"false". It applies to the wrapped blocks; the root module keeps its parameters until the backward
+      that starts with them either way (torch's choice for the root, `ndparallel.parallel.data_parallel`).
     - mixed_precision_policy: a ``MixedPrecisionPolicy``, a dict of its fields (dtypes may be "bf16"...), a dtype
       name, or None to derive it from the Accelerator's ``mixed_precision`` (compute in it, reduce in fp32).
     - cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU; a bool, "true"/"false",

@@ -106,10 +106,10 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
         CPUOffloadPolicy(pin_memory=plugin.cpu_offload.pin_memory and options.device.type == "cuda")
         if plugin.offloads_to_cpu else OffloadPolicy()
     )
+    # With a shard group of one rank (replication only) there is nothing to free after forward.
+    reshard = plugin.reshard_after_forward and mesh.size("fsdp") > 1
     kwargs = dict(
         mesh=dp_mesh,
-        # With a shard group of one rank (replication only) there is nothing to free after forward.
-        reshard_after_forward=plugin.reshard_after_forward and mesh.size("fsdp") > 1,
         mp_policy=mixed_precision_policy(plugin, options.dtype),
         offload_policy=offload,
         ignored_params=_ignored_params(model, plugin.ignored_modules) or None,
@@ -129,13 +129,15 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
             stacklevel=3,
         )
     # Experts split by expert parallelism: over the ranks that hold the same experts, before the blocks around them.
-    shard_experts(model, mesh, fully_shard, **{**kwargs, "ignored_params": None})
+    shard_experts(model, mesh, fully_shard, **{**kwargs, "ignored_params": None, "reshard_after_forward": reshard})
     for module in modules_to_wrap(model, policy, blocks, plugin.min_num_params):
-        # The chunked loss's head (`memory.loss_head`) computes after its own forward: it stays in the root unit,
-        # which keeps its parameters gathered through forward and backward.
+        # The chunked loss's head (`memory.loss_head`) computes after its own forward: it stays in the root unit.
         if not getattr(module, "_ndparallel_keep_in_root", False):
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+            fully_shard(module, reshard_after_forward=reshard, **kwargs)
+    # The root keeps its parameters gathered from forward to backward, which starts with them (the LM head): torch's
+    # own choice for the root (None), as in hand-written FSDP2 and torchtitan. Resharding it would free them only
+    # until backward begins, for one more all-gather per micro-step (issue 33).
+    fully_shard(model, reshard_after_forward=None if reshard else False, **kwargs)
     model._ignored_params = set(kwargs["ignored_params"] or ())  # Accelerate's attribute: what FSDP2 left alone
     return model
 
