@@ -200,7 +200,8 @@ class SavedActivations:
         from torch.distributed.tensor import DTensor
 
         local = t.to_local() if isinstance(t, DTensor) else t
-        if not isinstance(t, torch.nn.Parameter):
+        # Not the chunked loss's gradients, computed in its forward (the head's gradient, not an activation).
+        if not isinstance(t, torch.nn.Parameter) and not getattr(t, "_ndparallel_loss_gradient", False):
             try:
                 s = local.untyped_storage()
                 self.storages[s.data_ptr()] = s.nbytes()

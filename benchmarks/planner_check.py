@@ -49,7 +49,8 @@ class SavedActivations:
         def local(x):
             return x.to_local() if isinstance(x, DTensor) else x
 
-        if not isinstance(t, torch.nn.Parameter):
+        # The chunked loss's gradients, computed in its forward (the planner counts them as the head's gradient)
+        if not isinstance(t, torch.nn.Parameter) and not getattr(t, "_ndparallel_loss_gradient", False):
             weights = {local(p).untyped_storage().data_ptr() for p in self.model.parameters()}  # FSDP2: unsharded
             storage = local(t).untyped_storage()
             if storage.data_ptr() not in weights:

@@ -100,10 +100,12 @@ def test_hsdp_over_two_nodes_sends_the_replica_all_reduce_across_nodes():
     items = transfers(model, Layout(dp_replicate=2, dp_shard=8), Setting(8192, 1, 1, "bf16"), gpus_per_node=8)
     kinds, links = by_kind(items), by_link(items)
     shard = n / 8
-    assert kinds["all_gather"] == 2 * 7 * shard * 2  # bf16 parameters, forward and backward
+    root = (2 * model.vocab * model.hidden + model.hidden) / 8  # untied embedding and head, final norm
+    # bf16 parameters, forward and backward; the root unit once (kept gathered from forward into backward)
+    assert kinds["all_gather"] == 7 * (2 * shard - root) * 2
     assert kinds["reduce_scatter"] == 7 * shard * 4  # fp32 gradients
     assert kinds["all_reduce"] == pytest.approx(2 * (1 / 2) * shard * 4 + 2 * (15 / 16) * 8)  # + the token count
-    assert links["intra"] == 2 * 7 * shard * 2 + 7 * shard * 4
+    assert links["intra"] == 7 * (2 * shard - root) * 2 + 7 * shard * 4
     assert links["inter"] == pytest.approx(shard * 4 + 15)
 
 

@@ -6,8 +6,9 @@ reduce-scatter (n-1) x output, all-reduce 2 (n-1)/n x size, all-to-all (n-1)/n x
 micro-steps (gradient accumulation), P_s a rank's FSDP2 shard (elements, padded), c the compute dtype's bytes,
 n tokens per rank per micro-step, L layers:
 
-- FSDP2 over dp_shard x cp x sp (s ranks): all-gather 2 m (s-1) P_s c (every layer and the root unit, forward and
-  again in backward); reduce-scatter (s-1) P_s 4 once per step (every micro-step with sync_each_batch).
+- FSDP2 over dp_shard x cp x sp (s ranks): all-gather m (s-1) (2 P_s - R_s) c (every layer forward and again in
+  backward, the root unit's shard R_s once: it stays gathered into backward); reduce-scatter (s-1) P_s 4 once per
+  step (every micro-step with sync_each_batch).
 - HSDP over dp_replicate (r ranks): all-reduce 2 (r-1)/r x P_s x 4 once per step.
 - TP (t ranks, Megatron): all-reduce 2 (t-1)/t x n h c x (4 L + 1) per micro-step (attention and MLP outputs
   forward, their input gradients backward, the head's input gradient), + 1 for a vocabulary-split tied embedding;
@@ -39,7 +40,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .layouts import Layout, cross_node
-from .memory import stage_layers, state_elements
+from .memory import local_shape, shard_numel, stage_layers, stage_root, state_elements
 from .model import ModelSpec
 from .setting import FP32, Setting, kv_width_local, loss_chunk_rows
 
@@ -75,9 +76,16 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
     s, r = layout.fsdp, layout.dp_replicate
     fsdp_axes = ("dp_shard", "cp", "sp")
     units = L + 1  # one FSDP2 unit per decoder layer, and the root
-    gathers = 2 if layout.pp == 1 else layout.pp + 1  # forward and backward; per pipeline micro-batch forward
-    add("FSDP2 parameter all-gather", "all_gather", fsdp_axes, gathers * m * (s - 1) * held * c, gathers * m * units,
-        True, f"{gathers} x {m} micro-steps x ({s}-1) x {held:,} x {c} B")
+    if layout.pp == 1:
+        # Forward and backward, but the root unit (embedding, final norm, head) once: it stays gathered from forward
+        # into backward, which starts with it (torch's default for the root).
+        root = sum(shard_numel(local_shape(shape, dim, t), s) for _, shape, dim in stage_root(model, layout))
+        add("FSDP2 parameter all-gather", "all_gather", fsdp_axes, m * (s - 1) * (2 * held - root) * c,
+            m * (2 * units - 1), True, f"{m} micro-steps x ({s}-1) x (2 x {held:,} - root {root:,}) x {c} B")
+    else:
+        gathers = layout.pp + 1  # per pipeline micro-batch forward, and once for the backward passes
+        add("FSDP2 parameter all-gather", "all_gather", fsdp_axes, gathers * m * (s - 1) * held * c,
+            gathers * m * units, True, f"{gathers} x {m} micro-steps x ({s}-1) x {held:,} x {c} B")
     syncs = m if setting.sync_each_batch else 1
     add("FSDP2 gradient reduce-scatter", "reduce_scatter", fsdp_axes, syncs * (s - 1) * held * FP32, syncs * units,
         True, f"{syncs} x ({s}-1) x {held:,} x 4 B")

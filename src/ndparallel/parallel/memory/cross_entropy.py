@@ -148,13 +148,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             loss, grads = _forward_and_gradients(hidden, weight, bias, labels, ignore_index, denominator, transforms,
                                                  chunk, group, vocab_start, dtype, ctx.needs_input_grad[:3])
-        ctx.grads = grads
+        # Saved as tensors of the graph: autograd frees them once this node has run, unless the graph is retained
+        # (a zero-bubble pipeline schedule runs the backward twice, for the inputs' then the weights' gradients).
+        # Marked, so that measurements of saved activations can tell them apart (the planner counts them as the
+        # head's gradient and the loss's working set, not as activations).
+        for g in grads:
+            if g is not None:
+                g._ndparallel_loss_gradient = True
+        ctx.save_for_backward(*grads)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads, ctx.grads = ctx.grads, None
-        out = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
+        out = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
         return (*out, None, None, None, None, None, None, None, None)
 
 
