@@ -207,6 +207,14 @@ def prepare_staging(final: Path, kind: str = CHECKPOINT) -> Path:
     return staging
 
 
+def discard_staging(staging: Path) -> None:
+    """Every rank, on a failed save: remove the staging directory (its own copy where the disk is not shared).
+
+    Each rank removes it itself rather than waiting on rank 0, so when the error reaches the caller of any rank
+    the directory is already gone there, and no collective is needed on the way out of a failure."""
+    shutil.rmtree(staging, ignore_errors=True)
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file or directory entry to disk (directories: so a rename survives a power cut)."""
     fd = os.open(path, os.O_RDONLY)

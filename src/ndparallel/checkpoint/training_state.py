@@ -36,7 +36,6 @@ import functools
 import os
 import platform
 import random
-import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -251,8 +250,7 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
             _run_hook(before_write, staging, "save_state")
         parts = _parts(prepared, run, project, final, owners, staged=async_save)
     except BaseException:
-        if rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+        storage.discard_staging(staging)
         raise
     if async_save:
         background.start(lambda: _write_parts(parts, run, project, final, staging, started), final)
@@ -350,7 +348,7 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
 def _write_parts(parts: _Parts, run: RunSettings, project: ProjectConfiguration, final: Path, staging: Path,
                  started: float) -> None:
     """Collective: write every file into `staging`, checksum them, then (rank 0) commit it as `final`; on a failure,
-    rank 0 removes the staging directory and every rank raises."""
+    every rank removes the staging directory and raises."""
     full = run.state_dict_type == FULL
     try:
         for what, name, make, model in parts.states:
@@ -383,8 +381,7 @@ def _write_parts(parts: _Parts, run: RunSettings, project: ProjectConfiguration,
 
         on_main(finish)
     except BaseException:
-        if rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+        storage.discard_staging(staging)
         raise
     if project.automatic_checkpoint_naming:  # the next automatic name comes after this one, once it is written
         project.iteration = checkpoint_number(final) + 1
