@@ -23,13 +23,14 @@ SCRIPT = Path(checkpoint_train.__file__)
 
 
 def test_an_async_save_holds_the_state_of_its_moment_and_resumes_exactly(tmp_path):
-    """Under FSDP2 on 2 ranks, saved in the background at step 2 while steps 3-4 change the parameters: resumed
-    from it, the run continues the uninterrupted run's losses."""
+    """Under FSDP2 on 2 ranks, saved in the background at steps 1 and 2 (the second save's state dicts made without
+    torch's naming pass, `checkpoint.state_dicts`) while steps 3-4 change the parameters: resumed from step 2, the
+    run continues the uninterrupted run's losses."""
     flags = ["--dp-shard-size", "2", "--steps", "5"]
-    run = run_ranks(checkpoint_train.main, 2, [*flags, "--save-dir", str(tmp_path), "--save-at", "2",
+    run = run_ranks(checkpoint_train.main, 2, [*flags, "--save-dir", str(tmp_path), "--save-at", "1", "2",
                                                "--async-save"])[0]
     saved = tmp_path / "step_2"
-    assert run["saved"] == [str(saved)] and (saved / METADATA_FILE).is_file()
+    assert run["saved"] == [str(tmp_path / "step_1"), str(saved)] and (saved / METADATA_FILE).is_file()
     assert json.loads((saved / METADATA_FILE).read_text())["step"] == 2
     resumed = run_ranks(checkpoint_train.main, 2, [*flags, "--load", str(saved)])[0]
     assert resumed["losses"] == {k: v for k, v in run["losses"].items() if k > 2}
@@ -117,3 +118,43 @@ def test_a_failed_async_save_is_said_at_once_and_raised_on_every_rank(tmp_path):
                                          f"{checkpoints / 'checkpoint_1'} failed: no space left on the device")
         assert out["again"] == out["waited"] == str(checkpoints / "checkpoint_1") and out["after"] is None
     assert sorted(os.listdir(checkpoints)) == ["checkpoint_0", "checkpoint_1"]  # no partial files left
+
+
+_ENDS_DURING_A_SAVE = """
+import sys, time
+import torch
+from ndparallel import Accelerator
+from ndparallel.checkpoint import storage
+
+accelerator = Accelerator()
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+accelerator.backward(model(torch.randn(3, 4)).sum())
+optimizer.step()
+accelerator.save_state(sys.argv[1] + "/first", async_save=True)
+accelerator.wait_for_checkpoint()  # the writer thread now waits for work: it must not keep the process alive
+checksum_files = storage.checksum_files
+
+def slow(*args, **kwargs):
+    time.sleep(3)
+    return checksum_files(*args, **kwargs)
+
+storage.checksum_files = slow
+accelerator.save_state(sys.argv[1] + "/second", async_save=True)
+print("returned", time.time(), flush=True)
+"""
+
+
+def test_a_script_that_ends_during_a_background_save_ends_once_it_is_committed(tmp_path):
+    """No wait, no end_training: the interpreter's exit waits for the write under way (the checkpoint is complete),
+    and the idle writer thread of the earlier save does not keep it alive."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NDPARALLEL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    proc = subprocess.run([sys.executable, "-c", _ENDS_DURING_A_SAVE, str(tmp_path)], env=env, capture_output=True,
+                          check=False, text=True, timeout=120)
+    ended = time.time()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    returned = float(proc.stdout.split("returned ")[1])
+    assert ended - returned >= 3  # it waited for the slow write
+    for name in ("first", "second"):
+        assert json.loads((tmp_path / name / METADATA_FILE).read_text())["complete"] is True

@@ -5,13 +5,18 @@
 than allocating it again, at the cost of one copy of this rank's shard held between saves. DTensors stay DTensors
 (their local shard copied, the mesh and placements kept), so DCP writes the same global layout as a blocking save.
 
-`start` runs the write on a thread that is not a daemon (a script ending while its last checkpoint is written ends
-once it is), its collectives on a gloo process group of its own (made once, by every rank together, at the first
-background save) so they never interleave with the training's. `wait` joins it and raises its error.
+`start` hands the write to this process's writer thread (started at the first background save and kept: starting a
+thread waits for it to run, which on a busy CPU costs about as long as the rest of the stall), its collectives on a
+gloo process group of its own (made once, by every rank together, at the first background save) so they never
+interleave with the training's. `wait` waits for the write and raises its error. The thread is a daemon, so an idle
+one never keeps a process alive; a script that ends while its last checkpoint is written waits for it first (a hook
+at interpreter exit, run where the interpreter joins its threads).
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -32,13 +37,24 @@ _wrappers: dict[str, tuple[torch.Tensor, DTensor]] = {}  # a buffer of `_buffers
 
 def host_copy(state: Any, name: str) -> Any:
     """A copy of `state` (nested dicts and lists of tensors, DTensors and plain values) in host memory, made now;
-    tensors are copied into the buffers of the previous save of `name` where their shapes and dtypes allow."""
+    tensors are copied into the buffers of the previous save of `name` where their shapes and dtypes allow (all in
+    one `torch._foreach_copy_`)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    copy = _mirror(state, name, pairs)
+    if pairs:
+        destinations, sources = zip(*pairs)
+        torch._foreach_copy_(list(destinations), list(sources))
+    return copy
+
+
+def _mirror(state: Any, name: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """`state` with each tensor replaced by its host buffer; the copies to make are added to `pairs`."""
     if isinstance(state, dict):
-        return {k: host_copy(v, f"{name}/{k}") for k, v in state.items()}
+        return {k: _mirror(v, f"{name}/{k}", pairs) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(host_copy(v, f"{name}/{i}") for i, v in enumerate(state))
+        return type(state)(_mirror(v, f"{name}/{i}", pairs) for i, v in enumerate(state))
     if isinstance(state, DTensor):
-        local = _copied(state.to_local(), name)
+        local = _buffer(state.to_local(), name, pairs)
         buffer, kept = _wrappers.get(name, (None, None))  # a DTensor around this buffer, made by an earlier save
         if (kept is None or buffer is not local or kept.device_mesh != state.device_mesh
                 or kept.placements != state.placements or kept.shape != state.shape or kept.stride() != state.stride()):
@@ -47,28 +63,68 @@ def host_copy(state: Any, name: str) -> Any:
             _wrappers[name] = (local, kept)
         return kept
     if isinstance(state, torch.Tensor):
-        return _copied(state, name)
+        return _buffer(state, name, pairs)
     return state
 
 
-def _copied(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def _buffer(tensor: torch.Tensor, name: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     tensor = tensor.detach()
     buffer = _buffers.get(name)
     if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
         pin = tensor.device.type == "cuda"  # a page-locked buffer makes the device-to-host copy fast
         buffer = _buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-    buffer.copy_(tensor)
+    pairs.append((buffer, tensor))
     return buffer
 
 
 class _Under:
     """This rank's background save, if one is under way."""
 
-    thread: threading.Thread | None = None
+    done: threading.Event | None = None  # set when the write has ended
     error: BaseException | None = None
     target: Path | None = None
     group: Any = None  # the process group of background saves' collectives
     world: Any = None  # the default group it was made under
+
+
+class _Writer:
+    """The thread that runs this process's background writes, one at a time, in the order given."""
+
+    _current: _Writer | None = None
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="ndparallel-background-save", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            self.jobs.get()()
+
+    @classmethod
+    def get(cls) -> _Writer:
+        """The writer of this process (made again in a process forked from one that had one: its thread is not)."""
+        writer = cls._current
+        if writer is None or writer.pid != os.getpid() or not writer.thread.is_alive():
+            writer = cls._current = _Writer()
+        return writer
+
+
+def _wait_at_exit() -> None:
+    """At interpreter exit, where it joins its threads: a background write under way ends first (quietly: its error
+    was printed when it happened)."""
+    done = _Under.done
+    if done is not None:
+        done.wait()
+
+
+try:  # before non-daemon threads are joined, while the interpreter still runs every thread (as concurrent.futures)
+    threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # an interpreter without it: at exit, before the modules are torn down
+    import atexit
+
+    atexit.register(_wait_at_exit)
 
 
 def start(write: Callable[[], None], target: Path) -> None:
@@ -77,6 +133,7 @@ def start(write: Callable[[], None], target: Path) -> None:
     if dist.is_available() and dist.is_initialized() and _Under.world is not dist.group.WORLD:
         # Made again under a new default group (a process group released and initialized again).
         _Under.group, _Under.world = dist.new_group(backend="gloo"), dist.group.WORLD
+    done = threading.Event()
 
     def run() -> None:
         try:
@@ -88,21 +145,22 @@ def start(write: Callable[[], None], target: Path) -> None:
             print(f"ndparallel: rank {rank()}: the background save_state of {target} failed: {exc} (the previous "
                   f"checkpoint is untouched; the next save_state, load_state, wait_for_checkpoint or end_training "
                   f"raises it)", file=sys.stderr, flush=True)
+        finally:
+            done.set()
 
-    _Under.error, _Under.target = None, target
-    _Under.thread = threading.Thread(target=run, name="ndparallel-background-save")
-    _Under.thread.start()
+    _Under.error, _Under.target, _Under.done = None, target, done
+    _Writer.get().jobs.put(run)
 
 
 def wait() -> Path | None:
     """Wait for this rank's background save, if one is under way, and raise its error if it failed (the same on every
     rank: its collectives agree on errors); return the directory it wrote, or None."""
-    thread, target = _Under.thread, _Under.target
-    if thread is None:
+    done, target = _Under.done, _Under.target
+    if done is None:
         return None
     heartbeat("save_state: waiting for the background save")
-    thread.join()
-    _Under.thread = None
+    done.wait()
+    _Under.done = None
     if _Under.error is not None:
         error, _Under.error = _Under.error, None
         raise error

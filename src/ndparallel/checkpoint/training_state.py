@@ -67,6 +67,7 @@ from .project import (
     next_number,
     prune,
 )
+from .state_dicts import sharded_state_dicts
 from .storage import (
     CheckpointError,
     agree,
@@ -275,7 +276,7 @@ class _Parts:
     memory for a background write), the small files' bytes, and the metadata but for the files' checksums."""
 
     states: list[tuple[str, str, Callable[[], dict[str, Any]], torch.nn.Module | None]]  # what, directory, state, HF model
-    small: dict[str, bytes]
+    small: dict[str, bytes | Callable[[], bytes]]  # file name -> its bytes, or how to make them
     metadata: dict[str, Any]
 
 
@@ -311,15 +312,19 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
             mine = [j for j, owner in enumerate(owners) if owner == i]
             if len(mine) == 1:  # one call for a model and its optimizer: torch checks its options once (~5x faster)
                 j = mine[0]
-                made[f"model_{i}"], optimizer = get_state_dict(state_module(model), prepared.optimizers[j].optimizer,
-                                                               options=options)
+                if full:
+                    made[f"model_{i}"], optimizer = get_state_dict(
+                        state_module(model), prepared.optimizers[j].optimizer, options=options)
+                else:  # the same dicts, without working out every name again (`state_dicts`)
+                    made[f"model_{i}"], optimizer = sharded_state_dicts(state_module(model),
+                                                                        prepared.optimizers[j].optimizer)
                 made[f"optimizer_{j}"] = optimizer_state(j, optimizer)
         copies = [background.host_copy(made[name] if name in made else make(), name) for _, name, make, _ in states]
         made.clear()
         states = [(what, name, functools.partial(lambda copy: copy, copy), model)
                   for (what, name, _, model), copy in zip(states, copies)]
         tables = [model_tensors(m, copies[i]) for i, m in enumerate(prepared.models)]
-    small: dict[str, bytes] = {}
+    small: dict[str, bytes | Callable[[], bytes]] = {}
     if rank() == 0:
         for k, scheduler in enumerate(prepared.schedulers):
             small[f"scheduler_{k}.pt"] = storage.torch_bytes(scheduler.state_dict(), f"LR scheduler {k}")
@@ -330,7 +335,11 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
                 obj.state_dict(), f"registered object {k} ({type(obj).__name__})")
         small["dataloaders.json"] = storage.json_bytes([dl.state_dict() for dl in prepared.dataloaders])
         small["gradient_state.json"] = storage.json_bytes(prepared.gradient_state.state_dict())
-    small[f"random_states_{rank()}.pt"] = storage.torch_bytes(_rng_state(), "RNG state", check=False)
+    if staged:  # the states of now, serialised by the writer thread (`_write_parts`)
+        small[f"random_states_{rank()}.pt"] = functools.partial(storage.torch_bytes, _rng_state(), "RNG state",
+                                                                check=False)
+    else:
+        small[f"random_states_{rank()}.pt"] = storage.torch_bytes(_rng_state(), "RNG state", check=False)
     metadata = {
         "format": storage.FORMAT, "format_version": storage.FORMAT_VERSION, "complete": True,
         "step": prepared.gradient_state.optimizer_steps,
@@ -363,7 +372,7 @@ def _write_parts(parts: _Parts, run: RunSettings, project: ProjectConfiguration,
 
         def write_small() -> None:
             for file, data in parts.small.items():
-                storage.write_bytes(staging / file, data)
+                storage.write_bytes(staging / file, data() if callable(data) else data)
         _written("the small states (schedulers, data loaders, random states...)", final.parent, write_small)
         storage.barrier()  # every rank's files are written before they are checksummed
         metadata = {**parts.metadata, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
