@@ -13,8 +13,9 @@ model whose parameters are on the meta device (no memory) and fills them after s
 - **each rank reads only what it owns** -- every rank builds the model on the meta device
   (``with ndparallel.init_empty_weights(): model = AutoModelForCausalLM.from_config(config)``, the config loaded
   from a local directory); after sharding, every rank reads just its own slices of the safetensors files named
-  by ``model.config.name_or_path`` (`torch.distributed.checkpoint.HuggingFaceStorageReader`). Peak memory: one
-  shard on every rank, rank 0 included.
+  by ``model.config.name_or_path`` (`torch.distributed.checkpoint.HuggingFaceStorageReader`; a mixture of experts
+  stored one tensor per expert, the Hub's layout, is stacked from its own experts' tensors: `per_expert`). Peak
+  memory: one shard on every rank, rank 0 included.
 
 Either way, parameters and persistent buffers are made meta on every rank before the parallelisms are applied
 (so every rank sees the same tensors during parallelisation), then materialised on the rank's device and loaded.
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..parallel import interface, state_module
+from . import per_expert
 from .manifest import compare_tensors, model_tensors
 from .storage import CheckpointError, agree, is_distributed, on_main, rank
 
@@ -161,31 +162,33 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
 
-def _check_files(model: nn.Module, path: Path, expected: dict[str, list[int]]) -> dict[str, Any]:
-    """Rank 0: the model's state dict names/shapes (`expected`, the whole model's) against the safetensors headers;
-    raise listing mismatches."""
+def _check_files(model: nn.Module, path: Path, expected: dict[str, list[int]], unwrapped: nn.Module) -> dict[str, Any]:
+    """Rank 0: the model's state dict names/shapes (`expected`, the whole model's) against the safetensors headers
+    (experts stored one tensor per expert stacked as the model stacks them, `per_expert`; `unwrapped`: the model whose
+    family and experts modules tell how); raise listing mismatches."""
     from safetensors import (
         safe_open,  # installed with transformers, which pretrained weights come from
     )
 
     saved: dict[str, list[int]] = {}
+    files: dict[str, str] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 saved[key] = list(f.get_slice(key).get_shape())
-    tied = [n for n in expected if n not in saved and _tied_source(model, n) in saved]
-    problem = compare_tensors({**saved, **{n: expected[n] for n in tied}}, expected, f"pretrained weights in {path}")
-    per_expert = re.compile(r".*\.experts\.\d+\..*")
-    if problem and any(per_expert.fullmatch(k) for k in saved) and not any(per_expert.fullmatch(k) for k in expected):
-        raise CheckpointError(
-            f"pretrained weights in {path} store a mixture of experts one expert at a time (the Hugging Face Hub's "
-            f"layout, e.g. {next(k for k in saved if per_expert.fullmatch(k))!r}), where {type(model).__name__} "
-            "stacks them (transformers converts them in from_pretrained); each rank reading only its slices needs "
-            "the stacked names: load the real weights on rank 0 (from_pretrained there, init_empty_weights "
-            "elsewhere) to broadcast them, or read a directory written by accelerator.save_model")
+                files[key] = file.name
+    sources = per_expert.Sources(shapes=saved)
+    if per_expert.stores_one_per_expert(saved, expected):
+        sources = per_expert.stacked_sources(saved, unwrapped, path)
+    shapes = sources.shapes
+    tied = [n for n in expected if n not in shapes and _tied_source(model, n) in shapes]
+    what = f"pretrained weights in {path}" + (" (experts stacked from one tensor per expert)" if sources.experts
+                                              else "")
+    problem = compare_tensors({**shapes, **{n: expected[n] for n in tied}}, expected, what)
     if problem:
         raise CheckpointError(problem)
-    return {"tied": tied}
+    needed = {n for parts in sources.experts.values() for _, names in parts for n in names}
+    return {"tied": tied, "sources": sources, "files": {n: f for n, f in files.items() if n in needed}}
 
 
 def _tied_source(model: nn.Module, name: str) -> str | None:
@@ -205,10 +208,20 @@ def _load_files(model: nn.Module, path: Path) -> None:
         raise CheckpointError(f"reading only each rank's slices of safetensors files needs torch >= 2.9 ({exc}); "
                               "load the real weights on rank 0 instead (from_pretrained)") from None
     expected = model_tensors(model)  # collective under pipeline stages
+    unwrapped = interface(model).unwrapped()
     model = state_module(model)  # under pipeline stages: this rank's stages, which read only their own tensors
-    tied = on_main(lambda: _check_files(model, path, expected))["tied"]
-    state = {n: t for n, t in get_model_state_dict(model).items() if n not in tied}
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    checked = on_main(lambda: _check_files(model, path, expected, unwrapped))
+    sources: per_expert.Sources = checked["sources"]
+    state = {n: t for n, t in get_model_state_dict(model).items() if n not in checked["tied"]}
+    # Every tensor but the stacked experts under the files' names (the same tensors: DCP fills them in place).
+    named = {sources.renamed.get(n, n): t for n, t in state.items() if n not in sources.experts}
+    dcp.load(named, storage_reader=HuggingFaceStorageReader(str(path)))
+    error = None
+    try:
+        per_expert.read_local_experts(state, sources, checked["files"], path)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the collectives below
+        error = exc
+    agree(error)
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 

@@ -2,7 +2,8 @@
 another dp / tp layout and takes the step one process takes from it; `save_pretrained` writes what transformers writes for
 the unsplit model (the Hub's names: one tensor per expert), `save_model` the model's own state dict (the stacked
 experts whole), both loaded by ``from_pretrained``; ``cpu_ram_efficient_loading`` gives every rank
-its experts' weights only.
+its experts' weights only (each rank reading its slices of a Hub checkpoint stored one tensor per expert:
+test_expert_hub_loading.py).
 
 Each expert weight is a DTensor sharded along the experts over ``ep`` (and by FSDP2 over the rest), so
 `torch.distributed.checkpoint` writes each expert once under the model's own name and reads whatever slice another
@@ -143,19 +144,3 @@ def test_cpu_ram_efficient_loading_gives_each_rank_its_experts(tmp_path, mode, l
         assert res["local"].shape[0] == 1 and torch.equal(res["local"], weights[res["ep_rank"]:res["ep_rank"] + 1])
         assert torch.equal(res["full"], weights)
         assert (res["logits"] - expected).abs().max().item() <= 1e-5
-
-
-def _load_refused(path: str) -> str:
-    try:
-        _load_pretrained("each_rank_reads_its_slices", path, {"dp_shard_size": 2, "ep_size": 2})
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
-def test_reading_slices_of_a_hub_layout_checkpoint_is_refused_with_what_works(tmp_path):
-    _write(tmp_path, "hub")
-    messages = run_ranks(_load_refused, 2, str(tmp_path))
-    assert messages[0] == messages[1]
-    assert "store a mixture of experts one expert at a time (the Hugging Face Hub's layout, e.g. " in messages[0]
-    assert "load the real weights on rank 0" in messages[0]

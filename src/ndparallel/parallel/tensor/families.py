@@ -54,6 +54,27 @@ class Fused:
 
 
 @dataclass(frozen=True)
+class PerExpertNames:
+    """How a Hub checkpoint stores a family's routed experts: one (out, in) weight per expert and projection,
+    ``...layers.<L>.<experts module>.<N>.<projection>.weight``, where the model stacks them. As transformers' own
+    conversion (``transformers.conversion_mapping``, which ``from_pretrained`` applies): each stacked parameter is its
+    projections' per-expert weights stacked along a new dimension 0 (the experts) and concatenated, in the order
+    given, along dimension 1 (output features) -- ``gate_up_proj`` (E, 2 x intermediate, hidden) holds gate's rows,
+    then up's -- with no transpose. `renamed` turns the checkpoint's names into the model's (every tensor's, the
+    router's included) before the experts are matched. Read by ``cpu_ram_efficient_loading``
+    (`ndparallel.checkpoint.per_expert`)."""
+
+    stacked: Mapping[str, tuple[str, ...]]  # stacked parameter -> the per-expert projections it concatenates
+    renamed: Mapping[str, str] = field(default_factory=dict)  # checkpoint name fragment -> the model's
+
+
+# Qwen2/3-MoE and DeepSeek-V3 (transformers' "qwen2_moe" conversion, which deepseek_v3 and qwen3_moe share).
+_GATE_UP_DOWN = PerExpertNames({"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)})
+# Mixtral: w1 is the gate, w3 up, w2 down, under ``block_sparse_moe`` (transformers' "mixtral" conversion).
+_MIXTRAL = PerExpertNames({"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}, renamed={".block_sparse_moe.": ".mlp."})
+
+
+@dataclass(frozen=True)
 class Experts:
     """Where a mixture-of-experts family keeps its routed experts and router, and what routes (for messages and the
     README). The experts module is transformers' stacked layout: one parameter per projection with the experts along
@@ -66,6 +87,7 @@ class Experts:
     router: str = "mlp.gate"  # the router module under a decoder layer
     shared: str | None = None  # what runs beside the routed experts on every token (dense, as in one process)
     balancing: str = "load-balancing loss over the global batch"  # the router's auxiliary loss, or its absence
+    per_expert: PerExpertNames | None = None  # the Hub checkpoints' per-expert names (None: none known)
 
 
 @dataclass(frozen=True)
@@ -131,18 +153,22 @@ FAMILIES: dict[str, Family] = {
                           "features ('sharded_norm') where transformers' plan all-gathers q, k and v",
     ),
     # Mixtures of experts: transformers' own plans (attention and dense layers split, experts whole on every tp rank).
-    "mixtral": Family(experts=Experts("num_local_experts", "softmax over the experts, top-k, renormalised")),
+    "mixtral": Family(experts=Experts("num_local_experts", "softmax over the experts, top-k, renormalised",
+                                      per_expert=_MIXTRAL)),
     "qwen3_moe": Family(experts=Experts("num_experts", "softmax over the experts, top-k (renormalised with "
-                                                       "norm_topk_prob)")),
+                                                       "norm_topk_prob)", per_expert=_GATE_UP_DOWN)),
     "qwen2_moe": Family(experts=Experts("num_experts", "softmax over the experts, top-k (renormalised with "
                                                        "norm_topk_prob)",
-                                        shared="shared_expert, scaled by sigmoid(shared_expert_gate)")),
+                                        shared="shared_expert, scaled by sigmoid(shared_expert_gate)",
+                                        per_expert=_GATE_UP_DOWN)),
     # No auxiliary loss: a score-correction bias (a buffer) steers the routing instead; the first
     # first_k_dense_replace layers are dense.
     "deepseek_v3": Family(experts=Experts("n_routed_experts", "sigmoid scores, top groups (n_group, topk_group), "
                                                               "top-k with the score-correction bias, scaled",
-                                          shared="shared_experts", balancing="none (score-correction bias)")),
-    # Experts with biases and a clamped SwiGLU; the router has a bias and takes a softmax over its top-k logits.
+                                          shared="shared_experts", balancing="none (score-correction bias)",
+                                          per_expert=_GATE_UP_DOWN)),
+    # Experts with biases and a clamped SwiGLU; the router has a bias and takes a softmax over its top-k logits. Its Hub
+    # checkpoints store the experts stacked (no per-expert names).
     "gpt_oss": Family(experts=Experts("num_local_experts", "top-k of the logits (with a bias), softmax over those k",
                                       router="mlp.router")),
 }
