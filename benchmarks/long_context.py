@@ -2,6 +2,7 @@
 
     python benchmarks/long_context.py [--hidden 256 --layers 2 --vocab 32000 --seq 4096 --cap-mib 512]
     python benchmarks/long_context.py --loss-only          # part 1 only
+    python benchmarks/long_context.py --cap-only           # part 3 only
     python benchmarks/long_context.py --gpu               # on a CUDA GPU (scripts/gpu_check.sh): see `gpu_rows`
 
 1. The loss alone: the LM head and transformers' ``ForCausalLMLoss`` on the full logits ("plain") next to
@@ -232,6 +233,7 @@ def main() -> None:
     p.add_argument("--plain-limit-gib", type=float, default=8.0)
     p.add_argument("--loss-only", action="store_true")
     p.add_argument("--no-cap", action="store_true", help="skip part 3 (the longest sequence)")
+    p.add_argument("--cap-only", action="store_true", help="part 3 only")
     p.add_argument("--gpu", action="store_true", help="the GPU rows (scripts/gpu_check.sh)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -239,6 +241,9 @@ def main() -> None:
         from long_context_gpu import gpu_rows
 
         gpu_rows([])
+        return
+    if args.cap_only:
+        cap_table(args)
         return
     loss_table(args)
     if args.loss_only:
