@@ -1,4 +1,4 @@
 """The ``ndparallel`` command and the launcher: `cli` (``launch``, ``config``, ``env``, ``merge-weights``, ``plan``,
-``estimate-memory``), `launcher` (torchrun with checked sizes, ranks that die with their launcher, roll call,
-stall watch), `accelerate_launch` (``accelerate launch``'s flags and config files), `worker` (run by path in each
+``estimate-memory``), `launcher` (torchrun with checked sizes, ranks that die with their launcher),
+`supervision` (the nodes' roll call, the stall watch), `accelerate_launch` (``accelerate launch``'s flags and config files), `worker` (run by path in each
 rank before the script: the standard library only)."""

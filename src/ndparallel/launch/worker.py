@@ -176,7 +176,7 @@ def stacks_on_request() -> None:
     """Under ``ndparallel launch --stall-timeout``: on `STACK_SIGNAL`, write every thread's Python stack to
     ``<heartbeat dir>/stack_<RANK>.txt`` (faulthandler: from the signal handler itself, so even a rank blocked inside
     a native collective answers). The launcher reads it to tell a rank stuck in its own code from ranks that only
-    wait for it (`ndparallel.launch.launcher.StallWatch`)."""
+    wait for it (`ndparallel.launch.supervision.StallWatch`)."""
     global _stack_file
     directory = os.environ.get(HEARTBEAT_DIR_ENV)
     if not directory or STACK_SIGNAL is None:
