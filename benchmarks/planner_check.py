@@ -70,10 +70,12 @@ def _rss(key: str) -> int:
 
 
 def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, accumulation: int,
-             checkpointing: bool, features: tuple[bool, bool, bool] = (True, False, False)) -> dict:
+             checkpointing: bool, features: tuple[bool, bool, bool] = (True, False, False), ep: int = 1,
+             build=workloads.build_model) -> dict:
     """On every rank: the library with an FSDP2 plugin (as a planned script runs it), one warm-up optimizer step of
     `accumulation` micro-steps, then one step counted: collectives (CollectiveCounter), model states just before
-    zero_grad, and the first micro-step's saved activations."""
+    zero_grad, and the first micro-step's saved activations. `build(args)` makes the model (a Llama by default;
+    benchmarks/planner_check_moe.py passes a mixture of experts and its `ep`)."""
     from torch.utils.data import DataLoader
 
     import ctypes
@@ -87,7 +89,7 @@ def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, acc
     chunked, tiled, offload = features
 
     pc = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard, cp_size=layout.cp,
-                           sp_size=layout.sp, tp_size=layout.tp,
+                           sp_size=layout.sp, tp_size=layout.tp, ep_size=ep,
                            cp_handler=TorchContextParallelConfig(cp_comm_strategy="allgather"))
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing={"every": 1, "offload": True}
                                             if offload else checkpointing)
@@ -95,7 +97,7 @@ def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, acc
                               gradient_accumulation_steps=accumulation, cpu=True,
                               kwargs_handlers=[MemoryKwargs(chunked_loss=chunked, tiled_mlp=tiled,
                                                             mlp_tile_size=getattr(args, "tile", None))])
-    model = workloads.build_model(args)
+    model = build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = workloads.dataset(args, layout)
     rows = torch.cat([rows, rows])  # batches for the warm-up step, the counted step and the one whose peak is read
@@ -197,6 +199,25 @@ def run_case(args: SimpleNamespace, case: tuple) -> list[dict]:
     return run_ranks(measure, layout.world, layout, args, *case[1:])
 
 
+TABLE_HEADER = ("| case | states B, measured / predicted | bytes per collective, measured (mean over the ranks) / "
+                "predicted (calls) | saved for backward B, measured / predicted (mean / predicted) |\n"
+                "|---|---|---|---|")
+
+
+def table_row(name: str, ranks: list[dict], memory, items, checkpointed: bool) -> str:
+    """One case of the table: model states (the largest rank's), bytes of each collective (the mean over the ranks:
+    a mixture of experts' all-to-alls depend on its routing) and calls, bytes saved for backward (the ranks' range,
+    and their mean over the prediction), each measured / predicted."""
+    states = max(sum(r["states"].values()) for r in ranks)
+    comm = ", ".join(f"{k} {sum(r['bytes'].get(k, 0) for r in ranks) / len(ranks):,.0f} / {v:,.0f} "
+                     f"({ranks[0]['calls'].get(k, 0)} / {sum(i.calls for i in items if i.kind == k)})"
+                     for k, v in by_kind(items).items())
+    saved = [r["saved"] for r in ranks]
+    act = "n/a (checkpointed)" if checkpointed else (f"{min(saved):,}..{max(saved):,} / {memory['activations']:,.0f} "
+                                                     f"({sum(saved) / len(saved) / memory['activations']:.4f})")
+    return f"| {name} | {states:,} / {memory.states:,.0f} ({states / memory.states:.4f}) | {comm} | {act} |"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 64), ("layers", 2), ("vocab", 258), ("seq", 32), ("batch", 2)):
@@ -213,21 +234,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = SimpleNamespace(**{k: v for k, v in vars(parsed).items() if k != "peak"}, warmup=1, steps=1, repeats=1,
                            cpu=True, tile=None)  # workloads' fields
-    print("| case | states B measured / predicted | bytes per collective, measured / predicted (calls) | "
-          "saved for backward B, measured / predicted |\n|---|---|---|---|")
+    print(TABLE_HEADER)
     for case in CASES:
-        ranks = run_case(args, case)
-        memory, items = predict(args, *case)
-        predicted = by_kind(items)
-        states = max(sum(r["states"].values()) for r in ranks)
-        comm = ", ".join(f"{k} {ranks[0]['bytes'].get(k, 0):,} / {v:,.0f} ({ranks[0]['calls'].get(k, 0)} / "
-                         f"{sum(i.calls for i in items if i.kind == k)})" for k, v in predicted.items())
-        saved = [r["saved"] for r in ranks]
-        act = "n/a (checkpointed)" if case[3] else \
-            f"{min(saved):,}..{max(saved):,} / {memory['activations']:,.0f} ({max(saved) / memory['activations']:.4f})"
         name = f"{case[0]} {'bf16' if case[1] == 'bf16' else 'fp32'} x{case[2]}{' AC' if case[3] else ''}"
-        print(f"| {name} | {states:,} / {memory.states:,.0f} ({states / memory.states:.4f}) | {comm} | {act} |",
-              flush=True)
+        print(table_row(name, run_case(args, case), *predict(args, *case), checkpointed=case[3]), flush=True)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """What ``plan`` and ``estimate-memory`` share: the model, the GPU and the precision."""
     parser.add_argument("--model", required=True, metavar="CONFIG",
                         help="a Hugging Face config.json, a model directory, or a built-in name (llama-3.1-8b, "
-                             "llama-3.1-70b, llama-3.1-405b, qwen2.5-7b, qwen2.5-72b, mistral-7b)")
+                             "llama-3.1-70b, llama-3.1-405b, qwen2.5-7b, qwen2.5-72b, mistral-7b, mixtral-8x7b, "
+                             "qwen3-30b-a3b)")
     parser.add_argument("--gpu", default=None, metavar="NAME", help="hardware profile: h100, h200, a100-80g, ...")
     parser.add_argument("--hardware", default=None, metavar="FILE", help="JSON file with your own profile(s)")
     parser.add_argument(*_spellings("seq-len"), dest="seq_len", type=int, default=None, metavar="S",
@@ -171,6 +172,9 @@ def _add_planner_parsers(sub: Any) -> None:
                                            "unsharded between them (auto: whichever is faster and fits)")
     plan.add_argument(*_spellings("allow-cross-node-tp"), dest="allow_cross_node_tp", action="store_true",
                       help="also consider tensor parallelism across nodes")
+    plan.add_argument(*_spellings("ep-size"), dest="ep_size", type=int, default=None, metavar="N",
+                      help="a mixture of experts: only layouts with expert parallelism N (default: every ep that "
+                           "divides dp_shard x cp x sp and the experts, 1 included)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="rows to show (default 10)")
     plan.add_argument("--explain", default=None, metavar="LAYOUT",
                       help="break one layout down term by term: a row number of the table or sizes such as "
@@ -414,7 +418,7 @@ def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
                    mixed_precision=args.mixed_precision, checkpointing=args.activation_checkpointing,
                    optimizer=args.optimizer, allow_cross_node_tp=args.allow_cross_node_tp,
                    sync_each_batch=args.sync_each_batch, chunked_loss=args.chunked_loss, tiled_mlp=args.tiled_mlp,
-                   offload=args.offload)
+                   offload=args.offload, ep_size=args.ep_size)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -454,7 +458,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         out = report.plan_json(result, args.top, config)
         if row is not None:
-            out["explain"] = report.row_json(row)
+            out["explain"] = report.row_json(row, request.model)
         if measured is not None:
             out["measured"] = [{k: v for k, v in r.items() if k != "row"} for r in measured]
         print(json.dumps(out, indent=1))
@@ -539,19 +543,15 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     from ndparallel.planner.memory import estimate
 
     try:
-        layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in AXIS_FIELDS})
-        if min(layout.sizes().values()) < 1:
-            raise ValueError(f"every size must be >= 1, got {layout.sizes()}")
+        layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in AXIS_FIELDS}, ep=args.ep_size)
+        if min(layout.sizes().values()) < 1 or layout.ep < 1:
+            raise ValueError(f"every size must be >= 1, got {layout.all_sizes()}")
         if args.seq_len is None:
             raise ValueError("--seq-len is required")
         setting = Setting(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
                           args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
                           args.chunked_loss == "on", args.tiled_mlp, args.offload)
-        experts = _expert_figures(args, layout, setting)
-        if experts is not None:  # a mixture of experts: expert parallelism's figures (the rest is not modelled)
-            print(json.dumps({"layout": layout.sizes(), "ep": args.ep_size, "experts": vars(experts)}, indent=1)
-                  if args.json else "\n".join(experts.lines()))
-            return 0
+        experts = _expert_figures(args, layout, setting)  # a mixture of experts: expert parallelism's figures
         model = load_model(args.model)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch
         why = reasons(layout, Constraints(model, args.seq_len, samples, layout.world, allow_cross_node_tp=True))
@@ -568,14 +568,18 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         return _error("estimate-memory", exc)
     if args.json:
-        print(json.dumps({"layout": layout.sizes(), "memory_bytes": {k: t.bytes for k, t in memory.terms.items()},
+        print(json.dumps({"layout": layout.sizes(), "ep": layout.ep,
+                          **({"experts": vars(experts)} if experts is not None else {}),
+                          "memory_bytes": {k: t.bytes for k, t in memory.terms.items()},
                           "activations_bytes": {"checkpointing_off": memory.activations_without_checkpointing,
                                                 "checkpointing_on": memory.activations_with_checkpointing},
                           "budget_bytes": budget, "fits": None if budget is None else memory.peak <= budget},
                          indent=1))
     else:
-        print(f"{model.name}: {model.num_parameters() / 1e9:.2f} B parameters, {layout.world} GPU(s)")
+        print(f"{model.name}: {report.model_size(model)}, {layout.world} GPU(s)")
         print(report.memory_text(layout, setting, memory, budget))
+        if experts is not None:
+            print("\n".join(experts.lines()))
     return 0
 
 

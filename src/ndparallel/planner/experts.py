@@ -13,8 +13,8 @@ all-to-alls carry per optimizer step (`ndparallel.parallel.experts`), predicted 
   checkpointing runs the forward, with its all-to-alls, once more. The token counts go ahead of each forward
   (E x 8 bytes). How much of the payload leaves the rank depends on the routing: (ep - 1) / ep of it when uniform.
 
-The rest of a mixture-of-experts model (attention, memory, step time) is not modelled: ``ndparallel plan`` ranks dense
-decoders only (`model.spec_from_config`).
+``ndparallel plan`` puts these figures into its model of the whole step (`moe`: the rest of the layers, the
+activations, FSDP2's units, FLOPs) and ranks every ep that splits the experts.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ class ExpertFigures:
         return [f"expert parallelism: ep={self.ep}, experts sharded over expert_shard={self.expert_shard}",
                 f"  expert parameters per rank: {self.elements:,} ({self.params_bytes / 2**20:.2f} MiB fp32), "
                 f"gradients {self.grads_bytes / 2**20:.2f} MiB, optimizer {self.optimizer_bytes / 2**20:.2f} MiB",
-                f"  one layer's experts gathered for compute: {self.gathered_bytes / 2**20:.2f} MiB",
+                f"  one layer's experts gathered for compute: {self.gathered_bytes / 2**20:.2f} MiB"
+                + (" (whole on the rank already: expert_shard=1 gathers nothing)" if self.expert_shard == 1 else ""),
                 f"  all-to-all per step: {self.payload_bytes / 2**20:.2f} MiB of tokens (both directions, forward "
                 f"and backward; {self.leaves_rank_uniform:.0%} leaves the rank under uniform routing) + "
                 f"{self.count_bytes} B of routing counts"]

@@ -12,17 +12,26 @@ or at the first batch; the planner says it before anything runs):
 - cp/sp attention computes no logit soft-capping;
 - dp_replicate x dp_shard divides the global batch's samples (each data-parallel rank gets whole samples);
 - pipeline stages (`parallel.pipeline`): at least one decoder layer per stage, and each micro-step's rows split into
-  the default schedule's micro-batches (one per stage).
+  the default schedule's micro-batches (one per stage);
+- expert parallelism (``ep_size``, carved out of dp_shard x cp x sp: no axis of the mesh, so no factor of the world):
+  ep divides dp_shard x cp x sp and the number of routed experts (`config.ParallelismConfig`,
+  `parallel.experts.layout.check_experts`), and only a mixture of experts of a family the library knows takes one.
+  For a mixture of experts every such ep is a layout of its own (`expert_layouts`).
+
+What the planner does not model is refused too, saying so: pipeline stages of a mixture of experts, and tensor
+parallelism for the families whose plan `moe.TP_NOT_MODELLED` names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 from ..config import AXES  # the mesh's order, outermost first
 from .model import ModelSpec
+from .moe import EP_TYPES
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,7 @@ class Layout:
     sp: int = 1
     tp: int = 1
     pp: int = 1  # last, so that positional construction keeps its meaning; outermost in the mesh (AXES)
+    ep: int = 1  # experts split over ep of the fsdp ranks (no mesh axis: not in `sizes`, no factor of the world)
 
     @property
     def world(self) -> int:
@@ -52,20 +62,29 @@ class Layout:
     def seq_split(self) -> int:
         return self.cp * self.sp
 
+    @property
+    def expert_shard(self) -> int:
+        """Ranks FSDP2 shards each expert over: what ep leaves of fsdp."""
+        return self.fsdp // self.ep
+
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
 
+    def all_sizes(self) -> dict[str, int]:
+        """The mesh's sizes, and ep where it is used."""
+        return {**self.sizes(), **({"ep": self.ep} if self.ep > 1 else {})}
+
     @property
     def name(self) -> str:
-        """Compact name, the sizes other than 1: ``dp_shard=4,tp=2`` (``single`` for one GPU)."""
-        return ",".join(f"{a}={s}" for a, s in self.sizes().items() if s > 1) or "single"
+        """Compact name, the sizes other than 1: ``dp_shard=4,tp=2``, ``dp_shard=8,ep=4`` (``single`` for one GPU)."""
+        return ",".join(f"{a}={s}" for a, s in self.all_sizes().items() if s > 1) or "single"
 
     def config_kwargs(self) -> dict[str, int]:
         """``ParallelismConfig`` keyword arguments (every size, explicit)."""
-        return {f"{axis}_size": size for axis, size in self.sizes().items()}
+        return {f"{axis}_size": size for axis, size in {**self.sizes(), "ep": self.ep}.items()}
 
     def config_line(self) -> str:
-        args = ", ".join(f"{axis}_size={size}" for axis, size in self.sizes().items() if size > 1)
+        args = ", ".join(f"{axis}_size={size}" for axis, size in self.all_sizes().items() if size > 1)
         return f"ParallelismConfig({args})"
 
     def group(self, axes: tuple[str, ...], rank: int = 0) -> list[int]:
@@ -92,9 +111,9 @@ def parse_layout(text: str, world: int | None = None) -> Layout:
             continue
         key, sep, value = item.partition("=")
         key = key.strip().removesuffix("_size")
-        if not sep or key not in AXES:
+        if not sep or key not in (*AXES, "ep"):
             raise ValueError(f"layout {text!r}: expected axis=size pairs such as 'dp_shard=4,tp=2'; axes: "
-                             f"{', '.join(AXES)}")
+                             f"{', '.join(AXES)} (and ep)")
         try:
             sizes[key] = int(value)
         except ValueError:
@@ -128,17 +147,59 @@ class Constraints:
     samples: int  # sequences in the global batch
     gpus_per_node: int
     allow_cross_node_tp: bool = False
+    ep: int | None = None  # expert parallelism pinned (--ep-size); None: every size that splits the experts
 
 
 def tp_reasons(tp: int, c: Constraints) -> list[str]:
     m, out = c.model, []
-    for field, value in (("num_attention_heads", m.heads), ("num_key_value_heads", m.kv_heads),
-                         ("intermediate_size", m.intermediate), ("vocab_size", m.vocab)):
+    if tp > 1 and m.moe is not None and m.moe.tp_not_modelled:
+        return [f"tp={tp}: not modelled for {m.model_type} ({m.moe.tp_not_modelled}; the library runs it)"]
+    split = [("num_attention_heads", m.heads), ("num_key_value_heads", m.kv_heads)]
+    if m.dense_layers:
+        split.append(("intermediate_size", m.intermediate))
+    if m.moe is not None and m.moe.shared_intermediate and m.moe.shared_split:
+        split.append(("the shared experts' intermediate size", m.moe.shared_intermediate))
+    for field, value in (*split, ("vocab_size", m.vocab)):
         if value % tp:
             out.append(f"tp={tp} does not divide {field}={value}")
     if tp > 1 and not c.allow_cross_node_tp and (tp > c.gpus_per_node or c.gpus_per_node % tp):
         out.append(f"tp={tp} would span nodes of {c.gpus_per_node} GPUs (--allow-cross-node-tp to consider it)")
     return out
+
+
+def expert_reasons(layout: Layout, c: Constraints) -> list[str]:
+    """Why the library refuses `layout`'s ep (the words of `config.ParallelismConfig` and
+    `parallel.experts.layout.check_experts`), or why the planner does not model it."""
+    m, ep, out = c.model, layout.ep, []
+    if m.moe is not None and layout.pp > 1:
+        out.append(f"pp={layout.pp}: pipeline stages of a mixture of experts are not modelled (the library runs them: "
+                   "docs/expert_parallel.md)")
+    if ep == 1:
+        return out
+    if m.moe is None:
+        return out + [f"ep_size={ep}: {m.name} has no experts (expert parallelism splits the experts of a "
+                      "mixture-of-experts model)"]
+    if m.model_type not in EP_TYPES:
+        out.append(f"ep_size={ep}: model_type {m.model_type!r} is a mixture of experts whose router and experts "
+                   f"ndparallel's family table does not know (it knows {list(EP_TYPES)}); train it without ep")
+    if layout.fsdp % ep:
+        out.append(f"ep_size={ep} must divide the ranks the experts are split over, dp_shard({layout.dp_shard}) * "
+                   f"cp({layout.cp}) * sp({layout.sp}) = {layout.fsdp}")
+    if m.moe.routed.experts % ep:
+        out.append(f"ep_size={ep} must divide the {m.moe.routed.experts} experts")
+    return out
+
+
+def expert_layouts(layout: Layout, c: Constraints) -> list[Layout]:
+    """`layout` with each ep the search tries: the pinned one, else every divisor of dp_shard x cp x sp that divides
+    the experts (1 included; only 1 for a dense model or a family the library cannot split)."""
+    m = c.model
+    if c.ep is not None:
+        return [dataclasses.replace(layout, ep=c.ep)]
+    if m.moe is None or m.model_type not in EP_TYPES:
+        return [layout]
+    return [dataclasses.replace(layout, ep=ep) for ep in range(1, layout.fsdp + 1)
+            if layout.fsdp % ep == 0 and m.moe.routed.experts % ep == 0]
 
 
 def sequence_reasons(cp: int, sp: int, tp: int, c: Constraints) -> list[str]:
@@ -174,7 +235,7 @@ def pipeline_reasons(pp: int, batch: int, c: Constraints) -> list[str]:
 def reasons(layout: Layout, c: Constraints) -> list[str]:
     """Why the library would refuse `layout` (empty: it accepts it)."""
     return (tp_reasons(layout.tp, c) + sequence_reasons(layout.cp, layout.sp, layout.tp, c)
-            + batch_reasons(layout.batch, c) + pipeline_reasons(layout.pp, layout.batch, c))
+            + batch_reasons(layout.batch, c) + pipeline_reasons(layout.pp, layout.batch, c) + expert_reasons(layout, c))
 
 
 def _divisors(n: int) -> list[int]:
@@ -199,10 +260,13 @@ def explain_no_layout(world: int, c: Constraints) -> str:
         some_allowed = some_allowed or bool(good)
         lines.append(f"  {axis}: " + (f"refused: {', '.join(bad)}" if bad else "every size allowed alone")
                      + (f"; allowed alone: 1, {', '.join(good)}" if good and bad else ""))
+    if c.ep is not None and c.ep > 1:
+        lines.append(f"  ep: --ep-size {c.ep} needs dp_shard x cp x sp to be a multiple of {c.ep}")
     if some_allowed:
         lines.append(f"  together: no product of sizes allowed alone reaches {world} while meeting the joint limits "
                      f"(tp x sp must divide num_attention_heads={c.model.heads}, seq_len={c.seq_len} must split over "
-                     f"cp x sp, dp_replicate x dp_shard must divide the {c.samples} samples)")
+                     f"cp x sp, dp_replicate x dp_shard must divide the {c.samples} samples"
+                     + (f", ep={c.ep} must divide dp_shard x cp x sp" if c.ep is not None and c.ep > 1 else "") + ")")
     return (f"no layout of {world} GPUs is valid for {c.model.name} at seq_len={c.seq_len} with {c.samples} "
             "samples per step:\n" + "\n".join(lines))
 
@@ -210,7 +274,7 @@ def explain_no_layout(world: int, c: Constraints) -> str:
 def valid_layouts(world: int, c: Constraints) -> tuple[list[Layout], dict[Layout, list[str]]]:
     """(accepted layouts, refused ones with their reasons), in enumeration order."""
     ok, refused = [], {}
-    for layout in all_layouts(world):
+    for layout in (expert for mesh in all_layouts(world) for expert in expert_layouts(mesh, c)):
         why = reasons(layout, c)
         if why:
             refused[layout] = why

@@ -1,6 +1,7 @@
 """``ndparallel plan --max-seq``: the longest sequence a model trains at on the given GPUs, per layout.
 
-For every layout of the world (pipeline stages left out: one micro-batch of one sequence per data-parallel rank),
+For every layout of the world (pipeline stages left out: one micro-batch of one sequence per data-parallel rank;
+each ep of a mixture of experts apart),
 the longest sequence -- a multiple of ``QUANTUM`` tokens that the layout can split -- whose predicted peak
 (`memory.estimate`, the allocator's fragmentation included) fits the budget, found by bisection (memory grows with
 the length). Two settings side by side: every memory feature on (activation checkpointing with offloading, the
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layouts import Constraints, Layout, all_layouts, reasons
+from .layouts import Constraints, Layout, all_layouts, expert_layouts, reasons
 from .memory import Memory, estimate
 from .search import Request
 from .setting import Setting
@@ -37,9 +38,13 @@ def _setting(name: str, seq: int, precision: str, optimizer: str) -> Setting:
     return Setting(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload)
 
 
+def _constraints(layout: Layout, seq: int, request: Request) -> Constraints:
+    return Constraints(request.model, seq, layout.batch, request.gpus_per_node, request.allow_cross_node_tp,
+                       request.ep_size)
+
+
 def _accepts(layout: Layout, seq: int, request: Request) -> bool:
-    return not reasons(layout, Constraints(request.model, seq, layout.batch, request.gpus_per_node,
-                                           request.allow_cross_node_tp))
+    return not reasons(layout, _constraints(layout, seq, request))
 
 
 def _fits(layout: Layout, seq: int, name: str, request: Request) -> Memory | None:
@@ -70,8 +75,9 @@ def longest_for(layout: Layout, name: str, request: Request) -> tuple[int, Memor
 def longest(request: Request) -> list[Longest]:
     """Every layout without pipeline stages, by its longest sequence with all features on, longest first."""
     out = []
-    for layout in all_layouts(request.world):
-        if layout.pp > 1 or not _accepts(layout, QUANTUM * 2 * layout.cp * layout.sp, request):
+    meshes = [mesh for mesh in all_layouts(request.world) if mesh.pp == 1]
+    for layout in (x for mesh in meshes for x in expert_layouts(mesh, _constraints(mesh, QUANTUM, request))):
+        if not _accepts(layout, QUANTUM * 2 * layout.cp * layout.sp, request):
             continue
         found = {name: longest_for(layout, name, request) for name in SETTINGS}
         out.append(Longest(layout, {n: f[0] for n, f in found.items()}, {n: f[1] for n, f in found.items()}))

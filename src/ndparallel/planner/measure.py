@@ -23,7 +23,7 @@ from typing import Any
 from .search import Row
 
 SIZE_FLAGS = {"pp": "--pp-size", "dp_replicate": "--dp-replicate-size", "dp_shard": "--dp-shard-size",
-              "cp": "--cp-size", "sp": "--sp-size", "tp": "--tp-size"}
+              "cp": "--cp-size", "sp": "--sp-size", "tp": "--tp-size", "ep": "--ep-size"}
 
 
 def launch_command(row: Row, gpus_per_node: int, script: list[str], mixed_precision: str) -> list[str]:

@@ -42,7 +42,8 @@ import math
 from dataclasses import dataclass, field
 
 from .layouts import Layout
-from .model import ModelSpec
+from .model import LayerGroup, ModelSpec
+from .moe import block_activations, expert_elements, gathered_expert_elements
 from .setting import (FP32, OPTIMIZER_STATES, Setting, kv_width_local, local_shape, loss_chunk_rows, mlp_tile_tokens,
                       shard_numel)
 
@@ -91,17 +92,36 @@ def stage_root(model: ModelSpec, layout: Layout) -> list[tuple[str, tuple[int, .
     return max(first, last, key=lambda params: sum(math.prod(shape) for _, shape, _ in params))
 
 
+def stage_groups(model: ModelSpec, layout: Layout) -> list[LayerGroup]:
+    """The decoder layers of the busiest pipeline stage by kind: every layer without stages; else ceil(L / pp) of
+    them, the larger kinds first."""
+    groups = model.layer_groups()
+    if layout.pp == 1:
+        return groups
+    left, out = stage_layers(model, layout), []
+    for group in sorted(groups, key=lambda g: -sum(math.prod(shape) for _, shape, _ in g.params)):
+        take = min(left, group.count)
+        if take:
+            out.append(group._replace(count=take))
+        left -= take
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def state_elements(model: ModelSpec, layout: Layout) -> tuple[int, int, int]:
-    """(elements one rank holds after tp and FSDP2 sharding, elements per tp rank unsharded, one decoder layer's
-    elements per tp rank unsharded), on the busiest pipeline stage."""
+    """(elements one rank holds after tp and FSDP2 sharding, elements per tp rank unsharded, the largest decoder
+    layer's elements per tp rank as FSDP2 gathers it -- a sparse layer's with the experts it gathers,
+    `moe.gathered_expert_elements`), on the busiest pipeline stage. The routed experts' states are
+    `moe.expert_elements`'s, not counted here."""
     held = per_tp = layer = 0
-    layers = stage_layers(model, layout)
-    for _, shape, dim in model.layer_parameters():
-        local = local_shape(shape, dim, layout.tp)
-        held += layers * shard_numel(local, layout.fsdp)
-        layer += math.prod(local)
-    per_tp = layers * layer
+    for count, params, sparse in stage_groups(model, layout):
+        size = 0
+        for _, shape, dim in params:
+            local = local_shape(shape, dim, layout.tp)
+            held += count * shard_numel(local, layout.fsdp)
+            size += math.prod(local)
+        per_tp += count * size
+        layer = max(layer, size + (gathered_expert_elements(model, layout) if sparse else 0))
     for _, shape, dim in stage_root(model, layout):
         local = local_shape(shape, dim, layout.tp)
         held += shard_numel(local, layout.fsdp)
@@ -113,19 +133,47 @@ def root_elements(model: ModelSpec, layout: Layout) -> int:
     return sum(math.prod(local_shape(shape, dim, layout.tp)) for _, shape, dim in stage_root(model, layout))
 
 
-def layer_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
+def layer_activations(model: ModelSpec, layout: Layout, setting: Setting, sparse: bool = False) -> tuple[float, str]:
     """Bytes one decoder layer saves for backward on one rank, without checkpointing (a tiled MLP keeps only its
-    input, which the norm before it keeps anyway)."""
+    input, which the norm before it keeps anyway); `sparse`: a layer whose MLP is a mixture of experts
+    (`moe.block_activations`)."""
     n, c, t, h = setting.tokens(layout), setting.compute_bytes, layout.tp, model.hidden
-    # Bytes per element of the query-sized tensors: query and output (the model's SDPA); a copy of the output for
-    # o_proj once cp/sp attention returns it head-major; the all-gather CP kernel keeps its output in fp32.
-    q_bytes = (c + FP32 + c) if layout.cp > 1 else (3 * c if layout.sp > 1 else 2 * c)
-    qw, kw = model.q_width // t, kv_width_local(model, layout)
-    mlp = 0 if setting.tiled_mlp else mlp_elements(model, layout)
-    per_token = 2 * h * (FP32 + 2 * c) + 2 * FP32 + qw * q_bytes + 2 * kw * c + model.heads // t * FP32 + mlp * c
-    return n * per_token, (f"{n} tokens x [norms 2x{h}x(4+2x{c}) + attention {qw}x{q_bytes} + 2x{kw}x{c} + lse "
-                           f"{model.heads // t}x4 + MLP {mlp}x{c}{' (tiled: its input only)' if setting.tiled_mlp else ''}"
-                           "] B")
+    # Bytes per element of the query and the attention output: one each (the model's SDPA); a copy of the output
+    # for o_proj once cp/sp attention returns it head-major; the all-gather CP kernel keeps its output in fp32.
+    o_bytes = (FP32 + c) if layout.cp > 1 else (2 * c if layout.sp > 1 else c)
+    kw = kv_width_local(model, layout)
+    qw, ow, vw = model.q_width // t, model.o_width // t, kw // model.head_dim * (model.v_head_dim or model.head_dim)
+    attention = qw * c + ow * o_bytes + (kw + vw) * c + model.heads // t * FP32
+    how = f"attention {qw}x{c} + {ow}x{o_bytes} + ({kw}+{vw})x{c} + lse {model.heads // t}x4"
+    if model.qk_norm:  # per-head norms of q and k: an fp32 copy of each and its normalised value, one rsqrt per head
+        heads = (model.heads + model.kv_heads) // t
+        attention += (qw + kw) * (FP32 + c) + heads * FP32
+        how += f" + q/k norms ({qw}+{kw})x(4+{c}) + {heads}x4"
+    if model.mla is not None:  # the two low-rank latents' norms, as the layer norms
+        ranks = (model.mla.q_lora_rank or 0) + model.mla.kv_lora_rank
+        attention += ranks * (FP32 + 2 * c) + 2 * FP32
+        how += f" + latent norms {ranks}x(4+2x{c})"
+    if sparse:
+        mlp, mlp_how = block_activations(model, layout, setting)
+        mlp_how = f"experts {mlp_how}"
+    else:
+        elements = 0 if setting.tiled_mlp else mlp_elements(model, layout)
+        mlp, mlp_how = elements * c, f"MLP {elements}x{c}{' (tiled: its input only)' if setting.tiled_mlp else ''}"
+    per_token = 2 * h * (FP32 + 2 * c) + 2 * FP32 + attention + mlp
+    return n * per_token, f"{n} tokens x [norms 2x{h}x(4+2x{c}) + {how} + {mlp_how}] B"
+
+
+def layers_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str, float, str]:
+    """(all decoder layers of the busiest stage, how; the largest layer, how) saved for backward without
+    checkpointing."""
+    total, hows, largest = 0.0, [], (0.0, "")
+    for group in stage_groups(model, layout):
+        value, how = layer_activations(model, layout, setting, group.sparse)
+        total += group.count * value
+        largest = max(largest, (value, how))
+        hows.append(f"{group.count} {'sparse ' if group.sparse else ''}layers x {how}" if model.moe else
+                    f"{group.count} layers x {how}")
+    return total, " + ".join(hows), *largest
 
 
 def mlp_elements(model: ModelSpec, layout: Layout) -> int:
@@ -147,7 +195,7 @@ def outside_activations(model: ModelSpec, layout: Layout, setting: Setting) -> t
     rotary tables (under pipeline stages, for the one micro-batch the last stage holds at a time)."""
     n, c, h, v = setting.tokens(layout) // layout.pp, setting.compute_bytes, model.hidden, model.vocab
     rows = setting.micro_batch if layout.seq_split > 1 else 1  # rotary cos/sin: per sample once positions are given
-    rope = 2 * rows * (setting.seq_len // layout.seq_split) * model.head_dim * c
+    rope = 2 * rows * (setting.seq_len // layout.seq_split) * model.rope_dim * c
     softmax = 0 if setting.chunked_loss else n * v * FP32
     value = n * (h * (FP32 + 2 * c) + FP32) + softmax + 2 * n * 8 + rope
     return value, (f"{n} tokens x (final norm {h}x(4+2x{c}) + " + ("" if setting.chunked_loss else f"log-softmax {v}x4 + ")
@@ -187,38 +235,48 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: 
     mem = Memory()
     s, t, c, L = layout.fsdp, layout.tp, setting.compute_bytes, stage_layers(model, layout)
     held, per_tp, layer_elems = state_elements(model, layout)
-    mem.add("params", held * FP32, f"{held:,} parameters (after tp={t}, fsdp={s}, padding) x 4 B (fp32)")
-    mem.add("grads", held * FP32, f"{held:,} x 4 B (fp32)")
+    # The routed experts (`moe`): E / ep per rank, FSDP2-sharded over expert_shard = fsdp / ep (fsdp without ep);
+    # `local` is what the rank computes with unsharded, and their shard group `e_group` decides as s does below.
+    e_held, e_local = expert_elements(model, layout)
+    e_group = layout.expert_shard
+    total = held + e_held
+    experts = (f" ({held:,} + {e_held:,} of the routed experts: E/ep with ep={layout.ep}, sharded over "
+               f"{e_group})" if model.moe else "")
+    mem.add("params", total * FP32, f"{total:,} parameters (after tp={t}, fsdp={s}, padding){experts} x 4 B (fp32)")
+    mem.add("grads", total * FP32, f"{total:,} x 4 B (fp32)")
     states = OPTIMIZER_STATES[setting.optimizer]
-    mem.add("optimizer", held * FP32 * states, f"{held:,} x {states} states x 4 B ({setting.optimizer})")
-    if setting.accumulation > 1 and s > 1 and not setting.sync_each_batch:
-        mem.add("grad_accumulation", per_tp * FP32, f"{per_tp:,} unsharded gradients x 4 B kept between "
-                f"{setting.accumulation} micro-steps (FSDP2 without sync_each_batch)")
-    if s == 1 and c != FP32:
-        mem.add("unsharded_params", per_tp * c, f"{per_tp:,} x {c} B: bf16 copies kept through the step (one-rank "
+    mem.add("optimizer", total * FP32 * states, f"{total:,} x {states} states x 4 B ({setting.optimizer})")
+    if setting.accumulation > 1 and not setting.sync_each_batch:
+        kept = (per_tp if s > 1 else 0) + (e_local if e_group > 1 else 0)
+        if kept:
+            mem.add("grad_accumulation", kept * FP32, f"{kept:,} unsharded gradients x 4 B kept between "
+                    f"{setting.accumulation} micro-steps (FSDP2 without sync_each_batch)")
+    copies = (per_tp if s == 1 else 0) + (e_local if e_group == 1 else 0)
+    if copies and c != FP32:
+        mem.add("unsharded_params", copies * c, f"{copies:,} x {c} B: bf16 copies kept through the step (one-rank "
                 "shard group: no resharding)")
 
-    layer, layer_how = layer_activations(model, layout, setting)
+    layers, layers_how, layer, layer_how = layers_activations(model, layout, setting)
     outside, outside_how = outside_activations(model, layout, setting)
     n = setting.tokens(layout)
     inputs = L * n * model.hidden * c
     kept_inputs = min(L, 2) * n * model.hidden * c if setting.offload else inputs
-    mem.activations_without_checkpointing = L * layer + outside
+    mem.activations_without_checkpointing = layers + outside
     mem.activations_with_checkpointing = kept_inputs + outside
-    tile, tile_how = mlp_tile(model, layout, setting) if setting.tiled_mlp else (0.0, "")
+    tile, tile_how = mlp_tile(model, layout, setting) if setting.tiled_mlp and model.dense_layers else (0.0, "")
     if setting.checkpointing:
         where = (f"{min(L, 2)} of {L} layers' inputs on the GPU (the others in host memory)" if setting.offload
                  else f"{L} layers")
         mem.add("activations", mem.activations_with_checkpointing,
                 f"{where} x {n} tokens x {model.hidden} x {c} B (layer inputs) + outside the layers: {outside_how}")
-        mem.add("recompute", layer + tile, f"one layer rebuilt in backward: {layer_how}"
+        mem.add("recompute", layer + tile, f"one layer rebuilt in backward (the largest): {layer_how}"
                 + (f" + {tile_how}" if tile else ""))
         if setting.offload:
             mem.add("host_offload", inputs, f"{L} layers' inputs in pinned host memory: {L} x {n} x {model.hidden} x "
                     f"{c} B (not GPU memory)")
     else:
         mem.add("activations", mem.activations_without_checkpointing,
-                f"{L} layers x {layer_how} + outside the layers: {outside_how}")
+                f"{layers_how} + outside the layers: {outside_how}")
         if tile:
             mem.add("recompute", tile, f"a tiled MLP rebuilt in backward: {tile_how}")
 
@@ -226,8 +284,11 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: 
         root = root_elements(model, layout)
         mem.add("root_unsharded", root * c, f"embedding, norm and head unsharded: {root:,} x {c} B")
         rs_copy = layer_elems * FP32 if c != FP32 else 0
+        gathered = gathered_expert_elements(model, layout) if model.moe else 0
         mem.add("layer_buffers", 4 * layer_elems * c + rs_copy,
                 f"2 layers' unsharded parameters and gradients: 4 x {layer_elems:,} x {c} B"
+                + (f" (a sparse layer with the {gathered:,} elements of its gathered experts: "
+                   f"{model.moe.routed.experts // layout.ep} of them)" if gathered else "")
                 + (f" + one layer's fp32 gradients for the reduce-scatter ({layer_elems:,} x 4 B)" if rs_copy else ""))
         head = model.vocab // t * model.hidden
         mem.add("head_grad", head * c, f"the head's unsharded gradient, held through backward until the root unit "

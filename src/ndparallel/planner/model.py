@@ -6,6 +6,13 @@ row-wise, the LM head column-wise with its logits gathered; the input embedding 
 head). `ModelSpec.parameters` lists every weight with the dimension tensor parallelism splits, so that memory and
 bytes can be counted tensor by tensor, FSDP2's padding included.
 
+Mixtures of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss) carry their sparse part in ``moe`` (`moe.MoESpec`:
+the routed experts of `experts.ExpertSpec`, routers, shared experts, which layers stay dense) and the attention
+variants of their families: Qwen3's per-head q/k norms, gpt-oss's attention sinks and biases, DeepSeek-V3's
+multi-head latent attention (`MLA`: low-rank q and kv projections with their norms; queries and keys of
+``qk_nope_head_dim + qk_rope_head_dim``, values of ``v_head_dim``). The parameter counts equal those of the models
+transformers builds from the same configs (tests/planner/test_planner_moe.py).
+
 Built-in configs (``data/models/*.json``) are the published ``config.json`` files' fields, trimmed to what matters.
 """
 
@@ -16,13 +23,16 @@ import math
 import warnings
 from dataclasses import dataclass
 from importlib import resources
+from typing import NamedTuple
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from .moe import EP_TYPES, TP_NOT_MODELLED, MoESpec, active_matmul, moe_spec
+
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 # Families whose plan is the Megatron split above (`ndparallel.parallel.tensor.families`, transformers' own plans).
-KNOWN_TYPES = ("llama", "mistral", "qwen2")
+KNOWN_TYPES = ("llama", "mistral", "qwen2")  # and the mixtures of experts of `moe.EP_TYPES`
 BUILTIN_ALIASES = {"mistral-7b": "mistral-7b-v0.3", "llama-3-8b": "llama-3.1-8b", "llama-3-70b": "llama-3.1-70b"}
 
 
@@ -32,6 +42,25 @@ class Param:
     shape: tuple[int, ...]
     tp_dim: int | None  # the dimension tensor parallelism splits; None: replicated over tp
     block: bool  # inside a decoder layer (one FSDP2 unit per layer); else the root unit
+
+
+class LayerGroup(NamedTuple):
+    """Decoder layers alike: how many, their weights (name, shape, tp_dim), and whether they route to experts."""
+
+    count: int
+    params: list[tuple[str, tuple[int, ...], int | None]]
+    sparse: bool
+
+
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek's multi-head latent attention: q through a rank-``q_lora_rank`` bottleneck (None: one projection),
+    k and v expanded per head from a shared rank-``kv_lora_rank`` latent plus a rotary key shared by all heads."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -52,7 +81,14 @@ class ModelSpec:
     mlp_bias: bool = False
     max_positions: int | None = None
     sliding_window: int | None = None  # effective window, None when every layer attends to the whole sequence
+    window_layers: int | None = None  # how many layers use the window when not all do (gpt-oss alternates)
     softcap: float | None = None
+    v_head_dim: int | None = None  # of the values and the attention output when it differs from head_dim (MLA)
+    qk_norm: bool = False  # per-head RMSNorms of q and k (Qwen3), left whole by tp with their gradients summed
+    sinks: bool = False  # a learned logit per head (gpt-oss)
+    mla: MLA | None = None
+    attention_split: bool = True  # the family's tp plan splits attention (Megatron); else it stays whole per rank
+    moe: MoESpec | None = None  # the mixture-of-experts part (`moe.MoESpec`); None: every layer dense
 
     @property
     def q_width(self) -> int:
@@ -60,31 +96,91 @@ class ModelSpec:
 
     @property
     def kv_width(self) -> int:
+        """Width of the keys (and of the values unless v_head_dim differs)."""
         return self.kv_heads * self.head_dim
 
+    @property
+    def v_width(self) -> int:
+        return self.kv_heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def o_width(self) -> int:
+        """Width of the attention output (o_proj's input)."""
+        return self.heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def dense_layers(self) -> int:
+        """Decoder layers with a dense MLP (all of them without experts)."""
+        return self.layers if self.moe is None else self.moe.dense_layers
+
+    @property
+    def split_mlp_layers(self) -> int:
+        """Layers whose MLP tensor parallelism splits (column-wise in, row-wise out): the dense ones, and sparse
+        layers whose shared experts the family's plan splits."""
+        moe = self.moe
+        shared = moe is not None and moe.shared_intermediate > 0 and moe.shared_split
+        return self.dense_layers + (moe.sparse_layers if shared else 0)
+
+    def attention_parameters(self) -> list[tuple[str, tuple[int, ...], int | None]]:
+        """(name, shape, tp_dim) of one layer's attention. Linear weights are (out, in): column-wise splits dim 0,
+        row-wise dim 1."""
+        h, qw, kw, vw, ow = self.hidden, self.q_width, self.kv_width, self.v_width, self.o_width
+        col, row = (0, 1) if self.attention_split else (None, None)
+        if self.mla is not None:
+            m = self.mla
+            q = ([("self_attn.q_proj.weight", (qw, h), col)] if m.q_lora_rank is None else
+                 [("self_attn.q_a_proj.weight", (m.q_lora_rank, h), None),
+                  ("self_attn.q_a_layernorm.weight", (m.q_lora_rank,), None),
+                  ("self_attn.q_b_proj.weight", (qw, m.q_lora_rank), col)])
+            out = q + [("self_attn.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, h), None),
+                       ("self_attn.kv_a_layernorm.weight", (m.kv_lora_rank,), None),
+                       ("self_attn.kv_b_proj.weight", (self.heads * (m.qk_nope_head_dim + (self.v_head_dim or 0)),
+                                                       m.kv_lora_rank), col),
+                       ("self_attn.o_proj.weight", (h, ow), row)]
+            if self.qkv_bias:  # attention_bias: the two down-projections (and o_proj, below)
+                out += [("self_attn.kv_a_proj_with_mqa.bias", (m.kv_lora_rank + m.qk_rope_head_dim,), None)]
+                if m.q_lora_rank is not None:
+                    out.append(("self_attn.q_a_proj.bias", (m.q_lora_rank,), None))
+        else:
+            out = [("self_attn.q_proj.weight", (qw, h), col), ("self_attn.k_proj.weight", (kw, h), col),
+                   ("self_attn.v_proj.weight", (vw, h), col), ("self_attn.o_proj.weight", (h, ow), row)]
+            if self.qkv_bias:
+                out += [("self_attn.q_proj.bias", (qw,), col), ("self_attn.k_proj.bias", (kw,), col),
+                        ("self_attn.v_proj.bias", (vw,), col)]
+        if self.o_bias:
+            out.append(("self_attn.o_proj.bias", (h,), None))
+        if self.qk_norm:
+            out += [("self_attn.q_norm.weight", (self.head_dim,), None),
+                    ("self_attn.k_norm.weight", (self.head_dim,), None)]
+        if self.sinks:
+            out.append(("self_attn.sinks", (self.heads,), col))
+        return [("input_layernorm.weight", (h,), None), ("post_attention_layernorm.weight", (h,), None)] + out
+
     def layer_parameters(self) -> list[tuple[str, tuple[int, ...], int | None]]:
-        """(name, shape, tp_dim) of one decoder layer's weights. Linear weights are (out, in): column-wise splits
-        dim 0, row-wise dim 1."""
-        h, qw, kw, inter = self.hidden, self.q_width, self.kv_width, self.intermediate
-        layer: list[tuple[str, tuple[int, ...], int | None]] = [
-            ("input_layernorm.weight", (h,), None),
-            ("self_attn.q_proj.weight", (qw, h), 0), ("self_attn.k_proj.weight", (kw, h), 0),
-            ("self_attn.v_proj.weight", (kw, h), 0), ("self_attn.o_proj.weight", (h, qw), 1),
-            ("post_attention_layernorm.weight", (h,), None),
-            ("mlp.up_proj.weight", (inter, h), 0), ("mlp.down_proj.weight", (h, inter), 1),
-        ]
+        """(name, shape, tp_dim) of one dense decoder layer's weights: attention, norms and the MLP."""
+        h, inter = self.hidden, self.intermediate
+        layer = self.attention_parameters() + [("mlp.up_proj.weight", (inter, h), 0),
+                                               ("mlp.down_proj.weight", (h, inter), 1)]
         if self.gated:
             layer.append(("mlp.gate_proj.weight", (inter, h), 0))
-        if self.qkv_bias:
-            layer += [("self_attn.q_proj.bias", (qw,), 0), ("self_attn.k_proj.bias", (kw,), 0),
-                      ("self_attn.v_proj.bias", (kw,), 0)]
-        if self.o_bias:
-            layer.append(("self_attn.o_proj.bias", (h,), None))
         if self.mlp_bias:
             layer += [("mlp.up_proj.bias", (inter,), 0), ("mlp.down_proj.bias", (h,), None)]
             if self.gated:
                 layer.append(("mlp.gate_proj.bias", (inter,), 0))
         return layer
+
+    def layer_groups(self) -> list[LayerGroup]:
+        """The kinds of decoder layer: the dense ones, then the sparse ones, whose routed experts are left out
+        (`moe`: FSDP2 shards them over other ranks)."""
+        groups = [LayerGroup(self.dense_layers, self.layer_parameters(), False)]
+        if self.moe is not None:
+            groups.append(LayerGroup(self.moe.sparse_layers,
+                                     self.attention_parameters() + self.moe.sparse_layer_parameters(), True))
+        return [group for group in groups if group.count > 0]
 
     def root_parameters(self) -> list[tuple[str, tuple[int, ...], int | None]]:
         """Weights outside the decoder layers (FSDP2's root unit). A head tied to the embedding is split once,
@@ -96,14 +192,44 @@ class ModelSpec:
         return out
 
     def parameters(self) -> list[Param]:
-        """Every weight, with the dimension the tensor-parallel plan splits."""
-        out = [Param(f"layers.{i}.{name}", shape, dim, True)
-               for i in range(self.layers) for name, shape, dim in self.layer_parameters()]
+        """Every weight, with the dimension the tensor-parallel plan splits (routed experts: none, they stay whole
+        over tp), layers numbered by kind (dense ones first)."""
+        out, index = [], 0
+        for count, params, sparse in self.layer_groups():
+            experts = self.moe.routed.stacked() if self.moe is not None and sparse else []
+            for i in range(index, index + count):
+                out += [Param(f"layers.{i}.{name}", shape, dim, True) for name, shape, dim in params]
+                out += [Param(f"layers.{i}.mlp.experts.{name}", shape, None, True) for name, shape in experts]
+            index += count
         return out + [Param(name, shape, dim, False) for name, shape, dim in self.root_parameters()]
 
     def num_parameters(self) -> int:
-        return (self.layers * sum(math.prod(shape) for _, shape, _ in self.layer_parameters())
-                + sum(math.prod(shape) for _, shape, _ in self.root_parameters()))
+        layers = sum(g.count * sum(math.prod(shape) for _, shape, _ in g.params) for g in self.layer_groups())
+        experts = self.moe.routed.num_parameters() if self.moe else 0
+        return layers + experts + sum(math.prod(shape) for _, shape, _ in self.root_parameters())
+
+    def active_parameters(self) -> int:
+        """Parameters a token goes through: all of them but the routed experts it is not sent to."""
+        if self.moe is None:
+            return self.num_parameters()
+        routed = self.moe.routed
+        return self.num_parameters() - routed.num_parameters() // routed.experts * (routed.experts - routed.top_k)
+
+    def matmul_parameters(self) -> tuple[int, int]:
+        """(weights in matrix multiplies per token that tensor parallelism splits, those it leaves whole and every
+        tp rank multiplies with): every 2-D weight of the layers but the routed experts, of which only the top-k a
+        token goes to count, and the head; not the input embedding (a lookup)."""
+        split = whole = 0
+        for count, params, _ in self.layer_groups():
+            for _, shape, dim in params:
+                if len(shape) == 2:
+                    if dim is None:
+                        whole += count * math.prod(shape)
+                    else:
+                        split += count * math.prod(shape)
+        if self.moe is not None:
+            whole += active_matmul(self)
+        return split + self.hidden * self.vocab, whole
 
     def metrics_config(self) -> SimpleNamespace:
         """The fields `ndparallel.metrics.flops_per_token` reads, so MFU is counted as the library's step timer does."""
@@ -113,10 +239,15 @@ class ModelSpec:
                                hidden_act="silu" if self.gated else "gelu")
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, the convention of `ndparallel.metrics` (whole S x S score matrix)."""
-        from ..metrics import flops_per_token
+        """Training FLOPs per token, the convention of `ndparallel.metrics` (whole S x S score matrix). A mixture
+        of experts counts the weights a token multiplies with (`matmul_parameters`: its top-k experts, not all),
+        and its own attention widths, with the same formula: 6 N_active + 6 L heads (head_dim + v_head_dim) S."""
+        if self.moe is None and self.mla is None:
+            from ..metrics import flops_per_token
 
-        return flops_per_token(self.metrics_config(), seq_len)
+            return flops_per_token(self.metrics_config(), seq_len)
+        split, whole = self.matmul_parameters()
+        return 6.0 * (split + whole) + 6.0 * self.layers * (self.q_width + self.o_width) * seq_len
 
 
 # ---- reading configs -------------------------------------------------------------------------------------------
@@ -166,11 +297,6 @@ def spec_from_config(data: dict[str, Any], source: str = "config") -> ModelSpec:
     """A `ModelSpec` from a Hugging Face config dict; raises naming every missing field."""
     if isinstance(data.get("text_config"), dict):  # multimodal wrappers: the language model's config
         data = {**data["text_config"], "model_type": data["text_config"].get("model_type", data.get("model_type"))}
-    for expert_key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if isinstance(data.get(expert_key), int) and data[expert_key] > 1:
-            raise ValueError(f"{source}: a mixture-of-experts model ({expert_key}={data[expert_key]}); the planner "
-                             "models dense decoders only (`ndparallel estimate-memory --ep-size N` gives its expert "
-                             "states per rank and all-to-all bytes)")
     missing = [key for key in REQUIRED_FIELDS if data.get(key) is None]
     if missing:
         raise ValueError(f"{source}: the config lacks {', '.join(missing)}; the planner needs "
@@ -183,24 +309,40 @@ def spec_from_config(data: dict[str, Any], source: str = "config") -> ModelSpec:
         raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     head_dim = _positive_int(data, "head_dim", source) if data.get("head_dim") else hidden // heads
     model_type = str(data.get("model_type") or "unknown")
-    if model_type not in KNOWN_TYPES:
+    if model_type not in KNOWN_TYPES + EP_TYPES:
         warnings.warn(f"{source}: model_type {model_type!r} is modelled as a Llama-style decoder (q/k/v/o attention, "
-                      f"gated MLP, Megatron tensor-parallel split); known types: {', '.join(KNOWN_TYPES)}",
+                      f"gated MLP, Megatron tensor-parallel split); known types: {', '.join(KNOWN_TYPES + EP_TYPES)}",
                       stacklevel=2)
     window = data.get("sliding_window")
     if data.get("use_sliding_window") is False:
         window = None
     layer_types = data.get("layer_types")
-    if isinstance(layer_types, list) and not any("sliding" in str(t) for t in layer_types):
-        window = None
+    window_layers = None
+    if isinstance(layer_types, list):
+        sliding = sum("sliding" in str(t) for t in layer_types)
+        window = window if sliding else None
+        window_layers = sliding if 0 < sliding < len(layer_types) else None
+    mla, v_head_dim = None, None
+    if data.get("kv_lora_rank"):  # DeepSeek's multi-head latent attention: every head has its own keys and values
+        mla = MLA(data.get("q_lora_rank"), _positive_int(data, "kv_lora_rank", source),
+                  _positive_int(data, "qk_nope_head_dim", source), _positive_int(data, "qk_rope_head_dim", source))
+        kv_heads, head_dim = heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        v_head_dim = _positive_int(data, "v_head_dim", source)
+    moe = moe_spec(data, source)
+    attention_bias = bool(data.get("attention_bias", False))
+    qwen2 = model_type in ("qwen2", "qwen2_moe")  # biases on q, k and v only (Qwen2-MoE: its qkv_bias)
     return ModelSpec(
         name=str(data.get("_name") or data.get("_name_or_path") or source), model_type=model_type, hidden=hidden,
         layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=inter, vocab=vocab,
         tied=bool(data.get("tie_word_embeddings", False)), gated=True,
-        qkv_bias=model_type == "qwen2" or bool(data.get("attention_bias", False)),
-        o_bias=model_type != "qwen2" and bool(data.get("attention_bias", False)),
+        qkv_bias=(model_type == "qwen2" or bool(data.get("qkv_bias", model_type == "qwen2_moe"))) if qwen2
+        else attention_bias,
+        o_bias=not qwen2 and attention_bias,
         mlp_bias=bool(data.get("mlp_bias", False)), max_positions=data.get("max_position_embeddings"),
-        sliding_window=window if isinstance(window, int) else None, softcap=data.get("attn_logit_softcapping"))
+        sliding_window=window if isinstance(window, int) else None, softcap=data.get("attn_logit_softcapping"),
+        window_layers=window_layers if isinstance(window, int) else None, v_head_dim=v_head_dim,
+        qk_norm=model_type == "qwen3_moe", sinks=model_type == "gpt_oss", mla=mla,
+        attention_split=moe is None or model_type not in TP_NOT_MODELLED, moe=moe)
 
 
 def load_model(source: str | Path) -> ModelSpec:

@@ -11,6 +11,8 @@ from .comm import KINDS, by_kind, by_link
 from .hardware import GiB
 from .layouts import Layout
 from .memory import Memory
+from .model import ModelSpec
+from .moe import figures
 from .search import Plan, Request, Row
 from .setting import Setting, human_bytes
 
@@ -30,10 +32,20 @@ def row_cells(index: int, row: Row) -> list[str]:
             f"{t.mfu:.1%}", f"{links['intra'] / 1e9:.1f} / {links['inter'] / 1e9:.1f}", f"{t.exposed_s * 1e3:.0f}"]
 
 
+def model_size(model: ModelSpec) -> str:
+    """``8.03 B parameters``; for a mixture of experts also its experts and what a token goes through."""
+    text = f"{model.num_parameters() / 1e9:.2f} B parameters"
+    if model.moe is not None:
+        e = model.moe.routed
+        text += (f" ({model.active_parameters() / 1e9:.2f} B active: top-{e.top_k} of {e.experts} experts in "
+                 f"{e.sparse_layers} of {model.layers} layers)")
+    return text
+
+
 def header(plan: Plan) -> str:
     r = plan.request
     fitting = sum(row.fits for row in plan.rows)
-    return (f"{r.model.name}: {r.model.num_parameters() / 1e9:.2f} B parameters; {r.nodes} node(s) x "
+    return (f"{r.model.name}: {model_size(r.model)}; {r.nodes} node(s) x "
             f"{r.gpus_per_node} {r.hardware.name} = {r.world} GPUs; seq {r.seq_len}, {r.global_batch_tokens:,} "
             f"tokens ({r.samples} samples) per step, {r.mixed_precision}, {r.optimizer}, budget "
             f"{r.budget_bytes / GiB:.1f} GiB per GPU\n{len(plan.rows)} layouts accepted ({len(plan.refused)} refused), "
@@ -123,6 +135,8 @@ def explain_text(row: Row, request: Request) -> str:
     lines += [f"  {name:<18} {value / GiB:9.3f} GiB   {how}" for name, value, how in memory_terms(row.memory)]
     lines.append(f"  {'budget':<18} {row.budget / GiB:9.3f} GiB   " + ("fits" if row.fits else
                                                                        f"misses by {human_bytes(row.miss)}"))
+    if request.model.moe is not None:  # the figures `estimate-memory --ep-size` prints (planner/experts.py)
+        lines += ["", *figures(request.model, row.layout, s).lines()]
     lines += ["", "communication per GPU per step"]
     for item in row.transfers:
         lines.append(f"  {item.purpose:<40} {item.kind:<14} {item.link:<5} {item.bytes / 2**20:12.2f} MiB "
@@ -143,10 +157,12 @@ def explain_text(row: Row, request: Request) -> str:
     return "\n".join(lines)
 
 
-def row_json(row: Row) -> dict[str, Any]:
+def row_json(row: Row, model: ModelSpec | None = None) -> dict[str, Any]:
     t, s = row.timing, row.setting
-    return {
-        "layout": row.layout.sizes(), "name": row.layout.name, "parallelism_config": row.layout.config_line(),
+    experts = {"experts": vars(figures(model, row.layout, s))} if model is not None and model.moe else {}
+    return {**experts,
+        "layout": row.layout.sizes(), "ep": row.layout.ep, "name": row.layout.name,
+        "parallelism_config": row.layout.config_line(),
         "micro_batch": s.micro_batch, "gradient_accumulation_steps": s.accumulation,
         "activation_checkpointing": s.checkpointing, "chunked_loss": s.chunked_loss, "tiled_mlp": s.tiled_mlp,
         "offload": s.offload, "fits": row.fits, "miss_bytes": row.miss,
@@ -169,8 +185,9 @@ def plan_json(plan: Plan, top: int, config_file: dict[str, Any] | None) -> dict[
         "request": {"model": r.model.name, "gpu": r.hardware.name, "nodes": r.nodes, "gpus_per_node": r.gpus_per_node,
                     "seq_len": r.seq_len, "global_batch_tokens": r.global_batch_tokens,
                     "mixed_precision": r.mixed_precision, "optimizer": r.optimizer,
-                    "activation_checkpointing": r.checkpointing, "budget_bytes": r.budget_bytes},
-        "rows": [row_json(row) for row in plan.rows[:top]],
+                    "activation_checkpointing": r.checkpointing, "budget_bytes": r.budget_bytes,
+                    "ep_size": r.ep_size},
+        "rows": [row_json(row, r.model) for row in plan.rows[:top]],
         "accepted": len(plan.rows), "refused": {layout.name: why for layout, why in plan.refused.items()},
         "best": None if plan.best is None else {"name": plan.best.layout.name,
                                                 "parallelism_config": plan.best.layout.config_line(),

@@ -5,11 +5,13 @@ For each layout the data-parallel ranks get ``samples / (dp_replicate x dp_shard
 means fewer FSDP2 all-gathers per step and is never slower, so for each choice of activation checkpointing (off / on)
 and gradient synchronisation (``sync_each_batch`` off / on) the largest micro-batch that fits is taken, and the
 fastest of those wins. A layout where nothing fits is shown
-with its smallest peak and how much it misses by.
+with its smallest peak and how much it misses by. For a mixture of experts each ep that splits the experts
+(`layouts.expert_layouts`; ``--ep-size`` pins one) makes a layout of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ class Request:
     chunked_loss: str = "auto"
     tiled_mlp: str = "auto"
     offload: str = "auto"
+    ep_size: int | None = None  # expert parallelism pinned; None: every ep that splits the experts
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "seq_len", "global_batch_tokens"):
@@ -62,6 +65,18 @@ class Request:
                              f"{self.hardware.memory_reserve_gib} GiB (CUDA context, NCCL, fragmentation) is set "
                              "aside")
         Setting(self.seq_len, 1, mixed_precision=self.mixed_precision, optimizer=self.optimizer)  # checks both
+        ep, moe = self.ep_size, self.model.moe
+        if ep is not None:
+            if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+                raise ValueError(f"--ep-size must be a positive integer, got {ep!r}")
+            if moe is None and ep != 1:
+                raise ValueError(f"--ep-size {ep}: {self.model.name} is not a mixture of experts")
+            if moe is not None and moe.routed.experts % ep:
+                count = moe.routed.experts
+                raise ValueError(f"--ep-size {ep} must divide the experts of {self.model.name}: its {count} experts "
+                                 f"cannot be split over {ep} ranks; use an ep_size in "
+                                 f"{[d for d in range(1, count + 1) if count % d == 0]} (that also divides dp_shard x "
+                                 "cp x sp)")
 
     @property
     def world(self) -> int:
@@ -77,7 +92,8 @@ class Request:
         return (memory - self.hardware.memory_reserve_gib) * GiB
 
     def constraints(self) -> Constraints:
-        return Constraints(self.model, self.seq_len, self.samples, self.gpus_per_node, self.allow_cross_node_tp)
+        return Constraints(self.model, self.seq_len, self.samples, self.gpus_per_node, self.allow_cross_node_tp,
+                           self.ep_size)
 
 
 @dataclass
@@ -189,7 +205,10 @@ def plan(request: Request) -> Plan:
 
 
 def row_for(request: Request, layout: Layout) -> Row:
-    """The row of one given layout (``--explain``); raises if the library would refuse it."""
+    """The row of one given layout (``--explain``; the pinned ``--ep-size`` where it names no ep); raises if the
+    library would refuse it."""
+    if request.ep_size is not None and layout.ep == 1:
+        layout = dataclasses.replace(layout, ep=request.ep_size)
     why = reasons(layout, request.constraints())
     if why:
         raise ValueError(f"layout {layout.name} is refused: {'; '.join(why)}")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .layouts import Layout
-from .model import ModelSpec
+if TYPE_CHECKING:  # annotations only: model.py imports moe.py, which imports experts.py, which imports this
+    from .layouts import Layout
+    from .model import ModelSpec
 
 MIXED_PRECISIONS = ("bf16", "fp32")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors the optimizer keeps per parameter

@@ -6,6 +6,11 @@ how much of the communication hides behind the compute.
   mask (the MFU convention of `ndparallel.metrics` counts the whole score matrix, K = S), w - w^2/2S under a
   sliding window w < S -- plus one forward of the layers again (2 N_layers + 4 L d_attn K) with activation
   checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
+- mixtures of experts (`moe`): N_matmul counts the k routed experts a token goes to (not all E), the shared
+  experts and the router; weights tensor parallelism leaves whole (the experts, the router) are multiplied on every
+  tp rank, so a GPU performs 6 (N_split + t N_whole) per token of its tp group's. MLA attends with queries and keys
+  of head_dim and values of v_head_dim: 2 L heads (head_dim + v_head_dim) K per token forward; layers alternating
+  sliding and full attention (gpt-oss) average K over the layers.
 - activation offloading: each layer's input goes to host memory and back (2 x L x n x h x c bytes per micro-step)
   at the profile's host_bandwidth, on the copy engines: exposed only beyond overlap x compute.
 - each collective: bytes / bandwidth of its link class + calls x latency.
@@ -27,6 +32,7 @@ from .comm import Transfer
 from .hardware import Hardware
 from .layouts import Layout
 from .memory import state_elements
+from .moe import expert_elements
 from .model import ModelSpec
 from .setting import FP32, OPTIMIZER_STATES, Setting
 
@@ -47,22 +53,29 @@ class Timing:
 
 
 def attended_keys(model: ModelSpec, seq_len: int) -> float:
-    """Keys a query sees on average: S/2 under a causal mask; w - w^2/2S under a sliding window w < S."""
+    """Keys a query sees on average: S/2 under a causal mask; w - w^2/2S under a sliding window w < S; the mean over
+    the layers when only some use the window."""
     w = model.sliding_window
-    return seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
+    if w is None or w >= seq_len:
+        return seq_len / 2
+    windowed = w - w * w / (2 * seq_len)
+    if model.window_layers is None:
+        return windowed
+    return (model.window_layers * windowed + (model.layers - model.window_layers) * seq_len / 2) / model.layers
 
 
-def hardware_flops_per_token(model: ModelSpec, setting: Setting) -> float:
-    """FLOPs the GPUs perform per token of training (module docstring)."""
-    layer_matmul = model.layers * (2 * model.hidden * model.q_width + 2 * model.hidden * model.kv_width
-                                   + (3 if model.gated else 2) * model.hidden * model.intermediate)
+def hardware_flops_per_token(model: ModelSpec, setting: Setting, tp: int = 1) -> float:
+    """FLOPs the GPUs perform per token of training (module docstring), per GPU of a tp group of `tp` for weights
+    tensor parallelism leaves whole (a mixture's experts and routers)."""
+    split, whole = model.matmul_parameters()
     head = model.hidden * model.vocab
-    attention = 4 * model.layers * model.q_width * attended_keys(model, setting.seq_len)  # forward
+    layer_matmul = split - head + tp * whole
+    attention = 2 * model.layers * (model.q_width + model.o_width) * attended_keys(model, setting.seq_len)  # fwd
     flops = 6 * (layer_matmul + head) + 3 * attention
     if setting.checkpointing:
         flops += 2 * layer_matmul + attention
-    if setting.tiled_mlp:  # each tile's checkpoint runs the MLP's forward once more in backward
-        flops += 2 * model.layers * (3 if model.gated else 2) * model.hidden * model.intermediate
+    if setting.tiled_mlp:  # each tile's checkpoint runs the (dense) MLP's forward once more in backward
+        flops += 2 * model.dense_layers * (3 if model.gated else 2) * model.hidden * model.intermediate
     return flops
 
 
@@ -76,7 +89,7 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
               global_tokens: int) -> Timing:
     world = layout.world
     peak = hw.peak_flops(setting.mixed_precision)
-    hw_fpt = hardware_flops_per_token(model, setting)
+    hw_fpt = hardware_flops_per_token(model, setting, layout.tp)
     flops = global_tokens * hw_fpt / world
     busy = flops / (peak * hw.compute_efficiency)
     micro = layout.pp  # the default schedule: one micro-batch per stage
@@ -98,6 +111,7 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
         offload = setting.accumulation * moved / hw.host_bandwidth
         exposed += max(0.0, offload - hw.overlap * compute)
     held, _, _ = state_elements(model, layout)
+    held += expert_elements(model, layout)[0]
     moved = (2 * (1 + OPTIMIZER_STATES[setting.optimizer]) + 1) * FP32
     optimizer = held * moved / hw.hbm_bandwidth
     step = compute + exposed + optimizer
