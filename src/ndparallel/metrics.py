@@ -72,7 +72,19 @@ def matmul_params(config: Any) -> int:
 
 
 def flops_per_token(config: Any, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N_matmul + 12 * layers * heads * head_dim * seq_len."""
+    """Training FLOPs per token: 6 * N_matmul + 12 * layers * heads * head_dim * seq_len.
+
+    A mixture of experts (a config with ``num_experts``, ``num_local_experts`` or ``n_routed_experts``) or a model with
+    multi-head latent attention (``kv_lora_rank``) is counted by the planner's model of it
+    (`ndparallel.planner.model.ModelSpec.flops_per_token`): only the top-k experts a token goes to, its shared experts
+    and dense layers, its own attention widths -- the dense formula would count the wrong MLP."""
+    moe = any(isinstance(getattr(config, f, None), int) and getattr(config, f) > 1
+              for f in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if moe or getattr(config, "kv_lora_rank", None):
+        from .planner.model import spec_from_config
+
+        data = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        return spec_from_config(data, type(config).__name__).flops_per_token(seq_len)
     hidden = _attr(config, "hidden_size", "n_embd")
     layers = _attr(config, "num_hidden_layers", "n_layer")
     heads = _attr(config, "num_attention_heads", "n_head")

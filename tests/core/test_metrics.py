@@ -27,6 +27,22 @@ def test_matmul_params_are_the_linear_weights_of_the_model():
     assert matmul_params(config) == linear
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_token_goes_to():
+    """Qwen3-MoE, hidden 64, 4 heads of 16, 2 KV heads, 8 experts of intermediate 32, top 2, 2 layers, vocab 100."""
+    config = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_experts=8, num_experts_per_tok=2, vocab_size=100)
+    # Per layer: q, o 64x64 each, k, v 64x32 each = 12,288; the router 64x8 = 512; two experts' gate, up and down
+    # 2 x 3 x 64x32 = 12,288 (not the dense intermediate_size, which no layer of this config uses). Two layers 50,176,
+    # the head 6,400: 56,576. 6 x 56,576 + 12 x 2 layers x 64 x seq 16 = 339,456 + 24,576.
+    assert flops_per_token(config, seq_len=16) == 364_032
+    # The count is the model's: the dense formula would have counted a 64x128 gated MLP per layer.
+    model = transformers.Qwen3MoeForCausalLM(config)
+    experts = model.model.layers[0].mlp.experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // 8
+    assert per_expert == 3 * 64 * 32
+
+
 def test_flops_per_token_needs_a_decoder_config():
     with pytest.raises(ValueError, match="hidden_size"):
         flops_per_token(object(), seq_len=4)
