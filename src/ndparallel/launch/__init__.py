@@ -1,4 +1,5 @@
-"""The ``ndparallel`` command and the launcher: `cli` (``launch``, ``config``, ``env``, ``merge-weights``, ``plan``,
-``estimate-memory``), `launcher` (torchrun with checked sizes, ranks that die with their launcher),
-`supervision` (the nodes' roll call, the stall watch), `accelerate_launch` (``accelerate launch``'s flags and config files), `worker` (run by path in each
-rank before the script: the standard library only)."""
+"""The ``ndparallel`` command and the launcher: `cli` (``launch``, ``config``, ``env``, ``merge-weights``),
+`plan_commands` (``plan``, ``estimate-memory``), `arguments` (what the commands share), `launcher` (torchrun with
+checked sizes, ranks that die with their launcher), `supervision` (the nodes' roll call, the stall watch),
+`accelerate_launch` (``accelerate launch``'s flags and config files), `worker` (run by path in each rank before the
+script: the standard library only)."""
