@@ -26,7 +26,10 @@ times.
 ``time`` alternates blocks of ``--steps`` optimizer steps of the library and plain loops in the same ranks,
 ``--rounds`` times (the order flips every round, after a barrier), after ``--warmup`` steps of each. Each round's
 ratio is the ratio of the two blocks' per-step medians (rank 0's wall clock; every step ends in collectives, so the
-ranks run in step); printed: the median over rounds and the spread (min..max of the rounds' ratios), also for CPU time.
+ranks run in step); printed: the median over rounds and the spread (min..max of the rounds' ratios), also for CPU time,
+and the ratio of the per-step medians with every step pooled, with its 95% bootstrap interval over rounds. On a
+shared machine many short rounds (``--steps 1 --rounds 600``: the two loops alternate step by step) pair the two best:
+load that drifts hits both alike, and the interval says how far the ratio can be trusted.
 """
 
 from __future__ import annotations
@@ -282,13 +285,31 @@ def _ratios(times: dict[str, list[list[float]]]) -> list[float]:
     return [statistics.median(a) / statistics.median(b) for a, b in zip(times["library"], times["plain"])]
 
 
+def _pooled(times: dict[str, list[list[float]]], rounds: list[int] | None = None) -> float:
+    """Median per-step time of the library over that of plain, every step of the given rounds pooled."""
+    rounds = range(len(times["library"])) if rounds is None else rounds
+    lib = statistics.median(t for r in rounds for t in times["library"][r])
+    plain = statistics.median(t for r in rounds for t in times["plain"][r])
+    return lib / plain
+
+
+def _interval(times: dict[str, list[list[float]]], resamples: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of `_pooled`, resampling whole rounds (a round's two blocks ran back to back, so a
+    resample keeps them paired)."""
+    import random
+
+    rng, n = random.Random(0), len(times["library"])
+    values = sorted(_pooled(times, [rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
+    return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
+
+
 def timing(args: Any) -> None:
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
           f"{args.rounds} rounds x {args.steps} optimizer steps of each, after {args.warmup} warm-up; log={args.log}")
     print("| layout | accum | library ms/step | plain ms/step | library / plain (median of rounds) | spread (min..max) "
-          "| CPU-time ratio (spread) |")
-    print("|---|---|---|---|---|---|---|")
+          "| pooled ratio [95% interval] | CPU-time ratio (spread) |")
+    print("|---|---|---|---|---|---|---|---|")
     for layout in args.layouts:
         replicate, shard = LAYOUTS[layout]
         for accum in args.accum:
@@ -297,7 +318,9 @@ def timing(args: Any) -> None:
             lib = statistics.median(t for block in r0["wall"]["library"] for t in block)
             plain = statistics.median(t for block in r0["wall"]["plain"] for t in block)
             print(f"| {layout} | {accum} | {1e3 * lib:.2f} | {1e3 * plain:.2f} | **{statistics.median(ratios):.3f}** "
-                  f"| {min(ratios):.3f}..{max(ratios):.3f} | {statistics.median(cpu_ratios):.3f} "
+                  f"| {min(ratios):.3f}..{max(ratios):.3f} | {_pooled(r0['wall']):.3f} "
+                  f"[{_interval(r0['wall'])[0]:.3f}..{_interval(r0['wall'])[1]:.3f}] "
+                  f"| {statistics.median(cpu_ratios):.3f} "
                   f"({min(cpu_ratios):.3f}..{max(cpu_ratios):.3f}) |", flush=True)
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
