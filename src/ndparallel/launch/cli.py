@@ -193,25 +193,12 @@ def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def config_file_data(pc: ParallelismConfig | None, launch: dict[str, Any], fmt: str = "ndparallel") -> dict[str, Any]:
-    """What `ndparallel config` writes (and `plan` prints): the ``parallelism`` sizes (empty without a config) and the
-    checked ``launch`` settings; with `fmt` "accelerate", an `accelerate config` file instead."""
-    if fmt == "accelerate":
-        return accelerate_launch.to_file(pc, launch)
-    parallelism = {name: value for name, value in pc.to_dict().items() if name in SIZE_FIELDS} if pc else {}
-    return {"parallelism": parallelism, "launch": launch}
-
-
 def cmd_config(args: argparse.Namespace) -> int:
     """Write the config file. Sizes not given are written as 1 when some are given; when none is, the
     ``parallelism`` section stays empty, so ``launch`` passes no sizes (as without size flags)."""
     import yaml
 
-    from ndparallel.launch.launcher import (
-        check_launch_settings,
-        default_nproc,
-        positive_int,
-    )
+    from ndparallel.launch.launcher import check_launch_settings, config_file_data, default_nproc, positive_int
 
     keys = [*SIZE_FIELDS, "nproc_per_node", "nnodes", "mixed_precision", "gradient_accumulation_steps", "cpu"]
     if all(getattr(args, key) is None for key in keys) and sys.stdin.isatty():

@@ -121,6 +121,15 @@ def read_config_file(path: str | os.PathLike, flags: dict[str, Any] | None = Non
     return out
 
 
+def config_file_data(pc: ParallelismConfig | None, launch: dict[str, Any], fmt: str = "ndparallel") -> dict[str, Any]:
+    """What `ndparallel config` writes (and `plan` prints): the ``parallelism`` sizes (empty without a config) and the
+    checked ``launch`` settings; with `fmt` "accelerate", an `accelerate config` file instead."""
+    if fmt == "accelerate":
+        return accelerate_launch.to_file(pc, launch)
+    parallelism = {name: value for name, value in pc.to_dict().items() if name in SIZE_FIELDS} if pc else {}
+    return {"parallelism": parallelism, "launch": launch}
+
+
 def default_nproc(sizes: dict[str, int], nnodes: int) -> int:
     """Processes per node when none is given: the product of the sizes on one node without -1, else 1 (ep_size is
     carved out of the others: no factor)."""

@@ -103,8 +103,7 @@ def add_parsers(sub: Any) -> None:
 
 # ---- plan, estimate-memory (ndparallel.planner) ---------------------------------------------------------------
 def _plan_config_file(row: Any, nodes: int, gpus_per_node: int) -> dict[str, Any]:
-    from ndparallel.launch.cli import config_file_data
-    from ndparallel.launch.launcher import check_launch_settings
+    from ndparallel.launch.launcher import check_launch_settings, config_file_data
 
     launch = check_launch_settings({"nproc_per_node": gpus_per_node, "nnodes": nodes,
                                     "mixed_precision": "bf16" if row.setting.mixed_precision == "bf16" else "no",
