@@ -105,7 +105,13 @@ def init_runtime(cpu: bool = False, timeout: datetime.timedelta | float | None =
         backend = backend or ("gloo" if cpu else "nccl")
         if "nccl" in backend:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
+        if _Released.count == 0:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # once more in this process, after `release_process_group`: see `_Released`
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            store.set_timeout(timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"ndparallel/{_Released.count}", store),
+                                    rank=rank, world_size=world, timeout=timeout)
     release_at_exit()  # whoever started it: the library's groups hang off it
     backend = dist.get_backend()
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -137,12 +143,25 @@ def resolve_group(name: str | None) -> dist.ProcessGroup | None:
                            "process group can only be unpickled where its Accelerator runs") from exc
 
 
+class _Released:
+    """How many times this process released a process group (`release_process_group`).
+
+    torch's rendezvous keeps rank 0's store server for the life of the process (the next ``init_process_group`` on
+    the same port reuses it, keys and all) and names a new world's groups as it named the last one's, so a second
+    world would read the first one's keys (gloo's addresses, barrier counts) and hang in its first collective. The
+    library's next world therefore puts its keys under a prefix of its own, the same on every rank (they release and
+    start worlds in the same order)."""
+
+    count = 0
+
+
 def release_process_group() -> None:
     """Destroy the default process group (and every group made from it), if one exists, after freeing the finished
     gloo work objects that reference it. Local: no collective, so it cannot wait for another rank."""
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+        _Released.count += 1
 
 
 _registered = False
