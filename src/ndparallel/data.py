@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from .loss import BatchInfo, GradientState, count_loss_tokens
+from .loss import BatchInfo, GradientState, TokenTotal, count_loss_tokens
 from .runtime import group_name, resolve_group
 
 
@@ -406,13 +406,14 @@ class PreparedDataLoader:
         return self.base_loader.batch_size
 
     # ---- iteration -------------------------------------------------------------------------------------
-    def _window_total(self, counts: list[int | None]) -> int | None:
+    def _window_total(self, counts: list[int | None]) -> int | TokenTotal | None:
+        """The window's loss tokens over the batch view: this rank's alone, or an all-reduce under way."""
         if any(c is None for c in counts):
             return None
+        if self.window_group is None:
+            return sum(counts)
         total = torch.tensor([sum(counts)], dtype=torch.long, device=self.device)
-        if self.window_group is not None:
-            dist.all_reduce(total, group=self.window_group)
-        return int(total.item())
+        return TokenTotal(total, dist.all_reduce(total, group=self.window_group, async_op=True))
 
     def __iter__(self) -> Iterator[Any]:
         if self.gradient_state is None:

@@ -34,7 +34,8 @@ and the gradient that results is (1/W) * sum_r sum_a f_{a,r} * grad(l_{a,r}) = (
 
 The prepared data loader supplies the counts: it reads one accumulation window of batches ahead, counts each
 batch's tokens, and all-reduces the window's total over ``batch`` (ranks with distinct samples; context- and
-sequence-parallel peers share samples, so summing over them would count tokens twice). When the counts are
+sequence-parallel peers share samples, so summing over them would count tokens twice). The all-reduce starts when
+the window is drawn and is waited for at the first `loss_factor` (`TokenTotal`), so it overlaps the first forward. When the counts are
 unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back to Accelerate's
 1 / gradient_accumulation_steps -- also in a short last window, as Accelerate divides -- which is exact when every
 micro-batch has the same number of tokens and the window is whole.
@@ -112,12 +113,28 @@ def count_loss_tokens(batch: Any,
     return int((labels != IGNORE_INDEX).sum())
 
 
+class TokenTotal:
+    """N of a window, summed over the batch view by an all-reduce that the data loader starts when it draws the
+    window's batches and that is waited for the first time N is needed (`loss_factor`, at the first backward): the
+    forward runs meanwhile, so the round trip costs no time of its own (and on a GPU no wait for the device before
+    the forward is queued)."""
+
+    def __init__(self, total: torch.Tensor, work: Any) -> None:
+        self._total, self._work, self._value = total, work, None
+
+    def value(self) -> int:
+        if self._value is None:
+            self._work.wait()
+            self._value = int(self._total.item())
+        return self._value
+
+
 @dataclass
 class BatchInfo:
     """What the prepared data loader knows about the batch it just yielded."""
 
     local_tokens: int | None  # n_{a,r}
-    window_tokens: int | None  # N, over the batch view and the accumulation window
+    window_tokens: int | TokenTotal | None  # N, over the batch view and the accumulation window
     window_batches: int  # micro-batches in this accumulation window (the last one may be short)
     ends_window: bool  # last micro-batch before an optimizer step
     end_of_dataloader: bool
@@ -136,9 +153,10 @@ def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps
         return 1.0 / accumulation_steps
     if not token_weighted or info.local_tokens is None or info.window_tokens is None:
         return 1.0 / accumulation_steps
-    if info.window_tokens == 0:
+    total = info.window_tokens.value() if isinstance(info.window_tokens, TokenTotal) else info.window_tokens
+    if total == 0:
         return 0.0
-    return info.local_tokens * loss_world_size / info.window_tokens
+    return info.local_tokens * loss_world_size / total
 
 
 class GradientState:
