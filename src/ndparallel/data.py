@@ -35,6 +35,7 @@ process may read it (more would each yield every sample).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -513,3 +514,25 @@ class PreparedDataLoader:
 
 
 _END = object()
+
+
+def prepared_loader_class(stateful: bool) -> type[PreparedDataLoader]:
+    """The class `prepare` makes a data loader into: `PreparedDataLoader`, or with
+    ``DataLoaderConfiguration(use_stateful_dataloader=True)`` and torchdata installed, a subclass that is also a
+    ``torchdata.stateful_dataloader.StatefulDataLoader`` -- what Accelerate prepares then, so code that checks for
+    one finds one. Its behaviour is `PreparedDataLoader`'s (which has ``state_dict`` / ``load_state_dict`` either way);
+    the torchdata class contributes only its type."""
+    if not stateful:
+        return PreparedDataLoader
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:  # Accelerate refuses the setting without torchdata; ndparallel's loaders are stateful anyway
+        return PreparedDataLoader
+    return _stateful_class(StatefulDataLoader)
+
+
+@functools.cache
+def _stateful_class(stateful_dataloader: type) -> type[PreparedDataLoader]:
+    return type("StatefulPreparedDataLoader", (PreparedDataLoader, stateful_dataloader),
+                {"__doc__": PreparedDataLoader.__doc__, "__module__": __name__})
+

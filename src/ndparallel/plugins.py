@@ -496,7 +496,8 @@ class DataLoaderConfiguration:
     - dispatch_batches: True is taken for map-style datasets, whose ranks each read the batch rank 0 would have sent
       them (every rank reads its own share; rank 0 does not read for all); refused at `prepare` for an iterable
       dataset, whose order only rank 0's reading would fix.
-    - use_stateful_dataloader: accepted (prepared loaders have ``state_dict`` / ``load_state_dict`` either way).
+    - use_stateful_dataloader: prepared loaders have ``state_dict`` / ``load_state_dict`` either way; with it (and
+      torchdata installed) they are also torchdata's ``StatefulDataLoader`` by type, as Accelerate's are.
     """
 
     split_batches: bool = False

@@ -272,3 +272,38 @@ def test_an_uneven_last_batch_is_refused_where_every_rank_must_run_every_step():
         assert message.startswith("even_batches=False: the last batch of this pass goes to 1 of the 2 ranks with "
                                   "distinct samples, and the others have none, but FSDP2 all-gathers the sharded "
                                   "parameters in every forward"), message
+
+
+def _stateful(stateful: bool) -> dict:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ndparallel import Accelerator, DataLoaderConfiguration, ParallelismConfig
+    from ndparallel.data import PreparedDataLoader
+
+    def prepared() -> DataLoader:
+        acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2),
+                          dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+        torch.manual_seed(0)
+        return acc.prepare(DataLoader(list(range(24)), batch_size=2, shuffle=True))
+
+    loader = prepared()
+    first = [b.tolist() for _, b in zip(range(2), loader)]
+    state = loader.state_dict()
+    rest = [b.tolist() for b in loader]
+    resumed = prepared()
+    resumed.load_state_dict(state)
+    return {"types": (isinstance(loader, StatefulDataLoader), isinstance(loader, PreparedDataLoader)),
+            "batches": first + rest, "resumed": [b.tolist() for b in resumed], "rest": rest[2:]}
+
+
+def test_use_stateful_dataloader_prepares_a_stateful_dataloader_that_behaves_as_the_others():
+    """Accelerate's ``use_stateful_dataloader=True`` prepares torchdata's ``StatefulDataLoader``: so does ndparallel
+    (its own loader, of that type too), with the same batches and the same resume as without the setting."""
+    plain, stateful = run_ranks(_stateful, 2, False), run_ranks(_stateful, 2, True)
+    for rank in range(2):
+        assert plain[rank]["types"] == (False, True) and stateful[rank]["types"] == (True, True)
+        assert stateful[rank]["batches"] == plain[rank]["batches"]
+        # Resumed from the state after 2 of the pass's 6 batches: the pass's last 4 (the same order: `rest` is a new
+        # pass of the same epoch, which the unfinished one did not end).
+        assert stateful[rank]["resumed"] == stateful[rank]["rest"] == plain[rank]["resumed"]
+        assert len(stateful[rank]["rest"]) == 4 and stateful[rank]["batches"][:2] == plain[rank]["batches"][:2]

@@ -36,7 +36,7 @@ from ..batch_size import release_memory
 from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
 from ..config import ParallelismConfig
-from ..data import PreparedDataLoader
+from ..data import PreparedDataLoader, prepared_loader_class
 from ..loss import GradientState, is_causal_lm
 from ..mesh import ParallelMesh
 from ..optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -363,7 +363,7 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         if self.num_processes > 1:
             dist.broadcast(seed_tensor, src=0)
         sharding = self.sequence_sharding  # under CP/SP a rank's loss averages over its shard's tokens only
-        prepared = PreparedDataLoader(
+        prepared = prepared_loader_class(config.use_stateful_dataloader)(
             data_loader, num_shards=self.mesh.size("batch"), shard_index=self.mesh.rank("batch"),
             seed=int(seed_tensor.item()), device=self.device,
             put_on_device=self.device_placement if device_placement is None else device_placement,
