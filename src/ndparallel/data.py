@@ -536,3 +536,13 @@ def _stateful_class(stateful_dataloader: type) -> type[PreparedDataLoader]:
     return type("StatefulPreparedDataLoader", (PreparedDataLoader, stateful_dataloader),
                 {"__doc__": PreparedDataLoader.__doc__, "__module__": __name__})
 
+
+def __getattr__(name: str) -> Any:
+    """``ndparallel.data.StatefulPreparedDataLoader``, made on first use (torchdata is optional): where pickle finds
+    the class of a loader prepared with ``use_stateful_dataloader=True``."""
+    if name == "StatefulPreparedDataLoader":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return _stateful_class(StatefulDataLoader)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
