@@ -545,4 +545,3 @@ def __getattr__(name: str) -> Any:
 
         return _stateful_class(StatefulDataLoader)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

@@ -35,10 +35,10 @@ and the gradient that results is (1/W) * sum_r sum_a f_{a,r} * grad(l_{a,r}) = (
 The prepared data loader supplies the counts: it reads one accumulation window of batches ahead, counts each
 batch's tokens, and all-reduces the window's total over ``batch`` (ranks with distinct samples; context- and
 sequence-parallel peers share samples, so summing over them would count tokens twice). The all-reduce starts when
-the window is drawn and is waited for at the first `loss_factor` (`TokenTotal`), so it overlaps the first forward. When the counts are
-unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back to Accelerate's
-1 / gradient_accumulation_steps -- also in a short last window, as Accelerate divides -- which is exact when every
-micro-batch has the same number of tokens and the window is whole.
+the window is drawn and is waited for at the first `loss_factor` (`TokenTotal`), so it overlaps the first forward.
+When the counts are unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back
+to Accelerate's 1 / gradient_accumulation_steps -- also in a short last window, as Accelerate divides -- which is
+exact when every micro-batch has the same number of tokens and the window is whole.
 
 The logged loss (`GradientState.log_loss`, behind ``Accelerator.reduce_loss``). Each rank adds S_{a,r} = l_{a,r} *
 n_{a,r} and n_{a,r} of every micro-step of a window; summed over the ``loss`` ranks, their ratio is the token mean of
@@ -116,8 +116,8 @@ def count_loss_tokens(batch: Any,
 class TokenTotal:
     """N of a window, summed over the batch view by an all-reduce that the data loader starts when it draws the
     window's batches and that is waited for the first time N is needed (`loss_factor`, at the first backward): the
-    forward runs meanwhile, so the round trip costs no time of its own (and on a GPU no wait for the device before
-    the forward is queued)."""
+    round trip overlaps the forward (and on a GPU the host waits for the device there, after the forward is queued,
+    not before it)."""
 
     def __init__(self, total: torch.Tensor, work: Any) -> None:
         self._total, self._work, self._value = total, work, None
