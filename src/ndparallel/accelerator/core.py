@@ -173,7 +173,26 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
     parallelism_config = _setting("parallelism", "The ParallelismConfig, its sizes resolved against the world size.")
     fsdp_plugin = _setting("fsdp_plugin", "The FSDP2 settings (None without a plugin).")
     mixed_precision = _setting("mixed_precision", 'One of "no", "bf16", "fp16", "fp8".')
-    gradient_accumulation_steps = _setting("accumulation_steps", "Micro-steps per optimizer step.", settable=True)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step. Settable between optimizer steps, as in Accelerate: the accumulation
+        windows (`accumulate`, `sync_gradients`) and the prepared data loaders' token windows follow from then on."""
+        return self._settings.accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive integer, got {steps!r}")
+        if self.gradient_state.step != 0:
+            raise ValueError(f"gradient_accumulation_steps set to {steps} in the middle of an accumulation window "
+                             f"({self.gradient_state.step} of its {self._settings.accumulation_steps} micro-steps "
+                             "done): set it between optimizer steps")
+        self._settings.accumulation_steps = steps
+        self.gradient_state.accumulation_steps = steps
+        self.gradient_state.plugin_kwargs["num_steps"] = steps
+        for loader in self.prepared.dataloaders:  # each draws its next window at the new size
+            loader.window = steps
     device_placement = _setting("device_placement", "Prepared data loaders move batches to this rank's device.",
                                 settable=True)
     dataloader_config = _setting("dataloader", "The DataLoaderConfiguration.", settable=True)
@@ -196,8 +215,13 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
 
     @property
     def sync_gradients(self) -> bool:
-        """True on the micro-step whose backward synchronises gradients and after which the optimizer steps."""
+        """True on the micro-step whose backward synchronises gradients and after which the optimizer steps.
+        Settable, as in Accelerate (a loop that runs its own windows); `accumulate` sets it at each micro-step."""
         return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, sync: bool) -> None:
+        self.gradient_state.sync_gradients = bool(sync)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
