@@ -60,8 +60,9 @@ class PartialState:
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         self.__dict__ = self._shared
-        if not self._shared or not dist.is_initialized():
+        if "runtime" in self._shared and not dist.is_initialized():  # the world it was made in has ended
             self._shared.clear()
+        if "runtime" not in self._shared:  # (what a script set on a reset state stays)
             self.runtime: Runtime = init_runtime(cpu, **{k: v for k, v in kwargs.items() if v is not None})
             explain_collective_failures()  # a rank that dies in a collective says where every rank was
 
@@ -70,10 +71,20 @@ class PartialState:
         """Forget the shared state (after the process group was destroyed); the next instance starts anew."""
         PartialState._shared.clear()
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for what normal lookup did not find: a state that `_reset_state` emptied says so (Accelerate's
+        message) for the attributes it had, instead of naming an internal one."""
+        if not name.startswith("__") and self.__dict__ is PartialState._shared and not PartialState._shared and (
+                name == "runtime" or isinstance(getattr(type(self), name, None), property)):
+            cls = type(self).__name__
+            raise AttributeError(f"`{cls}` object has no attribute `{name}`. This happens if `{cls}._reset_state()` "
+                                 f"was called and an `Accelerator` or `{cls}` was not reinitialized.")
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     # ---- where this process is -------------------------------------------------------------------------------------
     @property
     def initialized(self) -> bool:
-        return bool(self._shared)
+        return "runtime" in self._shared
 
     @property
     def device(self) -> torch.device:

@@ -195,3 +195,34 @@ def test_backward_outside_accumulate_with_accumulation_steps_warns_once():
     outside = run_ranks(_backward_outside_accumulate, 1, False)[0]
     assert len(outside) == 1 and "gradient_accumulation_steps=2, but backward() runs outside" in outside[0]
     assert run_ranks(_backward_outside_accumulate, 1, True)[0] == []
+
+
+def _after_reset() -> dict:
+    from ndparallel.state import PartialState
+
+    state = PartialState()
+    out = {"before": state.num_processes}
+    try:
+        state.no_such_thing
+    except AttributeError as exc:
+        out["unknown"] = str(exc)
+    PartialState._reset_state()
+    try:
+        state.num_processes
+    except AttributeError as exc:
+        out["reset"] = str(exc)
+    state.mine = "kept"  # a script's own attribute on the reset state
+    again = PartialState()
+    out.update(again=again.num_processes, mine=again.mine, initialized=again.initialized)
+    return out
+
+
+def test_a_reset_state_says_so_and_the_next_one_starts_anew():
+    """After `PartialState._reset_state()` an old state object names the reset (Accelerate's message) for what it
+    had, an unknown name gets Python's own message, and the next `PartialState()` starts anew even when a script
+    set an attribute on the reset state meanwhile (it used to find that attribute and skip starting)."""
+    out = run_ranks(_after_reset, 1)[0]
+    assert out["before"] == 1 and out["again"] == 1 and out["mine"] == "kept" and out["initialized"]
+    assert out["unknown"] == "'PartialState' object has no attribute 'no_such_thing'"
+    assert out["reset"].startswith("`PartialState` object has no attribute `num_processes`. This happens if "
+                                   "`PartialState._reset_state()` was called")
