@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ._version import __version__
-from .runtime import heartbeat, resolve_timeout
+from .runtime import heartbeat, resolve_timeout, world_generation
 
 _DIGEST_OVER = 8  # lists longer than this are gathered as a digest (and in full only when they differ)
 _MISSING = "<not set on this rank>"
@@ -278,7 +278,7 @@ _STATES = {"waiting": "waiting in", "passed": "last passed", "gave up": "gave up
 
 
 class _Barriers:
-    store_id: int | None = None
+    store: tuple[int, int] | None = None  # (world generation, id of the store) the sequence counts in
     seq: int = 0
     failed: ClassVar[set[int]] = set()  # barriers this rank did not pass (on rank 0: "abort" keys to drop)
 
@@ -357,8 +357,11 @@ def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = No
     timeout = resolve_timeout(timeout)
     heartbeat(name)
     store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
-    if _Barriers.store_id != id(store):
-        _Barriers.store_id, _Barriers.seq, _Barriers.failed = id(store), 0, set()
+    # A new world starts the count again on every rank. The store's id alone cannot tell: a new world's store may
+    # reuse the old one's memory on one rank and not on another (`runtime.world_generation`).
+    key = (world_generation(), id(store))
+    if _Barriers.store != key:
+        _Barriers.store, _Barriers.seq, _Barriers.failed = key, 0, set()
     seq = _Barriers.seq
     _Barriers.seq += 1
     try:

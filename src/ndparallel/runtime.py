@@ -155,6 +155,12 @@ class _Released:
     count = 0
 
 
+def world_generation() -> int:
+    """A number that changes with every world this process releases (`release_process_group`): state kept per world
+    (the monitored barriers' count) starts again on every rank alike when it changes."""
+    return _Released.count
+
+
 def release_process_group() -> None:
     """Destroy the default process group (and every group made from it), if one exists, after freeing the finished
     gloo work objects that reference it. Local: no collective, so it cannot wait for another rank."""
