@@ -21,10 +21,8 @@ train silently apart. This module turns each into an error that names the cause,
   named call each rank was in, with the likely cause; it also tells every rank whether all gave the same `digest`.
   The library's collective entry points (``Accelerator(...)``, ``prepare``, ``save_state``, ``load_state``,
   ``wait_for_everyone``) enter through one.
-- `watched(call, ranks)`: around the per-step collectives (the Accelerator's gather, reduce, reduce_loss,
-  gather_for_metrics, ...), which cannot afford a barrier: nothing but a local record while they work; when the
-  backend's timeout fires, the ranks that are in one post which to the store, and each raises
-  `CollectiveTimeoutError` naming the call every rank was in and the ranks that posted nothing.
+- the per-step collectives, which cannot afford a barrier, are watched by `ndparallel.failures` instead: nothing
+  while they work, every rank's place when one fails.
 """
 
 from __future__ import annotations
@@ -108,7 +106,7 @@ def _compact(value: Any) -> Any:
     return value
 
 
-def _ranks(ranks: Sequence[int]) -> str:
+def rank_list(ranks: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> 'ranks 0-2, 5'."""
     parts, start = [], None
     ranks = sorted(ranks)
@@ -202,7 +200,7 @@ def _disagreement(data: Any, what: str, group: dist.ProcessGroup | None) -> None
         by_value: dict[str, list[int]] = {}
         for i, g in enumerate(gathered):
             by_value.setdefault(_show(g.get(key, _MISSING)), []).append(ranks[i])
-        lines.append(f"{key}: " + "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items()))
+        lines.append(f"{key}: " + "; ".join(f"{rank_list(r)}: {v}" for v, r in by_value.items()))
     more = f"\n  ... and {len(differing) - 8} more" if len(differing) > 8 else ""
     raise ValueError(
         f"{what}: the ranks disagree on {len(differing)} setting(s) that must be the same on every rank:\n  "
@@ -274,7 +272,7 @@ def prepare_fingerprint(objects: Sequence[Any]) -> dict[str, Any]:
 
 # ---- a barrier that says who is missing ------------------------------------------------------------------------------
 _PREFIX = "ndparallel/monitored_barrier/"
-_STATES = {"waiting": "waiting in", "passed": "last passed", "gave up": "gave up waiting in"}
+STATES = {"waiting": "waiting in", "passed": "last passed", "gave up": "gave up waiting in"}
 
 
 class _Barriers:
@@ -283,11 +281,11 @@ class _Barriers:
     failed: ClassVar[set[int]] = set()  # barriers this rank did not pass (on rank 0: "abort" keys to drop)
 
 
-def _store() -> Any:
+def world_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _where(store: Any, world: int) -> dict[int, list[Any]]:
+def barrier_places(store: Any, world: int) -> dict[int, list[Any]]:
     """Each rank's last monitored call: {rank: [seq, name, state, host, time]} (ranks that never made one: absent)."""
     out = {}
     for rank in range(world):
@@ -297,19 +295,31 @@ def _where(store: Any, world: int) -> dict[int, list[Any]]:
     return out
 
 
+def post_failure(store: Any, rank: int, seq: int, call: str, started: float) -> None:
+    """Say in the store that this rank's collective in per-step call `call` (its #`seq`, begun at `started`) failed
+    (`ndparallel.failures`): the other ranks' reports read it (`failed_calls`)."""
+    store.set(f"{_PREFIX}failed/{rank}", json.dumps([seq, call, socket.gethostname(), started, time.time()]))
+
+
+def failed_calls(store: Any, ranks: Sequence[int]) -> dict[int, list[Any]]:
+    """{rank: [seq, call, host, started, failed at]} of the `ranks` that posted a failed per-step collective."""
+    keys = {r: f"{_PREFIX}failed/{r}" for r in ranks}
+    return {r: json.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
+
+
 def where_ranks(timeout: datetime.timedelta | None = None) -> str:
     """Every rank's last monitored call, one line each, from the default store (waiting at most `timeout` for it)."""
-    store, world = _store(), dist.get_world_size()
+    store, world = world_store(), dist.get_world_size()
     if timeout is not None:
         store.set_timeout(timeout)
     lines = []
-    where = _where(store, world)
+    where = barrier_places(store, world)
     for rank in range(world):
         entry = where.get(rank)
         if entry is None:
             lines.append(f"rank {rank}: has made no monitored call yet")
         else:
-            lines.append(f"rank {rank} ({entry[3]}): {_STATES[entry[2]]} {entry[1]!r} (its call #{entry[0]}, "
+            lines.append(f"rank {rank} ({entry[3]}): {STATES[entry[2]]} {entry[1]!r} (its call #{entry[0]}, "
                          f"{time.time() - entry[4]:.0f} s ago)")
     return "\n  ".join(lines)
 
@@ -318,20 +328,42 @@ def _report(store: Any, world: int, seq: int, name: str | None) -> str:
     """Where every rank is: its last monitored call and whether it waits there; with `name`, first which ranks are
     at call #`seq` named `name` and which are not."""
     lines, arrived, missing = [], [], []
-    where = _where(store, world)
+    where, failed = barrier_places(store, world), failed_calls(store, range(world))
     for rank in range(world):
         entry = where.get(rank)
         at_this = entry is not None and entry[0] == seq
         (arrived if at_this and entry[1] == name else missing).append(rank)
-        if entry is None:
+        if rank in failed and not at_this:  # it was in a training step's collective, which failed meanwhile
+            f_seq, f_call, f_host, f_started, f_at = failed[rank]
+            lines.append(f"rank {rank} ({f_host}): in {f_call!r} (its step call #{f_seq}), whose collective failed "
+                         f"after {f_at - f_started:.1f} s")
+        elif entry is None:
             lines.append(f"rank {rank}: has made no monitored call yet")
         elif at_this and name is None:
             lines.append(f"rank {rank} ({entry[3]}): {entry[1]!r}")
         else:
             ago = "" if at_this else f", {time.time() - entry[4]:.0f} s ago"
-            lines.append(f"rank {rank} ({entry[3]}): {_STATES[entry[2]]} {entry[1]!r} (its call #{entry[0]}{ago})")
-    head = f"{_ranks(arrived)} arrived; {_ranks(missing)} did not:\n  " if name is not None and arrived else ""
+            lines.append(f"rank {rank} ({entry[3]}): {STATES[entry[2]]} {entry[1]!r} (its call #{entry[0]}{ago})")
+    head = f"{rank_list(arrived)} arrived; {rank_list(missing)} did not:\n  " if name is not None and arrived else ""
     return head + "\n  ".join(lines)
+
+
+def grace_period(timeout: datetime.timedelta) -> float:
+    """Seconds a rank whose collective failed waits for the others to say where they are: a tenth of the timeout,
+    between 1 and 30 s (the others' timers started a little later, or they are in another collective)."""
+    return min(max(timeout.total_seconds() / 10, 1.0), 30.0)
+
+
+def _await_failures(store: Any, world: int, seq: int, name: str, timeout: datetime.timedelta) -> None:
+    """A barrier that timed out: wait up to the grace period for the ranks that did not arrive to post where their
+    own collective failed (a rank training on, whose next collective waits for this one, times out a moment after)."""
+    deadline = time.monotonic() + grace_period(timeout)
+    while time.monotonic() < deadline:
+        where = barrier_places(store, world)
+        missing = [r for r in range(world) if not (r in where and where[r][0] == seq and where[r][1] == name)]
+        if len(failed_calls(store, missing)) == len(missing):
+            return
+        time.sleep(0.05)
 
 
 def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = None, digest: str | None = None) -> bool:
@@ -356,7 +388,7 @@ def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = No
         return True
     timeout = resolve_timeout(timeout)
     heartbeat(name)
-    store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
+    store, rank, world = world_store(), dist.get_rank(), dist.get_world_size()
     # A new world starts the count again on every rank. The store's id alone cannot tell: a new world's store may
     # reuse the old one's memory on one rank and not on another (`runtime.world_generation`).
     key = (world_generation(), id(store))
@@ -420,6 +452,7 @@ def _barrier(store: Any, rank: int, world: int, seq: int, name: str, timeout: da
         try:
             store.wait([f"{key}/done"], timeout)
         except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, or RuntimeError on older torch)
+            _await_failures(store, world, seq, name, timeout)
             message = (f"monitored_barrier({name!r}): not every rank arrived within {timeout.total_seconds():g} s "
                        f"(NDPARALLEL_TIMEOUT / InitProcessGroupKwargs(timeout=...)); "
                        + _report(store, world, seq, name) + "\nA rank that did not arrive is still working "
@@ -438,98 +471,6 @@ def _barrier(store: Any, rank: int, world: int, seq: int, name: str, timeout: da
     return done == b"ok"
 
 
-# ---- gather / reduce: nothing extra while they work, who is where when they fail -------------------------------------
-class _Collectives:
-    seq: int = 0  # this rank's watched calls so far
-
-
-def watched(call: str, ranks: Callable[[], Sequence[int]] | Sequence[int] | None = None,
-            timeout: datetime.timedelta | float | None = None) -> _Watch:
-    """A context manager around one of the Accelerator's per-step collectives (``with watched("reduce", ...):``).
-
-    While the collective works: a local count and `ndparallel.runtime.heartbeat` (about a microsecond, no
-    communication). When the backend raises (a collective timeout -- gloo raises RuntimeError ``Timed out waiting
-    ...`` after the process group's timeout -- or a peer's connection closing), this rank posts where it is to the
-    default store, waits up to a grace period (a tenth of `timeout`, between 1 and 30 s) for the other ranks of the
-    group (`ranks`: their global ranks, or a callable giving them, asked only then; default every rank) to post
-    theirs, and raises `CollectiveTimeoutError` naming the call each rank is in (numbered among that rank's watched
-    calls, so a call made on some ranks only shows as differing numbers) and the ranks that did not post, chained to
-    the backend's error.
-
-    A rank that posts nothing is not in a watched call: busy elsewhere, stuck, or it skipped this call; what it last
-    did in a `monitored_barrier` is shown. A rank that entered its own watched call more than the grace period after
-    this one, and is stuck there, shows as not posting too. On NCCL a collective that never completes is ended by
-    its watchdog, which stops the process rather than raising here: ``ndparallel launch --stall-timeout`` reads the
-    heartbeat then.
-    """
-    return _Watch(call, ranks, timeout)
-
-
-class _Watch:
-    __slots__ = ("call", "ranks", "seq", "started", "timeout")
-
-    def __init__(self, call: str, ranks: Any, timeout: datetime.timedelta | float | None) -> None:
-        self.call, self.ranks, self.timeout = call, ranks, timeout
-
-    def __enter__(self) -> None:
-        _Collectives.seq += 1
-        self.seq, self.started = _Collectives.seq, time.time()
-        heartbeat(self.call)
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
-        if exc is None or not isinstance(exc, RuntimeError) or isinstance(exc, torch.OutOfMemoryError) \
-                or not (dist.is_available() and dist.is_initialized()):
-            return False
-        raise CollectiveTimeoutError(self._message(exc)) from exc
-
-    def _message(self, exc: BaseException) -> str:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        ranks = sorted(self.ranks() if callable(self.ranks) else (self.ranks or range(world)))
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        head = (f"{self.call}: the collective over {_ranks(ranks)} failed after {time.time() - self.started:.1f} s "
-                f"({error[:300]})")
-        try:
-            store, host = _store(), socket.gethostname()
-            store.set(f"{_PREFIX}failed/{rank}", json.dumps([self.seq, self.call, host, self.started]))
-            grace = min(max(resolve_timeout(self.timeout).total_seconds() / 10, 1.0), 30.0)
-            keys = {r: f"{_PREFIX}failed/{r}" for r in ranks}
-            deadline = time.monotonic() + grace  # polled: the store's own wait logs a warning when it times out
-            while not store.check(list(keys.values())) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            posted = {r: json.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
-            barriers = _where(store, world)
-        except Exception as lost:  # noqa: BLE001 - the store's host (rank 0 or the launcher) is gone
-            return f"{head}; the rendezvous store is gone too ({type(lost).__name__}: {lost}): see rank 0's output"
-        lines, silent = [], []
-        for r in ranks:
-            if r in posted:
-                seq, call, host, started = posted[r]
-                lines.append(f"rank {r} ({host}): in {call!r} (its collective call #{seq}, for "
-                             f"{time.time() - started:.1f} s)")
-                continue
-            silent.append(r)
-            entry = barriers.get(r)
-            last = "has made no monitored call" if entry is None else (
-                f"{_STATES[entry[2]]} monitored call {entry[1]!r} ({time.time() - entry[4]:.0f} s ago)")
-            where = f" ({entry[3]})" if entry is not None else ""
-            lines.append(f"rank {r}{where}: did not report being in a gather/reduce; {last}")
-        calls: dict[str, list[int]] = {}
-        for r in sorted(posted):
-            calls.setdefault(repr(posted[r][1]), []).append(r)
-        summary = "; ".join(f"{_ranks(rs)} in {call}" for call, rs in calls.items())
-        summary += f"; {_ranks(silent)} did not report" if silent else ""
-        hints = []
-        if len(calls) > 1:
-            hints.append("the ranks called different collectives: call gather / reduce in the same order on every "
-                         "rank of the group")
-        if silent:
-            hints.append("a rank that did not report is busy outside the library's collectives (raise the timeout: "
-                         "NDPARALLEL_TIMEOUT / InitProcessGroupKwargs(timeout=...)), stuck, or skipped this call (a "
-                         "gather / reduce under `if accelerator.is_main_process:`, or an exception on that rank only: "
-                         "see its own output)")
-        return f"{head}: {summary}.\n  " + "\n  ".join(lines) + "".join(f"\n{h[0].upper()}{h[1:]}." for h in hints)
-
-
 __all__ = [
     "CollectiveTimeoutError",
     "where_ranks",
@@ -542,6 +483,5 @@ __all__ = [
     "optimizer_fingerprint",
     "prepare_fingerprint",
     "versions",
-    "watched",
 ]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,11 +67,20 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None,
+                 before_step: Callable[[], object] | None = None) -> None:
         self.optimizer = optimizer
+        # The Accelerator's: parameters a forward left gathered go back to their shards before the update, or the
+        # next forward would compute with the gathered copy of the values before it (`PreparedModel.release_gathered`).
+        self.before_step = before_step
         self.gradient_state = gradient_state
         self.scaler = scaler
         self._step_was_skipped = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The Accelerator's hook holds every prepared object: a pickled optimizer (Accelerate's tests pickle one)
+        # is the optimizer alone, as Accelerate's.
+        return {**self.__dict__, "before_step": None}
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -102,6 +111,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             self._step_was_skipped = True
             return None
+        if self.before_step is not None:
+            self.before_step()
         if self.scaler is None:
             self._step_was_skipped = False
             with uniform_param_groups(self.optimizer):

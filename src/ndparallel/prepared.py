@@ -15,6 +15,7 @@ from torch import nn
 from .data import PreparedDataLoader
 from .loss import GradientState
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .parallel.interface import interface
 
 
 @dataclass
@@ -26,3 +27,11 @@ class PreparedObjects:
     schedulers: list[AcceleratedScheduler] = field(default_factory=list)
     dataloaders: list[PreparedDataLoader] = field(default_factory=list)
     custom_objects: list[Any] = field(default_factory=list)  # register_for_checkpointing: state_dict/load_state_dict
+
+    def release_gathered(self) -> dict[int, torch.Tensor]:
+        """Every prepared model's parameters left gathered by a forward without backward back on their shards
+        (`PreparedModel.release_gathered`), before anything reads or updates them; ``{id(gathered): sharded}``."""
+        released: dict[int, torch.Tensor] = {}
+        for model in self.models:
+            released.update(interface(model).release_gathered())
+        return released

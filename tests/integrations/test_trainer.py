@@ -184,16 +184,18 @@ def test_fused_adamw_trains_under_tensor_parallelism(tmp_path, tmp_path_factory)
 
 
 def test_checkpoints_resume_exactly_into_another_layout(tmp_path, tmp_path_factory):
-    """save_steps with save_total_limit under dp_shard 2, then resume_from_checkpoint under tp 2: the resumed run logs
-    the uninterrupted run's losses; save_model writes a directory plain transformers loads with the trained weights."""
+    """save_steps with save_total_limit under dp_shard 2, each save after an evaluation (eval_steps = save_steps), then
+    resume_from_checkpoint under tp 2: the resumed run logs the uninterrupted run's losses; save_model writes a
+    directory plain transformers loads with the trained weights."""
     first = tmp_path / "first"
-    full = run_layout(first, {"dp_shard": 2}, save_steps=2, extra={"save_total_limit": 2}, save_to=str(tmp_path / "hf"))
+    full = run_layout(first, {"dp_shard": 2}, save_steps=2, eval_steps=2, extra={"save_total_limit": 2},
+                      save_to=str(tmp_path / "hf"))
     assert sorted(p.name for p in first.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4",
                                                                                            "checkpoint-6"]
     second = tmp_path / "second"
     second.mkdir()
     os.symlink(first / "checkpoint-4", second / "checkpoint-4")
-    resumed = run_layout(second, {"tp": 2}, save_steps=2, resume=str(second / "checkpoint-4"))
+    resumed = run_layout(second, {"tp": 2}, save_steps=2, eval_steps=2, resume=str(second / "checkpoint-4"))
     assert len(resumed[0]["losses"]) == 6
     assert max(abs(a - b) for a, b in zip(full[0]["losses"], resumed[0]["losses"])) < TOL
     params = merged_parameters(resumed)

@@ -4,7 +4,8 @@
 checkpoint after each step listed in ``--save-at``, and returns {step: global token-mean loss} plus what the tests
 compare. The data loader shuffles and runs several epochs (28 samples, global batch 8: epochs of 4 steps, the last
 one short), so a resume lands mid-epoch and crosses an epoch boundary. ``--dropout`` makes the loss depend on the
-random states, so resuming exactly needs them restored too.
+random states, so resuming exactly needs them restored too. Every save follows an evaluation forward (``model.eval()``,
+``torch.no_grad()``), as in Accelerate's examples, which evaluate each epoch and save after; it must change nothing.
 """
 
 from __future__ import annotations
@@ -122,6 +123,17 @@ def build(args: argparse.Namespace) -> tuple:
     return accelerator, model, optimizer, dataloader, scheduler, counter
 
 
+def evaluate(model: torch.nn.Module, dataset: TokenDataset, rows: int) -> float:
+    """An evaluation forward on the first `rows` samples (whole sequences, on every rank), as a loop does between
+    training steps: no backward follows it."""
+    batch = torch.utils.data.default_collate([dataset[i] for i in range(rows)])
+    model.eval()
+    with torch.no_grad():
+        loss = model(**batch).loss
+    model.train()
+    return float(loss)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     accelerator, model, optimizer, dataloader, scheduler, counter = build(args)
@@ -163,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
                     accelerator.wait_for_checkpoint()  # an earlier background save must not be the one paused
                     (pause_before_commit if args.async_save else pause_after_models)(args.pause_marker)
                 if step in args.save_at:
+                    evaluate(model, TokenDataset(args.dataset_size, args.seq_len, VOCAB), len(batch["input_ids"]))
                     saved.append(accelerator.save_state(
                         None if args.project_dir else os.path.join(args.save_dir, f"step_{step}"),
                         async_save=args.async_save))

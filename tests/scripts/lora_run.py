@@ -63,6 +63,10 @@ def train(sizes: dict[str, int], name: str = "llama", steps: int = 6, accumulati
         if acc.sync_gradients:
             losses.append(logged.item())
             if state is not None and len(losses) == 2 and resume is None:
+                model.eval()  # an evaluation forward first, as a training loop has: it must change nothing saved
+                with torch.no_grad():
+                    model(input_ids=batch["input_ids"], labels=batch["labels"])
+                model.train()
                 acc.save_state(state)
     unwrapped = acc.unwrap_model(model)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()

@@ -1,5 +1,5 @@
 """Collectives for metrics and logging: gather along ``batch``, reduce over ``loss``, the exact logged loss, padding,
-and Accelerate's trigger (`ndparallel.gather_reduce` does the work). Each runs inside `ndparallel.agreement.watched`:
+and Accelerate's trigger (`ndparallel.gather_reduce` does the work). Each runs inside `ndparallel.failures.watched`:
 nothing extra while it works; when the backend fails (the process-group timeout) a `CollectiveTimeoutError` says
 which rank was in which call and which ranks were elsewhere."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import agreement
+from .. import failures
 from .. import gather_reduce as operations
 from ..loss import GradientState
 from ..mesh import ParallelMesh
@@ -29,7 +29,7 @@ class CollectivesMixin:
     def _watched(self, call: str, view: str | None = None) -> contextlib.AbstractContextManager:
         """`call` watched over the ranks of mesh view `view` (every process without one), with the run's timeout."""
         ranks = None if view is None else (lambda: self.mesh.ranks(view))
-        return agreement.watched(call, ranks, self.state.runtime.timeout)
+        return failures.watched(call, ranks, self.state.runtime.timeout)
 
     def gather(self, tensor: Any) -> Any:
         """Concatenate tensors (or dicts/lists of them) along dim 0 over the ranks with distinct samples (``batch``:

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from .. import agreement, checkpoint, metrics, parallel
+from .. import agreement, checkpoint, failures, metrics, parallel
 from ..batch_size import release_memory
 from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
@@ -320,6 +320,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
             elif new.get(name) is not None and new[name] is not param:
                 self._param_map[id(param)] = (weakref.ref(param), new[name])
         install_save_pretrained(prepared, self.unwrap_model(prepared))  # full weights from any layout (collective)
+        if self.num_processes > 1:  # a collective of its forward that fails says where every rank was
+            failures.watch_training_step(prepared, self.state.runtime.timeout)
         self.prepared.models.append(prepared)
         for opt in self.prepared.optimizers:  # optimizers prepared before this model follow its new parameters too
             self._remap(opt.optimizer)
@@ -344,7 +346,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         self._remap(optimizer)
-        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
+                                       before_step=self.prepared.release_gathered)
         self.prepared.optimizers.append(wrapped)
         return wrapped
 
@@ -468,6 +471,7 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         wrapper is kept around the unwrapped model (its ``_orig_mod`` replaced, as Accelerate does), else the
         unwrapped model itself is returned."""
         compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+        parallel.interface(model._orig_mod if compiled is not None else model).release_gathered()
         inner = parallel.unwrap(model._orig_mod if compiled is not None else model)
         while isinstance(inner, (DistributedDataParallel, nn.DataParallel)):
             inner = inner.module

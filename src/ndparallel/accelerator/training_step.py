@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import clip, parallel
+from .. import clip, failures, parallel
 from ..config import ParallelismConfig, compute_dtype
 from ..loss import GradientState
 from ..mesh import ParallelMesh
@@ -75,7 +75,7 @@ class TrainingStepMixin:
         loss = loss * self.gradient_state.loss_factor()
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        with self.loss_parallel():
+        with self.loss_parallel(), failures.explained("backward", self.state.runtime.timeout):
             loss.backward(**kwargs)
 
     def loss_parallel(self) -> contextlib.AbstractContextManager:
@@ -185,16 +185,27 @@ class TrainingStepMixin:
                 if "already been called" not in str(exc):
                     raise
 
+    def _settled(self, parameters: Any) -> list[torch.Tensor]:
+        """`parameters` as a list, with the models' parameters a forward left gathered (no backward after it) back on
+        their shards, and any gathered tensor in `parameters` (a ``model.parameters()`` taken before) replaced by the
+        sharded one, which holds the gradient (`PreparedModel.release_gathered`)."""
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        released = self.prepared.release_gathered()
+        return [released.get(id(p), p) for p in parameters] if released else parameters
+
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the total gradient norm, computed correctly over sharded (DTensor) and plain gradients."""
+        parameters = self._settled(parameters)
         self.unscale_gradients()
         # Pipeline stages hold different parameters: their parts of the norm add up over ``pp`` (a tied weight's
         # second copy, on the last stage, counted once).
         stages = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
         twice = {id(p) for m in self.prepared.models for p in parallel.interface(m).norm_duplicates()}
-        return clip.clip_grad_norm_(parameters, max_norm, norm_type, across=stages, counted_elsewhere=twice)
+        with failures.explained("clip_grad_norm_", self.state.runtime.timeout):
+            return clip.clip_grad_norm_(parameters, max_norm, norm_type, across=stages, counted_elsewhere=twice)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] (elementwise: exact on shards)."""
+        parameters = self._settled(parameters)
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)

@@ -51,6 +51,7 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the adapter's tensors in full on the main process (an empty dict elsewhere), under the PEFT
     model's names (adapter name included), ready for ``PeftModel.save_pretrained(dir, state_dict=...)``."""
     parts = interface(model)
+    parts.release_gathered()
     peft_model = parts.unwrapped()
     state = peft_model.state_dict()
     full = {key: _full(state[key]) for key in adapter_keys(peft_model, state)}  # same keys on every rank of a part
@@ -79,6 +80,7 @@ def merged_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], nn.Mod
     """Collective: the adapted transformers model's full weights with the active LoRA adapters merged in, on the main
     process (an empty dict elsewhere), and that transformers model (whose ``save_pretrained`` writes them)."""
     parts = interface(model)
+    parts.release_gathered()
     peft_model = parts.unwrapped()
     base = peft_model.get_base_model()
     prefix = next(f"{name}." for name, m in peft_model.named_modules() if m is base).lstrip(".")

@@ -105,6 +105,7 @@ def get_state_dict(model: nn.Module, unwrap: bool = True, call: str = "get_state
     another rank reaches another of the library's collective calls (`ndparallel.agreement.monitored_barrier`). Keys
     are the unwrapped model's names (unless ``unwrap=False``)."""
     parts = interface(model)
+    parts.release_gathered()
     if not parts.holds_every_parameter:
         monitored_barrier(call)
         return _parts_state_dict(parts)
@@ -138,6 +139,7 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
     # This rank's shards, named as in the unwrapped model; under pipeline stages the stages' full weights gathered
     # on rank 0 (plain tensors: the loop below then gathers nothing and only rank 0 has names to write).
     parts = interface(model)
+    parts.release_gathered()
     state = _parts_state_dict(parts) if not parts.holds_every_parameter else get_model_state_dict(model)
     tied = tied_names(unwrapped)
     names = [n for n in state if n not in tied]

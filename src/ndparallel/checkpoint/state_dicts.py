@@ -55,6 +55,31 @@ def sharded_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> t
     return theirs
 
 
+def flat_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (``{"state": {name: {...}}, "param_groups": [{"params": [names],
+    ...}]}``) in torch's flat form (``StateDictOptions(flatten_optimizer_state_dict=True)``): ``state.<name>.<key>``
+    and ``param_groups.<name>.<setting>``, every value under a key of its parameter's own. Checkpoints are written
+    flat: in the nested form every rank writes its groups under ``param_groups.<i>``, and the checkpoint keeps one
+    rank's -- under pipeline stages, whose ranks hold other parameters, the other stages' groups were lost."""
+    flat: dict[str, Any] = {}
+
+    def nested(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                nested(f"{prefix}.{key}", item)
+        else:
+            flat[prefix] = value
+
+    for name, values in state["state"].items():
+        nested(f"state.{name}", values)
+    for group in state["param_groups"]:
+        for name in group["params"]:
+            for key, value in group.items():
+                if key != "params":
+                    flat[f"param_groups.{name}.{key}"] = value
+    return flat
+
+
 def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     if not names:
         return state

@@ -67,7 +67,7 @@ from .project import (
     next_number,
     prune,
 )
-from .state_dicts import sharded_state_dicts
+from .state_dicts import flat_optimizer_state, sharded_state_dicts
 from .storage import (
     CheckpointError,
     agree,
@@ -88,6 +88,9 @@ class RunSettings:
     mixed_precision: str
     gradient_accumulation_steps: int
     state_dict_type: str = SHARDED  # the FSDP plugin's: how models and optimizers are written
+
+
+FLAT = "flat"  # the checkpoint's optimizer states are keyed by parameter name (`state_dicts.flat_optimizer_state`)
 
 
 # ---- what was prepared -------------------------------------------------------------------------------------------
@@ -234,6 +237,7 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
     if not prepared.gradient_state.sync_gradients:
         warnings.warn("save_state() in the middle of a gradient-accumulation window: the gradients accumulated so far "
                       "are not saved; save after the optimizer step", stacklevel=3)
+    prepared.release_gathered()  # after an evaluation forward: the parameters are the optimizer's again
     owners = _optimizer_owners(prepared)
     _check_layout(prepared, run.state_dict_type == FULL)
 
@@ -286,6 +290,8 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
     either way, so that what is written is the state of this moment."""
     full = run.state_dict_type == FULL
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    # Sharded optimizer states are written flat, keyed by parameter name (`state_dicts.flat_optimizer_state`).
+    optimizer_options = StateDictOptions(full_state_dict=full, cpu_offload=full, flatten_optimizer_state_dict=not full)
     states: list[tuple[str, str, Callable[[], dict[str, Any]], torch.nn.Module | None]] = []
     for i, model in enumerate(prepared.models):
         states.append((f"model {i}", f"model_{i}", functools.partial(get_model_state_dict, state_module(model),
@@ -298,7 +304,9 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
     def optimizer_state(j: int, state: dict[str, Any] | None = None) -> dict[str, Any]:
         opt, owner = prepared.optimizers[j], prepared.models[owners[j]]
         if state is None:
-            state = get_optimizer_state_dict(state_module(owner), opt.optimizer, options=options)
+            state = get_optimizer_state_dict(state_module(owner), opt.optimizer, options=optimizer_options)
+        elif not full:
+            state = flat_optimizer_state(state)
         if j in fresh:
             opt.optimizer.state.clear()
         return _renamed(state, _tied_copy_names(owner))
@@ -349,7 +357,7 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
         "gradient_accumulation_steps": run.gradient_accumulation_steps, "versions": _versions(),
         **verify.components(prepared), "model_tensors": tables or [model_tensors(m) for m in prepared.models],
         "model_tied": [tied_names(unwrap(m)) for m in prepared.models], "optimizer_models": owners,
-        "fresh_optimizers": fresh,
+        "fresh_optimizers": fresh, "optimizer_layout": "nested" if full else FLAT,
     }
     return _Parts(states, small, metadata)
 
@@ -415,11 +423,20 @@ def _tied_aliases(model: torch.nn.Module, directory: Path) -> dict[str, str]:
 
 
 def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
-    """An optimizer state dict with parameter names replaced by `names` (in its state and its groups)."""
-    if not names or "state" not in state:
+    """An optimizer state dict with parameter names replaced by `names` (in its state and its groups), nested or flat
+    (`state_dicts.flat_optimizer_state`)."""
+    if not names or not state:
         return state
-    return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()},
-            "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]]}
+    if "state" in state and "param_groups" in state:
+        return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()},
+                "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]}
+                                 for g in state["param_groups"]]}
+    renamed = {}
+    for key, value in state.items():
+        section, _, rest = key.partition(".")
+        name = next((n for n in names if rest.startswith(f"{n}.")), None)
+        renamed[f"{section}.{names[name]}{rest[len(name):]}" if name is not None else key] = value
+    return renamed
 
 
 def _check_layout(prepared: PreparedObjects, full: bool) -> None:
@@ -427,6 +444,18 @@ def _check_layout(prepared: PreparedObjects, full: bool) -> None:
         raise ValueError("FULL_STATE_DICT checkpoints are written and read by rank 0, which holds only the first "
                          "pipeline stage: with pipeline stages use SHARDED_STATE_DICT (the default), which any "
                          "layout loads; `ndparallel merge-weights` makes full weights of it")
+
+
+def _check_optimizer_layout(prepared: PreparedObjects, meta: dict[str, Any], path: Path) -> None:
+    """Refuse what a nested optimizer state saved under pipeline stages cannot give to stages: one stage's groups."""
+    saved_stages = (meta.get("parallelism") or {}).get("pp_size", 1)
+    if (meta.get("optimizer_layout") != FLAT and meta["state_dict_type"] != FULL and saved_stages > 1 and prepared.optimizers
+            and any(not interface(m).holds_every_parameter for m in prepared.models)):
+        raise CheckpointError(
+            f"checkpoint {path} was written under pipeline stages by an earlier ndparallel, whose optimizer state "
+            "was nested by parameter group: it holds the parameter-group settings (lr, betas, ...) of one stage only, so it cannot resume "
+            "under pipeline stages; load it once in a layout without pipeline stages, save_state again, and resume "
+            "from that checkpoint")
 
 
 def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_dir: str | Path | None = None,
@@ -439,12 +468,14 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
     verifies; with `input_dir`, it raises. `before_load(directory)` runs on every rank once the checkpoint has
     verified, before anything is loaded (Accelerate's load-state pre-hooks)."""
     background.wait()  # a background save under way first commits (or fails)
+    prepared.release_gathered()  # a gathered copy left by an evaluation forward would not see the loaded values
     if input_dir is not None:
         path = Path(input_dir)
         meta, small = verify.check(prepared, path)
     else:
         path, meta, small = verify.check_newest(prepared, project)
     _check_layout(prepared, meta["state_dict_type"] == FULL)
+    _check_optimizer_layout(prepared, meta, path)
     if before_load is not None:
         _run_hook(before_load, path, "load_state")
 
@@ -478,14 +509,19 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
         state = _read_state(state, path / f"model_{i}", full, f"model {i}")
         set_model_state_dict(model, state, options=read_options)
         del state
+    # Written flat since the layout was recorded; before, nested (which kept one stage's parameter groups).
+    flat = meta.get("optimizer_layout") == FLAT
+    optimizer_options = StateDictOptions(full_state_dict=full, cpu_offload=full, broadcast_from_rank0=full,
+                                         flatten_optimizer_state_dict=flat)
     for j, opt in enumerate(prepared.optimizers):
         owner = prepared.models[meta["optimizer_models"][j]]
         model = state_module(owner)
-        state = {} if full else get_optimizer_state_dict(model, opt.optimizer)
+        state = {} if full else get_optimizer_state_dict(
+            model, opt.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
         aliases = {} if full else _tied_aliases(owner, path / f"optimizer_{j}")
         state = _read_state(_renamed(state, aliases), path / f"optimizer_{j}", full, f"optimizer {j}")
         state = _renamed(state, {saved: name for name, saved in aliases.items()})
-        set_optimizer_state_dict(model, opt.optimizer, state, options=read_options)
+        set_optimizer_state_dict(model, opt.optimizer, state, options=optimizer_options)
         if j in meta.get("fresh_optimizers", ()):  # saved before its first step (see save_state): no state then
             opt.optimizer.state.clear()
         del state

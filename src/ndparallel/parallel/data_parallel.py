@@ -39,6 +39,7 @@ from ..mesh import ParallelMesh
 from ..plugins import FullyShardedDataParallelPlugin
 from .blocks import block_classes, modules_to_wrap
 from .experts import shard_experts
+from .gathered import release_after_forward_without_gradients
 from .options import PrepareOptions
 
 
@@ -138,6 +139,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
     # own choice for the root (None), as in hand-written FSDP2 and torchtitan. Resharding it would free them only
     # until backward begins, for one more all-gather per micro-step (issue 33).
     fully_shard(model, reshard_after_forward=None if reshard else False, **kwargs)
+    # ...but a forward without gradients (evaluation) has no backward to end it: it releases them at once.
+    model.register_forward_hook(release_after_forward_without_gradients)
     model._ignored_params = set(kwargs["ignored_params"] or ())  # Accelerate's attribute: what FSDP2 left alone
     return model
 

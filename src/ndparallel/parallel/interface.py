@@ -10,7 +10,9 @@ They never ask what kind of model they hold; they ask `interface(model)`:
 - `tied_copy_names`: names of this rank's second copies of a tied weight, and the weight's first name;
 - `norm_duplicates`: parameters whose gradient another rank counts in the gradient norm already;
 - `consume_backward`: whether the model's last call already ran this step's backward (then `Accelerator.backward`
-  has nothing left to do).
+  has nothing left to do);
+- `release_gathered`: return to their shards the parameters a forward left gathered with no backward after it (an
+  evaluation, a loss never used), before anything reads or updates the parameters (`data_parallel.release_gathered`).
 
 A model that runs backward itself gets what it needs at construction, from `PrepareOptions`: the factor the loss of
 this rank is weighted by (``loss_factor``, `ndparallel.loss`) and whether the micro-step ends the optimizer step
@@ -25,8 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from .gathered import release_gathered
 
 
 class PreparedModel:
@@ -49,6 +54,11 @@ class PreparedModel:
 
     def consume_backward(self) -> bool:
         return False
+
+    def release_gathered(self) -> dict[int, torch.Tensor]:
+        """Parameters left gathered by a forward without backward go back to their shards; returns ``{id(gathered
+        parameter): sharded parameter}`` of those released. Not collective."""
+        return release_gathered(self.state_module())
 
     def gather_parts(self, state: dict[str, Any]) -> dict[str, Any]:
         """Collective where other ranks own parts of the model: every part's `state` (full tensors) on rank 0, an

@@ -19,20 +19,51 @@ LAYERS = 4
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_checkpoints_move_between_pipeline_and_other_layouts(tmp_path, tied):
-    """Saved under pp 2, resumed under pp 1; saved under dp_shard 2, resumed under pp 2: both continue as the run
-    that was never interrupted (a tied embedding and head too: its two copies save and load under their names)."""
+    """Saved under pp 2, resumed under pp 1 and under pp 2; saved under dp_shard 2, resumed under pp 2: each continues
+    as the run that was never interrupted (a tied embedding and head too: its two copies save and load under their
+    names). pp 2 -> pp 2 needs each stage's optimizer parameter groups: the optimizer state is written keyed by
+    parameter (nested by group, the checkpoint kept one stage's groups, and the other stage lost its settings)."""
     base = ["--layers", str(LAYERS), "--steps", "6", *(["--tied"] if tied else [])]
     uninterrupted = run_ranks(checkpoint_train.main, 1, base)[0]["losses"]
     run_ranks(checkpoint_train.main, 2, [*base, "--pp-size", "2", "--save-at", "3", "--save-dir", str(tmp_path / "a")])
     resumed = run_ranks(checkpoint_train.main, 1, [*base, "--load", str(tmp_path / "a" / "step_3")])[0]["losses"]
+    pp_to_pp = run_ranks(checkpoint_train.main, 2, [*base, "--pp-size", "2", "--load",
+                                                    str(tmp_path / "a" / "step_3")])[0]["losses"]
     run_ranks(checkpoint_train.main, 2, [*base, "--dp-shard-size", "2", "--save-at", "3", "--save-dir",
                                          str(tmp_path / "b")])
     into_pp = run_ranks(checkpoint_train.main, 2, [*base, "--pp-size", "2", "--load",
                                                    str(tmp_path / "b" / "step_3")])[0]["losses"]
-    for what, losses in (("pp2 -> pp1", resumed), ("dp_shard2 -> pp2", into_pp)):
+    for what, losses in (("pp2 -> pp1", resumed), ("pp2 -> pp2", pp_to_pp), ("dp_shard2 -> pp2", into_pp)):
         assert sorted(losses) == [4, 5, 6], what
         diff = max(abs(losses[k] - uninterrupted[k]) for k in losses)
         assert diff <= 1e-5, f"{what}: {diff:.2e} from the uninterrupted run"
+
+
+def _load_under_pp(directory: str) -> tuple[str, str]:
+    from ndparallel import CheckpointError
+
+    try:
+        checkpoint_train.main(["--layers", str(LAYERS), "--steps", "4", "--pp-size", "2", "--load", directory])
+    except CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    return "loaded", ""
+
+
+def test_a_nested_optimizer_state_saved_under_stages_is_refused_under_stages(tmp_path):
+    """A checkpoint whose optimizer state is nested by parameter group (what earlier versions wrote, so its metadata
+    names no `optimizer_layout`) holds one stage's groups: under pipeline stages it is refused, saying why and what
+    to do, on every rank alike."""
+    import json
+
+    base = ["--layers", str(LAYERS), "--steps", "3", "--pp-size", "2"]
+    run_ranks(checkpoint_train.main, 2, [*base, "--save-at", "3", "--save-dir", str(tmp_path)])
+    meta_file = tmp_path / "step_3" / "ndparallel_checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta.pop("optimizer_layout") == "flat"
+    meta_file.write_text(json.dumps(meta))
+    outcomes = run_ranks(_load_under_pp, 2, str(tmp_path / "step_3"))
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == "CheckpointError", outcomes
+    assert "one stage only" in outcomes[0][1] and "without pipeline stages" in outcomes[0][1]
 
 
 def _export(directory: str, tied: bool) -> object:

@@ -306,6 +306,10 @@ def train_save_load(model_name: str, directory: str, layout: dict, load: bool, m
         optimizer.step()
         optimizer.zero_grad()
     if not load and save:
+        model.eval()  # an evaluation forward first, as a training loop has: it must change nothing saved
+        with torch.no_grad():
+            model(input_ids=ids, labels=ids)
+        model.train()
         accelerator.save_state(f"{directory}/state", async_save=async_save)
         accelerator.save_model(model, f"{directory}/hf")
         accelerator.wait_for_checkpoint()

@@ -33,6 +33,7 @@ from torch.distributed import pipelining
 from ...config import PP_SCHEDULES, PipelineParallelConfig
 from ...loss import count_loss_tokens
 from ..adapted import adapter_free
+from ..gathered import release_gathered
 from ..interface import PreparedModel
 from ..memory import chunked_loss_of
 from ..memory.cross_entropy import aligned_labels
@@ -88,6 +89,14 @@ class PipelineModel(nn.Module, PreparedModel):
     def consume_backward(self) -> bool:
         ran, self._backward_ran = self._backward_ran, False
         return ran
+
+    def release_gathered(self) -> dict[int, torch.Tensor]:
+        """As a whole model's (`PreparedModel.release_gathered`), over the stage modules: each is an FSDP2 root of its
+        own, and not a submodule of `module`."""
+        released: dict[int, torch.Tensor] = {}
+        for stage in self.stage_modules:
+            released.update(release_gathered(stage))
+        return released | release_gathered(self.module)
 
     def gather_parts(self, state: dict[str, Any]) -> dict[str, Any]:
         """Collective: every stage's `state` (full tensors), on rank 0 (an empty dict elsewhere). The first rank of
