@@ -220,10 +220,10 @@ def test_flags_win_and_a_node_count_other_than_the_schedulers_is_refused():
         "rdzv_id": ("slurm-4242", "SLURM_JOB_ID=4242"), "nproc_per_node": (2, "--nproc-per-node"),
         "max_restarts": (0, "default")}
     assert place({"nnodes": Found(2, "--nnodes")}, env).nnodes == Found(2, "--nnodes")  # the same count: fine
-    with pytest.raises(ValueError, match=r"--nnodes 4 disagrees with SLURM job 4242: 2 node\(s\) "
-                                         r"\(SLURM_STEP_NUM_NODES=2\), which starts one ndparallel launch on each of "
-                                         r"its nodes, so 4 node\(s\) would never meet: leave out --nnodes, or ask the "
-                                         r"scheduler for 4 node\(s\)"):
+    with pytest.raises(ValueError, match=re.escape(
+            "4 node(s) (--nnodes) disagrees with SLURM job 4242: 2 node(s) (SLURM_STEP_NUM_NODES=2), which starts one "
+            "ndparallel launch on each of its nodes, so 4 node(s) would never meet: leave the node count out of "
+            "--nnodes, ask the scheduler for 4 node(s), or ignore it with --scheduler none")):
         place({"nnodes": Found(4, "--nnodes")}, env)
     one = read_environment({"PET_NNODES": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
     assert place({}, one).endpoint is None  # one node: a free local port, not the pod's master port
@@ -302,3 +302,26 @@ def test_torchrun_reads_only_the_launchs_flags(monkeypatch):
         parsed = parse_args(flags)
     assert (parsed.module, parsed.rdzv_conf) == (False, "")
     assert os.environ["PET_MODULE"] == "1"  # back afterwards
+
+
+def test_config_files_under_a_scheduler(scheduler_env, tmp_path):
+    """A file serves every node: its node count must be the scheduler's; its node rank (``accelerate config`` always
+    writes one) yields to the scheduler's, with a warning."""
+    import yaml
+
+    scheduler_env({**STEP, "SLURM_CPUS_PER_TASK": "2"})
+    ours = tmp_path / "ndparallel.yaml"
+    ours.write_text(yaml.safe_dump({"launch": {"nproc_per_node": 2, "nnodes": 1, "cpu": True}}))  # `config`'s default
+    with pytest.raises(ValueError, match=re.escape(f"1 node(s) (--config-file {ours}) disagrees with SLURM job 4242")):
+        plan_launch(build_parser().parse_args(["launch", "--config-file", str(ours), SCRIPT]))
+    theirs = tmp_path / "accelerate.yaml"
+    theirs.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU",
+                                      "num_machines": 2, "machine_rank": 0, "num_processes": 4, "use_cpu": True}))
+    plan = plan_launch(build_parser().parse_args(["launch", "--config-file", str(theirs), SCRIPT]))
+    assert (plan.rendezvous.node_rank, plan.nproc_per_node) == (1, 2)  # SLURM_NODEID; 4 processes over 2 nodes
+    assert f"node rank 0 of --config-file {theirs} is not used: one file serves every node, SLURM job 4242 gives " \
+           "this one 1 (SLURM_NODEID=1)" in plan.warnings
+    assert "process(es) per node (--num-processes 4 / 2 node(s))" in plan.origin
+    # a flag still wins
+    assert plan_launch(build_parser().parse_args(["launch", "--config-file", str(theirs), "--node-rank", "0",
+                                                  SCRIPT])).rendezvous.node_rank == 0

@@ -1,7 +1,8 @@
 """`ndparallel launch`: check the sizes against the world size, then start the ranks with torchrun -- ranks that die
 with their launcher, nodes that meet within a bounded time, ranks that stall reported.
 
-Settings come from, in order of precedence: command-line flags > the YAML file of ``--config-file`` >
+Settings come from, in order of precedence: command-line flags > the YAML file of ``--config-file`` > the
+scheduler's environment (the nodes of a SLURM step or a Kubernetes PyTorchJob: `ndparallel.launch.schedulers`) >
 defaults. The YAML file has two sections (``ndparallel config`` writes it):
 
     parallelism:   {dp_replicate_size, dp_shard_size, tp_size, cp_size, sp_size}  (ParallelismConfig.to_dict)
@@ -191,9 +192,12 @@ def _source(args: argparse.Namespace, key: str, flag: str, file_label: str | Non
     return file_label or (f"--config-file {args.config_file}" if args.config_file else "accelerate launch's flags")
 
 
-def _given_node_settings(args: argparse.Namespace, given: Translated,
-                         flags: dict[str, Any]) -> dict[str, schedulers.Found | None]:
-    """The node settings the flags and the config file give, each with its source (for `schedulers.place`)."""
+def _given_node_settings(args: argparse.Namespace, given: Translated, flags: dict[str, Any],
+                         environment: schedulers.Environment | None,
+                         warnings: list[str]) -> dict[str, schedulers.Found | None]:
+    """The node settings the flags and the config file give, each with its source (for `schedulers.place`). A
+    config file's node rank yields to the scheduler's: one file serves every node (``accelerate config`` always
+    writes a ``machine_rank``), so only the scheduler can give each node its own."""
     out: dict[str, schedulers.Found | None] = {}
     for key, flag in (("nnodes", "--nnodes"), ("node_rank", "--node-rank"), ("rdzv_endpoint", "--rdzv-endpoint"),
                       ("rdzv_backend", "--rdzv-backend"), ("rdzv_id", "--rdzv-id"), ("max_restarts", "--max-restarts")):
@@ -201,6 +205,12 @@ def _given_node_settings(args: argparse.Namespace, given: Translated,
         value = given.launch.get(key) if value is None else value
         label = "--main-process-ip" if key == "rdzv_endpoint" and "main_process_ip" in flags else None
         out[key] = None if value is None else schedulers.Found(value, _source(args, key, flag, label))
+    mine, theirs = out["node_rank"], getattr(environment, "node_rank", None)
+    if mine is not None and args.node_rank is None and theirs is not None:
+        if mine.value != theirs.value:
+            warnings.append(f"node rank {mine.value} of {mine.source} is not used: one file serves every node, "
+                            f"{environment.name} gives this one {theirs.value} ({theirs.source})")
+        out["node_rank"] = None
     return out
 
 
@@ -221,9 +231,9 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     # Flags and the config file over the scheduler's environment (SLURM, Kubernetes), over the defaults.
     environment = schedulers.read_environment(os.environ, args.scheduler, cpu=cpu,
                                               gpus=0 if cpu else torch.cuda.device_count())
-    placed = schedulers.place(_given_node_settings(args, given, flags), environment)
     if environment is not None:
         warnings.extend(environment.warnings)
+    placed = schedulers.place(_given_node_settings(args, given, flags, environment, warnings), environment)
     nnodes = positive_int(placed.nnodes.source, placed.nnodes.value)
     nproc = settings["nproc_per_node"]
     nproc_source = _source(args, "nproc_per_node", "--nproc-per-node")

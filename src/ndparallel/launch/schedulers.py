@@ -446,10 +446,10 @@ def place(given: Mapping[str, Found | None], environment: Environment | None) ->
 
     mine, theirs = given.get("nnodes"), getattr(environment, "nnodes", None)
     if mine is not None and theirs is not None and mine.value != theirs.value:
-        raise ValueError(f"{mine.source} {mine.value} disagrees with {environment.name}: {theirs.value} node(s) "
-                         f"({theirs.source}), which starts one ndparallel launch on each of its nodes, so "
-                         f"{mine.value} node(s) would never meet: leave out {mine.source}, or ask the scheduler for "
-                         f"{mine.value} node(s)")
+        raise ValueError(f"{mine.value} node(s) ({mine.source}) disagrees with {environment.name}: {theirs.value} "
+                         f"node(s) ({theirs.source}), which starts one ndparallel launch on each of its nodes, so "
+                         f"{mine.value} node(s) would never meet: leave the node count out of {mine.source}, ask the "
+                         f"scheduler for {mine.value} node(s), or ignore it with --scheduler none")
     nnodes = pick("nnodes", Found(1, "default"))
     endpoint = given.get("rdzv_endpoint")
     if endpoint is None and environment is not None and environment.host is not None and nnodes.value > 1:
