@@ -158,9 +158,10 @@ def test_a_two_node_checkpoint_resumes_exactly_on_one_node(tmp_path):
     project, job = tmp_path / "run", slurm_job_id()
     train = ["--project-dir", str(project), "--steps", "4", "--checkpoint-every", "2", "--seq-len", "64"]
     resume = str(EXAMPLES / "resume.py")
-    launch([slurm_node(node, job, cpus=2) for node in (0, 1)],
-           ["--cpu", "--rdzv-timeout", "120", *SIZE_FLAGS, resume, *train, "--json-out", str(tmp_path / "a.json")],
-           tmp_path / "two_nodes")
+    logs = launch([slurm_node(node, job, cpus=2) for node in (0, 1)],
+                  ["--cpu", "--rdzv-timeout", "120", *SIZE_FLAGS, resume, *train, "--json-out",
+                   str(tmp_path / "a.json")], tmp_path / "two_nodes")
+    assert all("ndparallel launch: 4 process(es) = 2 node(s) x 2, " in log for log in logs), logs[0][-3000:]
     two_nodes = json.loads((tmp_path / "a.json").read_text())
     assert two_nodes["world_size"] == 4 and sorted(two_nodes["losses"]) == ["1", "2", "3", "4"]
     checkpoints = project / "checkpoints"

@@ -195,6 +195,8 @@ FIX = r"run one task per node: `srun --ntasks-per-node=1 ndparallel launch \.\.\
     ({**STEP, "SLURM_GPUS_ON_NODE": "8"}, dict(gpus=4),
      r"SLURM_GPUS_ON_NODE=8, but torch sees 4 GPU\(s\) on this node \(CUDA_VISIBLE_DEVICES\?\): give "
      "--nproc-per-node"),
+    ({**STEP, "SLURM_GPUS_ON_NODE": "0"}, dict(gpus=2),
+     r"SLURM_GPUS_ON_NODE=0: this step has no GPUs, but torch sees 2: give --cpu to run on the CPU, or ask for GPUs"),
     ({"PET_NNODES": "1:4", "PET_NODE_RANK": "0"}, {},
      "PET_NNODES=1:4 is an elastic range of nodes; ndparallel needs a fixed node count"),
     ({"PET_NNODES": "2", "PET_RDZV_BACKEND": "etcd", "PET_RDZV_ENDPOINT": "e:2379"}, {},

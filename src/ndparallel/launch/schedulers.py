@@ -15,13 +15,14 @@ SLURM (``srun ndparallel launch ...``, one task per node, inside an ``sbatch`` /
   (``SLURM_CPUS_PER_TASK``), else none (the launch's default: the sizes' product over the nodes, or 1);
 - refused: more than one task on a node (each would start the node's ranks), a batch script of a multi-node job
   running the launch itself instead of ``srun`` (it would run on the first node only), a nodelist that does not name
-  the step's nodes.
+  the step's nodes, a GPU count above what torch sees (or 0 while torch sees GPUs, without ``--cpu``).
 
 torchrun's variables (the Kubeflow training operator's PyTorchJob sets them; its Trainer v2 too):
 
 - nodes: ``PET_NNODES`` (``N``, or ``N:N``; an elastic range ``MIN:MAX`` is refused: the sizes need a fixed world),
   else, in a PyTorchJob pod of an operator before v1.7 (``KUBERNETES_SERVICE_HOST``, ``MASTER_ADDR``,
-  ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and no torchrun worker's ``LOCAL_RANK``), ``WORLD_SIZE``, which counts
+  ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, and none of a torchrun worker's ``LOCAL_RANK`` / ``GROUP_RANK`` /
+  ``TORCHELASTIC_RUN_ID``), ``WORLD_SIZE``, which counts
   the pods there. From v1.7 the operator sets ``WORLD_SIZE`` to pods x ``nprocPerNode``: it is never read when
   ``PET_NNODES`` is set;
 - this node: ``PET_NODE_RANK``, else ``NODE_RANK``, else the pod's ``RANK`` (PyTorchJob: the pod's index);
@@ -31,7 +32,8 @@ torchrun's variables (the Kubeflow training operator's PyTorchJob sets them; its
   older ``PET_N_PROC_PER_NODE`` too), else the GPUs torch sees, else none (as above);
 - restarts: ``PET_MAX_RESTARTS``.
 
-With both a SLURM job and torchrun's variables, SLURM's values are used and the others must agree with them.
+With both a SLURM job and torchrun's variables, SLURM's values are used; the others must agree with them on the node
+count and this node's rank.
 ``--scheduler none`` ignores all of this; ``--scheduler slurm`` / ``kubernetes`` insist on one.
 
 torchrun's own parser reads ``PET_<FLAG>`` as the default of each of its flags; `torchrun_flags_only` hides the ones
@@ -198,6 +200,9 @@ def _slurm_gpus(env: Mapping[str, str], gpus: int) -> Found | None:
     if count is None:
         hit = _first(env, "CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
         count = None if hit is None else Found(_count_devices(hit[1]), f"{hit[0]}={hit[1]}: the node's GPUs")
+    if count is not None and count.value == 0 and gpus > 0:
+        raise ValueError(f"{count.source.split(':')[0]}: this step has no GPUs, but torch sees {gpus}: give --cpu to "
+                         "run on the CPU, or ask for GPUs (--gpus-per-node)")
     if count is not None and count.value > gpus:
         raise ValueError(f"{count.source.split(':')[0]}, but torch sees {gpus} GPU(s) on this node "
                          "(CUDA_VISIBLE_DEVICES?): give --nproc-per-node, or ask the step for the GPUs it may use")
