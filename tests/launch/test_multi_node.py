@@ -8,6 +8,7 @@ here: for SLURM, a job id whose port (20000 + id mod 10000) is free; for Kuberne
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -28,8 +29,14 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import nd_parallel  # noqa: E402
 
+_spec = importlib.util.spec_from_file_location("resume_example", EXAMPLES / "resume.py")
+resume_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(resume_example)
+
 SIZES = {"dp_replicate": 2, "dp_shard": 2}  # the README's example: 4 ranks, 2 nodes x 2
 SIZE_FLAGS = ["--dp-replicate-size", "2", "--dp-shard-size", "2"]
+# One node with the same world size: 4 ranks forked here with the environment `ndparallel launch` gives them.
+ONE_NODE_ENV = {"NDPARALLEL_DP_REPLICATE_SIZE": "2", "NDPARALLEL_DP_SHARD_SIZE": "2", "NDPARALLEL_CPU": "1"}
 TRAIN = ["--steps", "3", "--seq-len", "64", "--log-every", "3"]
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups and signals as on Linux")
 
@@ -108,8 +115,7 @@ def launch(node_envs: list[dict[str, str]], args: list[str], logs: Path, timeout
 @pytest.fixture(scope="module")
 def one_node_losses() -> list[float]:
     """The example on one node with the same world size (4 ranks, forked here as torchrun would start them)."""
-    env = {f"NDPARALLEL_{axis.upper()}_SIZE": str(size) for axis, size in SIZES.items()}
-    results = run_ranks(nd_parallel.main, 4, TRAIN, env={**env, "NDPARALLEL_CPU": "1"}, timeout=400)
+    results = run_ranks(nd_parallel.main, 4, TRAIN, env=ONE_NODE_ENV, timeout=400)
     assert results[0]["world_size"] == 4 and results[0]["layout"] == {**dict.fromkeys(("pp", "tp", "cp", "sp"), 1),
                                                                        **SIZES}
     return results[0]["losses"]
@@ -154,7 +160,8 @@ def test_two_kubernetes_pods_train_as_one_node(tmp_path, one_node_losses):
 @pytest.mark.slow
 def test_a_two_node_checkpoint_resumes_exactly_on_one_node(tmp_path):
     """examples/resume.py on 2 SLURM nodes saves after steps 2 and 4; the step-4 checkpoint is removed, and one node
-    (4 ranks, the same layout) resumes from step 2: its steps 3 and 4 are the 2-node run's, bit for bit."""
+    (4 ranks, the same layout, forked here) resumes from step 2: its steps 3 and 4 are the 2-node run's, bit for
+    bit."""
     project, job = tmp_path / "run", slurm_job_id()
     train = ["--project-dir", str(project), "--steps", "4", "--checkpoint-every", "2", "--seq-len", "64"]
     resume = str(EXAMPLES / "resume.py")
@@ -167,8 +174,6 @@ def test_a_two_node_checkpoint_resumes_exactly_on_one_node(tmp_path):
     checkpoints = project / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_0", "checkpoint_1"]
     shutil.rmtree(checkpoints / "checkpoint_1")
-    launch([{}], ["--cpu", "--nproc-per-node", "4", *SIZE_FLAGS, resume, *train, "--json-out",
-                  str(tmp_path / "b.json")], tmp_path / "one_node")
-    one_node = json.loads((tmp_path / "b.json").read_text())
+    one_node = run_ranks(resume_example.main, 4, train, env=ONE_NODE_ENV, timeout=400)[0]
     assert one_node["resumed_from"] == str(checkpoints / "checkpoint_0")
-    assert one_node["losses"] == {step: two_nodes["losses"][step] for step in ("3", "4")}
+    assert one_node["losses"] == {step: two_nodes["losses"][str(step)] for step in (3, 4)}
