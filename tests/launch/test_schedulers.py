@@ -18,7 +18,7 @@ from ndparallel.launch.schedulers import Found, expand_nodelist, place, read_env
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "print_env_launch.py")
 
 
-# ---- SLURM's host lists --------------------------------------------------------------------------------------------
+# ---- SLURM's host lists ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, hosts", [
     ("node7", ["node7"]),
     ("gpu-a.cluster.org", ["gpu-a.cluster.org"]),
@@ -49,7 +49,7 @@ def test_nodelist_refusals(text, message):
         expand_nodelist(text)
 
 
-# ---- environments in, settings and sources out ------------------------------------------------------------------------
+# ---- environments in, settings and sources out ----------------------------------------------------------------------
 STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "2",
         "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
         "SLURM_LOCALID": "0"}
@@ -162,7 +162,7 @@ def test_scheduler_choice():
         read_environment(STEP, "kubernetes")
 
 
-# ---- refusals ------------------------------------------------------------------------------------------------------
+# ---- refusals -------------------------------------------------------------------------------------------------------
 FIX = r"run one task per node: `srun --ntasks-per-node=1 ndparallel launch \.\.\.`"
 
 
@@ -211,7 +211,7 @@ def test_what_cannot_work_is_refused_with_the_fix(env, kwargs, message):
         read_environment(env, **kwargs)
 
 
-# ---- flags over the environment ------------------------------------------------------------------------------------
+# ---- flags over the environment -------------------------------------------------------------------------------------
 def test_flags_win_and_a_node_count_other_than_the_schedulers_is_refused():
     env = read_environment({**STEP, "SLURM_CPUS_PER_TASK": "4"}, cpu=True)
     placed = place({"node_rank": Found(0, "--node-rank"), "rdzv_endpoint": Found("10.1.1.1:5000", "--rdzv-endpoint"),
@@ -231,7 +231,7 @@ def test_flags_win_and_a_node_count_other_than_the_schedulers_is_refused():
     assert place({}, one).endpoint is None  # one node: a free local port, not the pod's master port
 
 
-# ---- through the launch: the sources line, and refusals before any rank starts ------------------------------------
+# ---- through the launch: the sources line, and refusals before any rank starts --------------------------------------
 @pytest.fixture
 def scheduler_env(monkeypatch):
     def set_env(env: dict[str, str]) -> None:

@@ -43,7 +43,7 @@ def _add_settings_arguments(parser: argparse.ArgumentParser, accelerate_names: b
                         help="processes per node (default: the scheduler's GPUs / CPUs per node, else the product of "
                              "the sizes over the nodes, or 1)")
     parser.add_argument(*spellings("nnodes", *(("num_machines",) if accelerate_names else ())), dest="nnodes",
-                        type=int, default=None, metavar="N", help="number of nodes (default 1)")
+                        type=int, default=None, metavar="N", help="number of nodes (default: the scheduler's, else 1)")
     parser.add_argument(*spellings("mixed-precision"), choices=MIXED_PRECISION, default=None,
                         help="sets NDPARALLEL_MIXED_PRECISION for the script")
     parser.add_argument(*spellings("gradient-accumulation-steps"), type=int, default=None, metavar="N",
@@ -65,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="YAML written by `ndparallel config` or by `accelerate config`")
     _add_settings_arguments(launch, accelerate_names=True)
     launch.add_argument(*spellings("node-rank", "machine_rank"), dest="node_rank", type=int, default=None,
-                        metavar="K", help="this node's rank (default 0)")
+                        metavar="K", help="this node's rank (default: the scheduler's, else 0)")
     launch.add_argument(*spellings("rdzv-endpoint"), default=None, metavar="HOST:PORT",
-                        help="rendezvous address; default: a free local port (one node only)")
+                        help="rendezvous address; default: the scheduler's (SLURM's first node, MASTER_ADDR...), "
+                             "else a free local port (one node only)")
     launch.add_argument(*spellings("rdzv-backend"), choices=("static", "c10d"), default=None,
                         help="with --rdzv-endpoint: static (uses --node-rank) or c10d (default static)")
     launch.add_argument(*spellings("rdzv-id"), default=None,

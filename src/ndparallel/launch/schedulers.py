@@ -99,7 +99,7 @@ class Environment:
     warnings: list[str] = field(default_factory=list)
 
 
-# ---- SLURM's compressed host lists --------------------------------------------------------------------------------
+# ---- SLURM's compressed host lists ----------------------------------------------------------------------------------
 def _split_top(text: str) -> list[str]:
     """`text` split at the commas outside brackets."""
     items, depth, start = [], 0, 0
@@ -160,7 +160,7 @@ def _tasks_per_node(text: str) -> list[int]:
     return out
 
 
-# ---- reading variables --------------------------------------------------------------------------------------------
+# ---- reading variables ----------------------------------------------------------------------------------------------
 def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
     return next(((name, env[name]) for name in names if env.get(name, "").strip()), None)
 
@@ -365,7 +365,7 @@ def _torchrun(env: Mapping[str, str], cpu: bool, gpus: int, cpus: int) -> Enviro
     return out
 
 
-# ---- which -----------------------------------------------------------------------------------------------------------
+# ---- which ----------------------------------------------------------------------------------------------------------
 def _has_torchrun_variables(env: Mapping[str, str]) -> bool:
     return _first(env, *TORCHRUN_VARIABLES) is not None or _pytorchjob_pod(env)
 
@@ -386,7 +386,8 @@ def read_environment(env: Mapping[str, str], scheduler: str = AUTO, cpu: bool = 
         raise ValueError("--scheduler slurm: no SLURM job here (SLURM_JOB_ID is not set)")
     if scheduler == KUBERNETES and not torchrun:
         raise ValueError("--scheduler kubernetes: none of " + ", ".join(TORCHRUN_VARIABLES) + " is set, and this "
-                         "is not a PyTorchJob pod (KUBERNETES_SERVICE_HOST, MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK)")
+                         "is not a PyTorchJob pod (KUBERNETES_SERVICE_HOST, MASTER_ADDR, MASTER_PORT, WORLD_SIZE, "
+                         "RANK)")
     if scheduler == KUBERNETES or (scheduler == AUTO and torchrun and not slurm):
         return _torchrun(env, cpu, gpus, cpus)
     if not slurm:
@@ -413,7 +414,7 @@ def torchrun_flags_only() -> Iterator[None]:
         os.environ.update(saved)
 
 
-# ---- flags over the environment ---------------------------------------------------------------------------------------
+# ---- flags over the environment -------------------------------------------------------------------------------------
 @dataclass
 class Placement:
     """The launch's node settings, each with its source: a flag or the config file, else the scheduler's environment,
