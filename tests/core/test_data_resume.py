@@ -65,6 +65,7 @@ SETTINGS: dict[str, tuple[dict, dict]] = {
                                                      prefetch_factor=4), dict(shards=2, split_batches=True)),
     "map_shuffle_w2_persistent_uneven": (dict(shuffle=True, num_workers=2, persistent_workers=True),
                                          dict(shards=2, even_batches=False)),
+    "map_shuffle_w2_pin_memory": (dict(shuffle=True, num_workers=2, pin_memory=True), dict(shards=2)),
     "map_batch_sampler_w2_persistent": (dict(batch_sampler="custom", num_workers=2, persistent_workers=True),
                                         dict(shards=2)),
     "map_batch_size_none_w2": (dict(batch_size=None, num_workers=2), dict(shards=2)),
@@ -141,6 +142,9 @@ def reference(name: str, *, workers: bool = True) -> tuple[list[Step], dict[str,
 
 
 _references: dict[str, tuple] = {}
+# pin_memory needs an accelerator (on a CPU-only machine torch turns it off with a warning: nothing to test there)
+NAMES = [pytest.param(name, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="pin_memory needs CUDA"))
+         if SETTINGS[name][0].get("pin_memory") else name for name in SETTINGS]
 
 
 def cached_reference(name: str) -> tuple[list[Step], dict[str, tuple[int, dict]], int]:
@@ -158,7 +162,7 @@ def test_the_table_reaches_every_resume_point():
         "mid_next_epoch": (7, 1, 12)}
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("name", NAMES)
 def test_a_resumed_loader_continues_the_uninterrupted_run(name):
     seen, states, epoch0 = cached_reference(name)
     if SETTINGS[name][0].get("num_workers"):  # worker processes deliver what the main process would
@@ -177,7 +181,7 @@ def test_a_resumed_loader_continues_the_uninterrupted_run(name):
         assert resumed == seen[done:], f"{name}, resumed {point}"
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("name", NAMES)
 def test_skip_first_batches_then_set_epoch_continues_that_epoch(name):
     """The Trainer's resume: fresh loaders, skip_first_batches(MID), then set_epoch(1): the rest of epoch 1."""
     seen, _, epoch0 = cached_reference(name)
