@@ -326,6 +326,7 @@ class PreparedDataLoader:
         self._batch_size = batch_size  # of the sharded batch sampler: the loader's, or its 1/D with split_batches
         self._step = num_shards * (batch_size or 1)  # units one micro-step consumes, over all batch ranks
         self._position = 0
+        self._finished = False  # the caller holds the pass's last batch: what follows is the next pass
         # Where the next pass starts: `_restored` (load_state_dict) belongs to the restored epoch, `self.epoch`, and
         # set_epoch to another drops it; `_skip` (skip_first_batches) holds for the next pass whatever its epoch (the
         # Trainer skips, then sets the epoch) and replaces `_restored`.
@@ -467,7 +468,7 @@ class PreparedDataLoader:
 
     def _batches(self) -> Iterator[Any]:
         self._shard.set_epoch(self.epoch)
-        self._position = self._next_start()
+        self._position, self._finished = self._next_start(), False
         self._skip, self._restored = None, 0
         self._begin_pass(self._position)
         # DataLoader draws its workers' base seed at every pass; from a private generator (shuffling seed, epoch,
@@ -496,15 +497,20 @@ class PreparedDataLoader:
                         end_of_dataloader=end, remainder=self._shard.last_remainder if end else 0,
                         sequence_layout=layouts[i]))
                 self._position += self._step  # counted before the yield: the batch is the caller's now
+                self._finished = end
                 yield (move_to_device(batch, self.device, self.non_blocking or self.loader.pin_memory)
                        if self.put_on_device else batch)
         self.epoch += 1
-        self._position = 0
+        self._position, self._finished = 0, False
 
     # ---- checkpointing -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Epoch and position in it, in units that do not depend on the data-parallel size (see `__init__`)."""
-        return {"epoch": self.epoch, "position": self._next_start() or self._position, "unit": self.position_unit,
+        """Epoch and position in it, in units that do not depend on the data-parallel size (see `__init__`). Once the
+        caller holds the pass's last batch (a loop that saves after its epoch's last step), what follows is the
+        next epoch from its start, as in the run that goes on: a resumed loop that counts its own epochs starts
+        that one, not an empty rest of the finished one."""
+        epoch, position = (self.epoch + 1, 0) if self._finished else (self.epoch, self._next_start() or self._position)
+        return {"epoch": epoch, "position": position, "unit": self.position_unit,
                 "batch_size": self.base_loader.batch_size, "num_shards": self._shard.num_shards,
                 "seed": self.seed, "dataset_length": self._dataset_length()}
 

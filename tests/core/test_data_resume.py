@@ -3,8 +3,9 @@ our own: each rank's loader is built as prepare() builds it, the ranks of `batch
 
 A reference run iterates two epochs and takes rank 0's loader state (what save_state writes) at four points:
 mid-epoch 0, after the last batch of epoch 0 (inside the loop), after epoch 0's loop ended, and mid-epoch 1. Fresh
-loaders loaded with each state yield exactly the reference's batches from that point to the end of epoch 1: nothing
-replayed, nothing skipped, the next epoch as it would have been. ``skip_first_batches`` as the Trainer calls it (fresh
+loaders loaded with each state, iterated by a loop that counts its epochs from the steps taken, yield exactly the
+reference's batches from that point to the end of epoch 1: nothing replayed, nothing skipped, the next epoch as it
+would have been. ``skip_first_batches`` as the Trainer calls it (fresh
 loaders, skip, then ``set_epoch(1)``) yields the rest of epoch 1. The reference itself is checked against the same
 loader without worker processes, so a worker path that went wrong in both runs alike would still fail.
 """
@@ -12,6 +13,7 @@ loader without worker processes, so a worker path that went wrong in both runs a
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any
 
 import pytest
@@ -158,7 +160,7 @@ def test_the_table_reaches_every_resume_point():
     seen, states, epoch0 = reference("map_shuffle")
     assert epoch0 == 5 and len(seen) == 10  # 26 samples in global batches of 6: 4 whole, 1 evened out
     assert {p: (done, s["epoch"], s["position"]) for p, (done, s) in states.items()} == {
-        "mid_epoch": (2, 0, 12), "end_of_epoch_inside_the_loop": (5, 0, 30), "after_the_epoch": (5, 1, 0),
+        "mid_epoch": (2, 0, 12), "end_of_epoch_inside_the_loop": (5, 1, 0), "after_the_epoch": (5, 1, 0),
         "mid_next_epoch": (7, 1, 12)}
 
 
@@ -174,10 +176,8 @@ def test_a_resumed_loader_continues_the_uninterrupted_run(name):
         for loader in loaders:
             loader.load_state_dict(state)
         resumed: list[Step] = []
-        for _ in range(3):  # the restored pass (empty when it was whole), then on to the end of epoch 1
-            if loaders[0].epoch >= 2:
-                break
-            resumed += one_pass(loaders)
+        for _ in range(done // epoch0, 2):  # a loop that counts its epochs (Accelerate's examples: steps taken //
+            resumed += one_pass(loaders)  # steps per epoch), to the end of epoch 1
         assert resumed == seen[done:], f"{name}, resumed {point}"
 
 
@@ -195,7 +195,8 @@ def test_skip_first_batches_then_set_epoch_continues_that_epoch(name):
 
 def test_accelerates_resume_idiom_skips_once():
     """Accelerate's examples call load_state, then skip_first_batches with the batches taken in the epoch: the position
-    load_state restored is the same one, not skipped twice. Another number wins, with a warning."""
+    load_state restored is the same one, not skipped twice (at an epoch's end too). Another number wins, with a
+    warning."""
     seen, states, epoch0 = cached_reference("map_shuffle")
     done, state = states["mid_next_epoch"]
     loaders = ranks("map_shuffle")
@@ -210,3 +211,12 @@ def test_accelerates_resume_idiom_skips_once():
                                              r"load_state left this data loader \(batch 2 of epoch 1\)"):
             loader.skip_batches(1)
     assert one_pass(loaders) == seen[epoch0 + 1:]
+    # Saved after the epoch's last step: the example's loop starts the next epoch and skips 0 batches of it
+    done, state = states["end_of_epoch_inside_the_loop"]
+    loaders = ranks("map_shuffle")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loader in loaders:
+            loader.load_state_dict(state)
+            loader.skip_batches(done - done // epoch0 * epoch0)
+    assert one_pass(loaders) == seen[epoch0:]
