@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ndparallel.config import ParallelismConfig
-from ndparallel.mesh import VIEWS, ParallelMesh
+from ndparallel.layout import VIEWS
+from ndparallel.mesh import ParallelMesh
 
 # Mesh axes, outermost first (DESIGN.md), and what each flattened view spans, written out independently.
 AXES = ("dp_replicate", "dp_shard", "cp", "sp", "tp")

@@ -12,7 +12,7 @@ from .hardware import GiB
 from .layouts import Layout
 from .memory import Memory
 from .model import ModelSpec
-from .moe import figures
+from .expert_costs import figures
 from .search import Plan, Request, Row
 from .setting import Setting, human_bytes
 
