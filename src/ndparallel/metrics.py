@@ -19,10 +19,7 @@ matmul, which is an *estimate* of the peak rather than a datasheet value; `peak_
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -191,35 +188,3 @@ def timer_for(accelerator: Any, model: Any = None, seq_len: int | None = None,
         dtype = compute_dtype(accelerator.mixed_precision) or torch.float32
         peak = peak_flops(accelerator.device, dtype)[0]
     return StepTimer(fpt, peak, num_devices=accelerator.num_processes, device=accelerator.device)
-
-
-# ---- run metrics for `ndparallel plan --measure` ------------------------------------------------------------------
-METRICS_ENV = "NDPARALLEL_METRICS_FILE"  # set by `ndparallel plan --measure`: each rank writes <value>.rank<r>.json
-
-
-def peak_memory(device: torch.device) -> tuple[int, str]:
-    """This process's peak memory: allocated CUDA memory on a GPU, else the peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-    import resource  # Unix only
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return (rss if sys.platform == "darwin" else rss * 1024), "peak RSS"
-
-
-def write_run_metrics(timer: StepTimer | None, rank: int, world: int, device: torch.device,
-                      environ: Any = None) -> str | None:
-    """When ``$NDPARALLEL_METRICS_FILE`` is set, write this rank's peak memory and (if `timer` timed steps) its
-    step metrics, medians after up to 2 warm-up steps, to ``<file>.rank<rank>.json``; return the path."""
-    prefix = (os.environ if environ is None else environ).get(METRICS_ENV)
-    if not prefix:
-        return None
-    peak, kind = peak_memory(device)
-    steps = None
-    if timer is not None and timer.times:
-        steps = timer.summary(skip=min(2, len(timer.times) - 1))
-    path = f"{prefix}.rank{rank}.json"
-    with open(path, "w") as f:
-        json.dump({"rank": rank, "world": world, "peak_memory_bytes": peak, "peak_memory_kind": kind,
-                   "step_metrics": steps}, f)
-    return path
