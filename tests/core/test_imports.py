@@ -149,21 +149,21 @@ def test_the_graph_reader_sees_the_package():
 def test_the_graph_reader_sorts_imports_by_where_they_run():
     source = """
 from typing import TYPE_CHECKING
-from . import layout
+from . import launcher
 if TYPE_CHECKING:
-    from . import mesh
+    from . import worker
 else:
-    from . import config
+    from . import arguments
 def f():
-    from . import metrics
+    from .. import planner
 class C:
     def g(self):
-        from . import flops
+        from . import schedulers
 """
-    top, nested, typing_only = _imports("ndparallel.runtime", source)
-    assert top == {"ndparallel.layout", "ndparallel.config"}
-    assert nested == {"ndparallel.metrics", "ndparallel.flops"}
-    assert typing_only == {"ndparallel.mesh"}
+    top, nested, typing_only = _imports("ndparallel.launch.cli", source)
+    assert top == {"ndparallel.launch.launcher", "ndparallel.launch.arguments"}
+    assert nested == {"ndparallel.planner", "ndparallel.launch.schedulers"}
+    assert typing_only == {"ndparallel.launch.worker"}
 
 
 def test_no_import_cycle_at_module_level():
