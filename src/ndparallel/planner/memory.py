@@ -44,12 +44,21 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from .layouts import Layout
+from ..layout import Layout
+from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
-from .moe import block_activations, expert_elements, gathered_expert_elements
 from .offload import host_states, pinned, staging
-from .setting import (FP32, OPTIMIZER_STATES, Setting, kv_width_local, local_shape, loss_chunk_rows, mlp_tile_tokens,
+from .setting import (FP32, OPTIMIZER_STATES, Setting, local_shape, loss_chunk_rows, mlp_tile_tokens,
                       shard_numel)
+
+
+def kv_width_local(model: ModelSpec, layout: Layout) -> int:
+    """Key/value width one tensor-parallel rank attends with, after Ulysses repeats K/V heads so that sp splits them
+    (`parallel.sequence.ulysses.kv_repeats`)."""
+    kv_heads = model.kv_heads // layout.tp
+    if layout.sp > 1:
+        kv_heads *= layout.sp // math.gcd(kv_heads, layout.sp)
+    return kv_heads * model.head_dim
 
 
 @dataclass(frozen=True)

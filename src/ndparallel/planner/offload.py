@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from .layouts import Layout
+from ..layout import Layout
 from .setting import FP32, OPTIMIZER_STATES, Setting, local_shape, shard_numel
 
 Params = Iterable[tuple[str, tuple[int, ...], int | None]]  # (name, shape, tensor-parallel dim) per weight

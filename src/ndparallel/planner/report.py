@@ -9,10 +9,10 @@ from typing import IO, Any
 
 from .comm import KINDS, by_kind, by_link
 from .hardware import GiB
-from .layouts import Layout
+from ..layout import Layout
 from .memory import Memory
 from .model import ModelSpec
-from .moe import figures
+from .expert_costs import figures
 from .offload import host_bytes
 from .search import Plan, Request, Row
 from .setting import Setting, human_bytes

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: model.py imports moe.py, which imports experts.py, which imports this
-    from .layouts import Layout
-    from .model import ModelSpec
+from ..layout import Layout
 
 MIXED_PRECISIONS = ("bf16", "fp32")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors the optimizer keeps per parameter
@@ -91,15 +88,6 @@ def shard_numel(shape: tuple[int, ...], shards: int) -> int:
     """Elements one rank holds of a tensor FSDP2 shards over `shards` ranks: dim 0 padded to a multiple of it."""
     rest = math.prod(shape[1:])
     return math.ceil(shape[0] / shards) * rest
-
-
-def kv_width_local(model: ModelSpec, layout: Layout) -> int:
-    """Key/value width one tensor-parallel rank attends with, after Ulysses repeats K/V heads so that sp splits them
-    (`parallel.sequence.ulysses.kv_repeats`)."""
-    kv_heads = model.kv_heads // layout.tp
-    if layout.sp > 1:
-        kv_heads *= layout.sp // math.gcd(kv_heads, layout.sp)
-    return kv_heads * model.head_dim
 
 
 def human_bytes(n: float) -> str:

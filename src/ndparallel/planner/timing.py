@@ -2,10 +2,10 @@
 how much of the communication hides behind the compute.
 
 - compute = global tokens x FLOPs per token / world / (peak x compute_efficiency). FLOPs per token as the GPU
-  performs them: 6 N_matmul + 12 L d_attn K, with K the keys a query attends to on average -- S/2 under the causal
-  mask (the MFU convention of `ndparallel.metrics` counts the whole score matrix, K = S), w - w^2/2S under a
-  sliding window w < S -- plus one forward of the layers again (2 N_layers + 4 L d_attn K) with activation
-  checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
+  performs them (`ndparallel.flops`): 6 N_matmul + 6 L (q_width + v_width) K, with K the keys a query attends to on
+  average -- S/2 under the causal mask (the MFU convention counts the whole score matrix, K = S), w - w^2/2S under
+  a sliding window w < S -- plus one forward of the layers again (2 N_layers + 2 L (q_width + v_width) K) with
+  activation checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
 - mixtures of experts (`moe`): N_matmul counts the k routed experts a token goes to (not all E), the shared
   experts and the router; weights tensor parallelism leaves whole (the experts, the router) are multiplied on every
   tp rank, so a GPU performs 6 (N_split + t N_whole) per token of its tp group's. MLA attends with queries and keys
@@ -31,11 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..flops import forward_flops, training_flops
 from .comm import Transfer
 from .hardware import Hardware
-from .layouts import Layout
+from ..layout import Layout
+from .expert_costs import expert_elements
 from .memory import stage_root, state_elements
-from .moe import expert_elements
 from .model import ModelSpec
 from .offload import host_traffic
 from .setting import FP32, OPTIMIZER_STATES, Setting, local_shape, shard_numel
@@ -69,17 +70,17 @@ def attended_keys(model: ModelSpec, seq_len: int) -> float:
 
 
 def hardware_flops_per_token(model: ModelSpec, setting: Setting, tp: int = 1) -> float:
-    """FLOPs the GPUs perform per token of training (module docstring), per GPU of a tp group of `tp` for weights
-    tensor parallelism leaves whole (a mixture's experts and routers)."""
+    """FLOPs the GPUs perform per token of training (module docstring; `ndparallel.flops`), per GPU of a tp group of
+    `tp` for weights tensor parallelism leaves whole (a mixture's experts and routers)."""
     split, whole = model.matmul_parameters()
     head = model.hidden * model.vocab
     layer_matmul = split - head + tp * whole
-    attention = 2 * model.layers * (model.q_width + model.o_width) * attended_keys(model, setting.seq_len)  # fwd
-    flops = 6 * (layer_matmul + head) + 3 * attention
-    if setting.checkpointing:
-        flops += 2 * layer_matmul + attention
+    width, keys = model.q_width + model.o_width, attended_keys(model, setting.seq_len)
+    flops = training_flops(layer_matmul + head, model.layers, width, keys)
+    if setting.checkpointing:  # each layer's forward once more in backward
+        flops += forward_flops(layer_matmul, model.layers, width, keys)
     if setting.tiled_mlp:  # each tile's checkpoint runs the (dense) MLP's forward once more in backward
-        flops += 2 * model.dense_layers * (3 if model.gated else 2) * model.hidden * model.intermediate
+        flops += forward_flops(model.dense_layers * (3 if model.gated else 2) * model.hidden * model.intermediate)
     return flops
 
 
