@@ -45,7 +45,7 @@ def test_each_feature_changes_the_terms_it_should():
     assert plain["activations"] - chunked["activations"] == n * v * 4  # no log-softmax saved
     assert plain["loss_buffers"] == 8 * n * v  # logits + fp32 copy, or their gradients
     rows = loss_chunk_rows(n, v)
-    assert chunked["loss_buffers"] == rows * v * (2 * 2 + 4) + v * h * (4 + 2 + 2) + n * h * 2
+    assert chunked["loss_buffers"] == rows * v * (2 + 4) + v * h * (4 + 2) + n * h * 2
     states = plain["params"] + plain["grads"] + plain["optimizer"]
     assert plain["peak"] - plain["allocated"] == pytest.approx(0.19 * (plain["allocated"] - states))
     tiled, offload = _llama(32768, tiled_mlp=True), _llama(32768, tiled_mlp=True, offload=True)

@@ -16,7 +16,7 @@ FP32 = 4
 # The library's defaults for the chunked loss and tiled MLPs (`ndparallel.parallel.memory`: cross_entropy.chunk_rows,
 # tiled_mlp.MIN_TILE), restated here so the planner imports no torch; tests/planner/test_planner_memory.py checks that
 # they agree.
-LOSS_MIN_CHUNKS, LOSS_CHUNK_BYTES, LOSS_MIN_ROWS = 16, 256 * 2**20, 64
+LOSS_CHUNK_BYTES = 128 * 2**20
 MLP_MIN_TILE = 1024
 
 
@@ -64,9 +64,11 @@ class Setting:
 
 
 def loss_chunk_rows(tokens: int, vocab_local: int) -> int:
-    """Rows per chunk of the chunked loss by default (`ndparallel.parallel.memory.cross_entropy.chunk_rows`)."""
-    by_bytes = max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab_local)))
-    return min(tokens, max(LOSS_MIN_ROWS, min(math.ceil(tokens / LOSS_MIN_CHUNKS), by_bytes)))
+    """Rows per chunk of the chunked loss by default (`ndparallel.parallel.memory.cross_entropy.chunk_rows`): as few
+    equal chunks as keep each chunk's fp32 logits within LOSS_CHUNK_BYTES, one when they all fit."""
+    fit = max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab_local)))
+    chunks = max(1, math.ceil(tokens / fit))
+    return max(1, math.ceil(tokens / chunks))
 
 
 def mlp_tile_tokens(hidden: int, tokens: int, tile: int | None = None) -> int:
