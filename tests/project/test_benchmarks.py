@@ -206,3 +206,44 @@ def test_pipeline_benchmark_counts_what_the_stages_send_and_trains_as_plain_pipe
         assert r["sent_plain"] == r["sent"]
         assert r["bubble_formula"] == pytest.approx(1 / 3) and r["ratio"] > 0
         assert r["layers"] == [[0], [1]]
+
+
+# ---- GPU scripts fork their ranks from a parent that never initialised CUDA ---------------------------------------
+CUDA_ENTRY_POINTS = ("_lazy_init", "init", "is_available", "device_count", "get_device_name", "get_device_properties",
+                     "get_device_capability", "current_device", "set_device", "synchronize", "memory_allocated",
+                     "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats", "mem_get_info")
+NVML_SAFE = ("is_available", "device_count")  # driver-free when PYTORCH_NVML_BASED_CUDA_CHECK=1
+
+
+def _forbid_cuda_in_this_process(monkeypatch) -> None:
+    """Every torch.cuda call that initialises CUDA, or asks the CUDA driver about devices (after which a forked child
+    cannot use CUDA: "Cannot re-initialize CUDA in forked subprocess"), raises in this process; forked children call
+    the real ones. Asking NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1) how many GPUs there are is allowed."""
+    import os
+
+    parent = os.getpid()
+    for name in CUDA_ENTRY_POINTS:
+        original = getattr(torch.cuda, name)
+
+        def guarded(*args, _name=name, _original=original, **kwargs):
+            nvml = _name in NVML_SAFE and os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
+            if os.getpid() == parent and not nvml:
+                raise AssertionError(f"torch.cuda.{_name}() called in the parent process before it forks its ranks")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, name, guarded)
+
+
+@pytest.mark.slow
+def test_long_context_gpu_benchmark_forks_its_ranks_from_a_parent_without_cuda(tmp_path, monkeypatch):
+    """benchmarks/long_context_gpu.py (scripts/gpu_check.sh runs it) forks a rank per measurement: its parent asked
+    torch.cuda for the GPU's name first and every rank then failed on a GPU ("Cannot re-initialize CUDA in forked
+    subprocess", issue 38). Here its whole parent path runs with torch.cuda forbidden in the parent (the program on
+    a tiny model, `--device cpu`: the same parent path as on a GPU)."""
+    import long_context_gpu
+
+    _forbid_cuda_in_this_process(monkeypatch)
+    result = long_context_gpu.gpu_rows(["--device", "cpu", "--out", str(tmp_path)])
+    assert [(r["model"], r["setting"]) for r in result["rows"]] == [("tiny", "all"), ("tiny", "plain")]
+    assert all(r["measured"] is not None for r in result["rows"]) and result["longest"]["tiny"]["all"] > 0
+    assert "on one CPU" in (tmp_path / "long_context_gpu.md").read_text()
