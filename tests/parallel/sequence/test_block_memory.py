@@ -4,8 +4,9 @@ The bytes of tensors alive at the peak of one forward + backward (step_costs.Liv
 released when its last tensor dies; the inputs and the output's gradient exist before and are not counted): the
 block path -- ring and all-gather attention on one rank with the load-balanced layout, i.e. the kernels
 and merges one rank of a context-parallel group runs -- against ``F.scaled_dot_product_attention``, causal, GQA.
-Before issue 38 the block path held 1.88x (ring) and 2.37x (all-gather) SDPA's bytes at every length here (fp32
-merges of the chunks' outputs, fp32 gradient accumulators for the whole sequence); the target is 1.10x. Buffers a
+Before issue 38 the block path held 1.90x (ring) and 2.38x (all-gather) SDPA's bytes at every length here in bf16
+(fp32 merges of the chunks' outputs, fp32 gradient accumulators for the whole sequence); now 0.95x; the target is
+1.10x. Buffers a
 kernel allocates inside itself are not seen (the same kernels on both sides; on a GPU, benchmarks/gpu.py measures the
 allocator's peak).
 """
