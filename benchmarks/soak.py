@@ -2,13 +2,15 @@
 of the kills during a save), and check that the job ends with every loss of a run that was never interrupted.
 
     python benchmarks/soak.py [--steps 500] [--save-every 25] [--kill-every 50] [--save-kills 0.4] [--seed 0]
-                              [--async-save] [--nproc 4 --dp-replicate-size 2 --dp-shard-size 2] [--max-restarts 20]
+                              [--async-save] [--eval-every 5] [--workers 0]
+                              [--nproc 4 --dp-replicate-size 2 --dp-shard-size 2] [--max-restarts 20]
                               [--keep-files] [--json-out FILE]
 
 Linux only (it finds the ranks in /proc). Not a test: it runs for minutes and prints figures. Both runs are
 `examples/resume.py` -- the README example's model and data (examples/nd_parallel.py), checkpoints every
-`--save-every` steps, resuming from the newest complete checkpoint on every (re)start -- on the README's layout
-(HSDP, 2 replicas x 2 shards), launched the same way:
+`--save-every` steps and evaluating every `--eval-every` steps and before every save (an evaluation forward, as
+training loops have), with `--workers` data-loader worker processes, resuming from the newest complete checkpoint on
+every (re)start -- on the README's layout (HSDP, 2 replicas x 2 shards), launched the same way:
 
 1. the reference: the whole run, nothing killed;
 2. the soak: the same command, while this script reads the run's event log (`resume.py --event-log`: every step's
@@ -26,7 +28,8 @@ restart), the time each restart took (from the kill to the first step after the 
 had stopped the other ranks, until the new ranks had started, until they had prepared the model, until they had loaded
 the checkpoint, the first step), both runs' wall times, the comparison of every
 logged loss with the reference's (bit for bit: the same layout on CPU reduces in the same order), the processes of
-the run left after the launcher exited (orphans), and whether every checkpoint left on disk verifies (sizes and
+the run left after the launcher exited (orphans), every evaluation loss against the reference's, and whether every
+checkpoint left on disk verifies (sizes and
 CRC32s). The exit code is 0 only when all of these hold.
 """
 
@@ -132,6 +135,8 @@ def by_attempt(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             a["resumed"], a["resumed_step"], a["checkpoint"] = e["time"], e["step"], e["checkpoint"]
         elif e["event"] == "step":
             a["steps"][e["step"]] = (e["time"], e["loss"])
+        elif e["event"] == "eval":
+            a.setdefault("evals", {})[e["step"]] = e["loss"]
         elif e["event"] == "save-begin":
             a["saves"].append({"step": e["step"], "begin": e["time"]})
         elif e["event"] == "save-end" and a["saves"]:
@@ -194,7 +199,8 @@ def launch(args: argparse.Namespace, directory: Path, plan: list[Kill]) -> Run:
            "--dp-replicate-size", str(args.dp_replicate_size), "--dp-shard-size", str(args.dp_shard_size),
            "--max-restarts", str(args.max_restarts), str(EXAMPLE), "--project-dir", str(directory / "project"),
            "--steps", str(args.steps), "--checkpoint-every", str(args.save_every), "--keep", str(args.keep),
-           "--event-log", str(log_path), *(["--async-save"] if args.async_save else [])]
+           "--event-log", str(log_path), "--eval-every", str(args.eval_every), "--workers", str(args.workers),
+           *(["--async-save"] if args.async_save else [])]
     tag = uuid.uuid4().hex
     env = {**os.environ, TAG: tag}
     log = EventLog(log_path)
@@ -355,6 +361,7 @@ def report(args: argparse.Namespace, reference: Run, soak: Run) -> bool:
 
     print(f"\nsoak: {args.steps} steps, checkpoints every {args.save_every} steps "
           f"({'save_state(async_save=True)' if args.async_save else 'blocking save_state'}), "
+          f"evaluations every {args.eval_every} steps, {args.workers} loader worker(s), "
           f"{args.nproc} ranks (dp_replicate {args.dp_replicate_size} x dp_shard {args.dp_shard_size}), "
           f"--max-restarts {args.max_restarts}, a kill about every {args.kill_every} steps, seed {args.seed}")
     check(reference.returncode == 0 and len(ref) == 1,
@@ -438,6 +445,14 @@ def report(args: argparse.Namespace, reference: Run, soak: Run) -> bool:
     check(not differ, f"losses: all {len(logged)} values logged (re-run steps too) equal the reference's"
           + (f"; {len(differ)} differ: " + ", ".join(f"step {s} attempt {a}: {x!r} vs {y!r}"
                                                         for s, a, x, y in differ[:5]) if differ else ""))
+    if args.eval_every:  # the evaluations between steps (and before every save) change nothing, and match too
+        expected_evals = {s: loss for a in ref.values() for s, loss in a.get("evals", {}).items()}
+        evals = [(s, a, loss) for a, run in sorted(runs.items()) for s, loss in run.get("evals", {}).items()]
+        differ_evals = [(s, a, x, expected_evals.get(s)) for s, a, x in evals if x != expected_evals.get(s)]
+        check(bool(expected_evals) and not differ_evals,
+              f"evaluations: all {len(evals)} evaluation losses logged equal the reference's ({len(expected_evals)} "
+              "evaluations in the reference)" + (f"; {len(differ_evals)} differ: " + ", ".join(
+                  f"step {s} attempt {a}: {x!r} vs {y!r}" for s, a, x, y in differ_evals[:5]) if differ_evals else ""))
     check(soak.unreadable_lines == 0, f"event log: {soak.unreadable_lines} unreadable line(s)")
 
     # Orphans and the checkpoints left.
@@ -459,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-kills", type=float, default=0.4, help="the fraction of kills that land during a save")
     p.add_argument("--seed", type=int, default=0, help="draws the kills: steps, ranks, where in the step or save")
     p.add_argument("--async-save", action="store_true", help="save_state(async_save=True): background checkpoints")
+    p.add_argument("--eval-every", type=int, default=5,
+                   help="an evaluation forward every this many steps and before every save (0: none)")
+    p.add_argument("--workers", type=int, default=0, help="data-loader worker processes of the training loop")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--dp-replicate-size", type=int, default=2)
     p.add_argument("--dp-shard-size", type=int, default=2)

@@ -10,9 +10,11 @@ or another layout (sizes from the launcher):
     # to see a restart: add --crash-at-step 15 (rank 1 kills itself once, in the first attempt only)
 
 A checkpoint only becomes visible when complete, so a crash during a save leaves the previous one to resume from.
-`--async-save` writes checkpoints in the background (``save_state(async_save=True)``); `--event-log FILE` appends
-one JSON line per event of the main process (start, prepared, resumed, every step's exact loss, each save's begin
-and end), flushed at once so that it survives a ``kill -9``: `benchmarks/soak.py` reads it while it kills ranks.
+`--async-save` writes checkpoints in the background (``save_state(async_save=True)``); `--eval-every N` evaluates on
+a fixed batch every N steps and before every save (``model.eval()``, ``torch.no_grad()``), as training loops do;
+`--workers N` loads the data in N worker processes; `--event-log FILE` appends one JSON line per event of the main
+process (start, prepared, resumed, every step's exact loss and evaluation loss, each save's begin and end), flushed
+at once so that it survives a ``kill -9``: `benchmarks/soak.py` reads it while it kills ranks.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rank 1 (else 0) kills itself with SIGKILL after this step, in the first attempt only")
     p.add_argument("--json-out", type=Path, default=None, help="write this attempt's losses here (main process)")
     p.add_argument("--async-save", action="store_true", help="save_state(async_save=True): write in the background")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate on a fixed batch every this many steps and before every save (0: never)")
+    p.add_argument("--workers", type=int, default=0, help="data-loader worker processes (DataLoader num_workers)")
     p.add_argument("--event-log", type=Path, default=None,
                    help="append one JSON line per event here (main process), flushed at once")
     return p.parse_args(argv)
@@ -94,8 +99,20 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model({"seq_len": args.seq_len})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.1, 1.0 - step / args.steps))
-    dataloader = DataLoader(build_dataset(args.seq_len), batch_size=args.batch_size, shuffle=True, drop_last=True)
+    dataset = build_dataset(args.seq_len)
+    dataloader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                            num_workers=args.workers)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    # A fixed batch for the evaluations (the dataset's last samples, whole on every rank).
+    held_out = torch.utils.data.default_collate([dataset[i] for i in range(len(dataset) - args.batch_size,
+                                                                           len(dataset))])
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad():
+            loss = model(**{k: v.to(accelerator.device) for k, v in held_out.items()}).loss
+        model.train()
+        return accelerator.reduce(loss, "mean").item()
     log("prepared")
 
     # Resume: everything prepared above (and the data position, random states, step counter) comes back.
@@ -126,7 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
             losses[step] = step_loss.item()
             accelerator.print(f"step {step}: loss {losses[step]:.4f}")
             log("step", step=step, loss=losses[step])
-            if step % args.checkpoint_every == 0 or step == args.steps:
+            saving = step % args.checkpoint_every == 0 or step == args.steps
+            if args.eval_every and (step % args.eval_every == 0 or saving):
+                log("eval", step=step, loss=evaluate())
+            if saving:
                 log("save-begin", step=step)
                 saved = accelerator.save_state(async_save=args.async_save)
                 log("save-end", step=step, checkpoint=str(saved))

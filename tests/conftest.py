@@ -1,8 +1,16 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from ndparallel.launch.schedulers import is_scheduler_variable
+
+# The tests launch as on a machine of their own: a SLURM job or a Kubernetes pod running the suite must not give
+# `ndparallel launch` its nodes (ndparallel.launch.schedulers); tests of that set the variables themselves.
+for _name in [name for name in os.environ if is_scheduler_variable(name)]:
+    del os.environ[_name]
 
 # One thread per process: forked ranks share 2 cores, and a parent without an OpenMP pool forks safely.
 torch.set_num_threads(1)

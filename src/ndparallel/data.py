@@ -30,7 +30,16 @@ on: the loss keeps Accelerate's meaning (1 / accumulation steps) for that loader
 
 Iterable datasets. Every rank iterates the whole dataset (it must yield the same order on every rank) and
 keeps its share of each run of D*B samples, with the same end-of-data rule as above. At most one worker
-process may read it (more would each yield every sample).
+process may read it (more would each yield every sample); what it must know of each pass (the epoch, where the pass
+starts) and what the main process must learn (the real samples of the last batch) go through shared memory, so a
+persistent worker follows the passes too.
+
+Resuming. A pass starts where `load_state_dict` (the restored epoch only) or `skip_batches` (the next pass, whatever
+its epoch) put it; the position is given to the sampler (or the iterable shard) for the whole pass, since torch's
+DataLoader calls iter() on its batch sampler more than once per pass with worker processes, and the next pass
+starts at its beginning. The samples a resumed pass yields are the uninterrupted pass's under every DataLoader
+setting (worker processes, persistent or not, prefetching, pinned memory); random numbers drawn inside worker
+processes (augmentations) start again with the resumed pass, so they are not the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -71,11 +80,17 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.even_batches = even_batches
         self.last_remainder = 0  # real samples of the last pass's final global batch, when it was not whole
         self.lockstep = ""  # why every rank must run every step (set by the Accelerator), "" if they need not
-        # Where the next pass starts (set when resuming from a checkpoint, read once by `__iter__`): skip this many
-        # batches of `batch_sampler`, or -- when resuming with another batch size -- this many of its sampler's
-        # indices, re-batched after that.
-        self.resume_batches = 0
-        self.resume_samples = 0
+        # Where the current pass starts (`begin_pass`): skip this many batches of `batch_sampler`, or -- when resuming
+        # with another batch size -- this many of its sampler's indices, re-batched after that.
+        self.start_batches = 0
+        self.start_samples = 0
+
+    def begin_pass(self, start_batches: int = 0, start_samples: int = 0) -> None:
+        """Where the pass about to be iterated starts. It holds for every `__iter__` until the next `begin_pass`:
+        torch's DataLoader calls iter() on its batch sampler more than once per pass (its multi-process iterator:
+        once when made and again when it resets, also at every pass of persistent workers), and each call must start
+        at the pass's position, not only the first."""
+        self.start_batches, self.start_samples = start_batches, start_samples
 
     def set_epoch(self, epoch: int) -> None:
         """Make every random sampler draw from a generator seeded with (seed + epoch): the same on all ranks. Samplers
@@ -90,10 +105,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
             obj = getattr(obj, "sampler", None)
 
     def __iter__(self) -> Iterator[list[int]]:
-        # The resume position is taken when iteration starts (DataLoader calls iter() on its sampler right away).
-        skip = (self.resume_batches, self.resume_samples)
-        self.resume_batches = self.resume_samples = 0
-        return self._shards(*skip)
+        return self._shards(self.start_batches, self.start_samples)
 
     def _batches(self, skip_batches: int, skip_samples: int) -> Iterator[tuple[list[int], bool]]:
         """The pass's batches, each with whether it lies before the resume position."""
@@ -169,7 +181,12 @@ class _Unbatched(Sampler[int]):
 
 
 class IterableDatasetShard(IterableDataset):
-    """This shard's part of each run of ``num_shards * batch_size`` samples of an iterable dataset."""
+    """This shard's part of each run of ``num_shards * batch_size`` samples of an iterable dataset.
+
+    A worker process iterates its own copy of this object, and a persistent one keeps that copy from pass to pass,
+    so what changes per pass -- the epoch, where the pass starts, the real samples of its last batch -- lives in a
+    small tensor in shared memory (`_pass`) that the main process and the worker both read and write.
+    """
 
     def __init__(self, dataset: IterableDataset, batch_size: int, num_shards: int, shard_index: int,
                  drop_last: bool, even_batches: bool = True) -> None:
@@ -179,13 +196,24 @@ class IterableDatasetShard(IterableDataset):
         self.shard_index = shard_index
         self.drop_last = drop_last
         self.even_batches = even_batches
-        self.last_remainder = 0
         self.lockstep = ""  # as `ShardedBatchSampler.lockstep`
-        self.resume_samples = 0  # samples of the pass consumed before a checkpoint (read once by `__iter__`)
+        self._pass = torch.zeros(3, dtype=torch.long)  # epoch, samples of the pass consumed before it starts, remainder
+
+    @property
+    def last_remainder(self) -> int:
+        """Real samples of the last pass's final global batch, when it was not whole (0 otherwise)."""
+        return int(self._pass[2])
 
     def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
+        self._pass[0] = epoch
+
+    def begin_pass(self, start_samples: int = 0) -> None:
+        """Where the pass about to be iterated starts (samples consumed before a checkpoint); it holds for every
+        `__iter__` until the next `begin_pass`. Called in the main process before the DataLoader's iterator is made,
+        which is when (or, with persistent workers, before) a worker process reads it."""
+        if not self._pass.is_shared():  # made shared lazily: an unpickled copy has a private one
+            self._pass.share_memory_()
+        self._pass[1], self._pass[2] = start_samples, 0
 
     def __len__(self) -> int:
         """Samples this shard yields per pass (needs a dataset with a length)."""
@@ -195,11 +223,13 @@ class IterableDatasetShard(IterableDataset):
         return n // run * self.batch_size + (0 if self.drop_last else math.ceil(rest / self.num_shards))
 
     def __iter__(self) -> Iterator[Any]:
-        skip, self.resume_samples = self.resume_samples, 0
+        epoch, skip = int(self._pass[0]), int(self._pass[1])
+        if hasattr(self.dataset, "set_epoch"):  # here, in the process that iterates the dataset
+            self.dataset.set_epoch(epoch)
         return self._samples(skip)
 
     def _samples(self, skip: int) -> Iterator[Any]:
-        self.last_remainder = 0
+        self._pass[2] = 0
         run = self.num_shards * self.batch_size
         first: list[Any] = []
         buffer: list[Any] = []
@@ -214,13 +244,13 @@ class IterableDatasetShard(IterableDataset):
                 yield from buffer[lo:hi]
                 buffer = []
         if buffer and not self.drop_last and not self.even_batches:  # as they come: a short batch, or none
-            self.last_remainder = len(buffer)
+            self._pass[2] = len(buffer)
             holding = -(-len(buffer) // self.batch_size)
             if holding < self.num_shards and self.lockstep:
                 raise ValueError(uneven_refusal(holding, self.num_shards, self.lockstep))
             yield from buffer[lo:hi]
         elif buffer and not self.drop_last:
-            self.last_remainder = len(buffer)
+            self._pass[2] = len(buffer)
             per_shard = math.ceil(len(buffer) / self.num_shards)
             needed = per_shard * self.num_shards - len(buffer)
             buffer += [first[i % len(first)] for i in range(needed)]
@@ -296,7 +326,12 @@ class PreparedDataLoader:
         self._batch_size = batch_size  # of the sharded batch sampler: the loader's, or its 1/D with split_batches
         self._step = num_shards * (batch_size or 1)  # units one micro-step consumes, over all batch ranks
         self._position = 0
-        self._resume = 0  # where the next pass starts (load_state_dict)
+        self._finished = False  # the caller holds the pass's last batch: what follows is the next pass
+        # Where the next pass starts: `_restored` (load_state_dict) belongs to the restored epoch, `self.epoch`, and
+        # set_epoch to another drops it; `_skip` (skip_first_batches) holds for the next pass whatever its epoch (the
+        # Trainer skips, then sets the epoch) and replaces `_restored`.
+        self._restored = 0
+        self._skip: int | None = None
         kwargs = {k: getattr(loader, k) for k in _LOADER_KWARGS}
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -308,11 +343,6 @@ class PreparedDataLoader:
                     f"prepare(): num_workers={loader.num_workers} with an iterable dataset: each worker would read "
                     "the whole dataset and yield every sample again; use num_workers=0 or 1"
                 )
-            if loader.num_workers == 1 and not loader.drop_last:
-                warnings.warn(
-                    "iterable dataset read by a worker process: gather_for_metrics cannot tell which samples of "
-                    "the last batch were repeated to even it out; use drop_last=True or num_workers=0 for exact "
-                    "metrics", stacklevel=3)
             self._shard = IterableDatasetShard(loader.dataset, batch_size, num_shards, shard_index,
                                                loader.drop_last, even_batches)
             self.loader = DataLoader(self._shard, batch_size=batch_size, drop_last=False, **kwargs)
@@ -375,10 +405,20 @@ class PreparedDataLoader:
             )
 
     def skip_batches(self, num_batches: int) -> None:
-        """Start the next pass `num_batches` of this rank's batches later (Accelerate's `skip_first_batches`)."""
+        """Start the next pass at this rank's batch `num_batches` (Accelerate's `skip_first_batches`), whatever its
+        epoch: counted from the start of the pass, so it replaces a position `load_state` restored rather than adding
+        to it -- Accelerate's resume (``load_state``, then ``skip_first_batches`` with the batches the saved run had
+        taken in its epoch) skips them once."""
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ValueError(f"skip_first_batches: num_batches must be an int >= 0, got {num_batches!r}")
-        self._resume += num_batches * self._step
+        position = num_batches * self._step
+        if self._restored and position != self._restored:
+            warnings.warn(
+                f"skip_first_batches({num_batches}): the next pass starts at batch {num_batches}, not where "
+                f"load_state left this data loader (batch {self._restored / self._step:g} of epoch {self.epoch}); "
+                "load_state restores the position by itself, so skip_first_batches is not needed after it",
+                stacklevel=3)
+        self._skip = position
 
     # ---- DataLoader-like surface -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -387,7 +427,7 @@ class PreparedDataLoader:
         After `load_state_dict`, the restored epoch keeps its restored position; another epoch starts afresh.
         """
         if epoch != self.epoch:
-            self._resume = 0
+            self._restored = 0
         self.epoch = epoch
 
     def __len__(self) -> int:
@@ -428,15 +468,15 @@ class PreparedDataLoader:
 
     def _batches(self) -> Iterator[Any]:
         self._shard.set_epoch(self.epoch)
-        self._position, self._resume = self._resume, 0
-        self._set_shard_resume(self._position)
+        self._position, self._finished = self._next_start(), False
+        self._skip, self._restored = None, 0
+        self._begin_pass(self._position)
         # DataLoader draws its workers' base seed at every pass; from a private generator (shuffling seed, epoch,
         # shard), that draw leaves the global torch RNG alone, so a resumed run's random stream (dropout) continues
         # exactly where the saved run's was.
         self.loader.generator = torch.Generator().manual_seed(
             (self.seed * 1_000_003 + self.epoch * 1009 + self.shard_index) % 2**63)
         iterator = iter(self.loader)
-        self._set_shard_resume(0)  # taken by iter(); a worker process holds its own copy
         pending = next(iterator, _END)
         while pending is not _END:
             window = [pending]
@@ -457,15 +497,20 @@ class PreparedDataLoader:
                         end_of_dataloader=end, remainder=self._shard.last_remainder if end else 0,
                         sequence_layout=layouts[i]))
                 self._position += self._step  # counted before the yield: the batch is the caller's now
+                self._finished = end
                 yield (move_to_device(batch, self.device, self.non_blocking or self.loader.pin_memory)
                        if self.put_on_device else batch)
         self.epoch += 1
-        self._position = 0
+        self._position, self._finished = 0, False
 
     # ---- checkpointing -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Epoch and position in it, in units that do not depend on the data-parallel size (see `__init__`)."""
-        return {"epoch": self.epoch, "position": self._resume or self._position, "unit": self.position_unit,
+        """Epoch and position in it, in units that do not depend on the data-parallel size (see `__init__`). Once the
+        caller holds the pass's last batch (a loop that saves after its epoch's last step), what follows is the
+        next epoch from its start, as in the run that goes on: a resumed loop that counts its own epochs starts
+        that one, not an empty rest of the finished one."""
+        epoch, position = (self.epoch + 1, 0) if self._finished else (self.epoch, self._next_start() or self._position)
+        return {"epoch": epoch, "position": position, "unit": self.position_unit,
                 "batch_size": self.base_loader.batch_size, "num_shards": self._shard.num_shards,
                 "seed": self.seed, "dataset_length": self._dataset_length()}
 
@@ -493,7 +538,7 @@ class PreparedDataLoader:
             self.seed = int(state["seed"])
             if isinstance(self._shard, ShardedBatchSampler):
                 self._shard.seed = self.seed
-        self._resume = position
+        self._restored, self._skip = position, None
 
     def _dataset_length(self) -> int | None:
         try:
@@ -501,16 +546,18 @@ class PreparedDataLoader:
         except TypeError:  # an iterable dataset of unknown length
             return None
 
-    def _set_shard_resume(self, position: int) -> None:
+    def _next_start(self) -> int:
+        """Where the next pass starts, in units of `position_unit`."""
+        return self._skip if self._skip is not None else self._restored
+
+    def _begin_pass(self, position: int) -> None:
         """Tell the shard where the pass starts: whole original batches when possible, else samples to re-batch."""
-        if isinstance(self._shard, IterableDatasetShard):
-            self._shard.resume_samples = position
-        elif self.position_unit == "batches":
-            self._shard.resume_batches, self._shard.resume_samples = position, 0
+        if isinstance(self._shard, IterableDatasetShard) or self.position_unit == "batches":
+            self._shard.begin_pass(position)
         elif position % self._batch_size == 0:
-            self._shard.resume_batches, self._shard.resume_samples = position // self._batch_size, 0
+            self._shard.begin_pass(position // self._batch_size)
         else:
-            self._shard.resume_batches, self._shard.resume_samples = 0, position
+            self._shard.begin_pass(0, position)
 
 
 _END = object()

@@ -215,7 +215,8 @@ def _pickle_and_checkpoints(tmp: str) -> dict:
 
     out = {}
     acc = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
-    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(32)), batch_size=2, shuffle=True))
+    # worker processes: the saved position must reach a pass whose batch sampler torch iterates twice
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(32)), batch_size=2, shuffle=True, num_workers=2))
     copy_ = pickle.loads(pickle.dumps(acc))
     out["state_equal"] = copy_.state.__dict__ == acc.state.__dict__
     from ndparallel.state import AcceleratorState, GradientState

@@ -45,7 +45,9 @@ def gathered_bytes(model: torch.nn.Module) -> int:
         if not isinstance(module, FSDPModule) or id(module) in seen:
             continue
         seen.add(id(module))
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None) or [g for g in [state._fsdp_param_group] if g]
+        for group in groups:
             for param in group.fsdp_params:
                 unsharded = getattr(param, "_unsharded_param", None)
                 if isinstance(unsharded, DTensor):  # under tensor parallelism: the storage is its local tensor's

@@ -3,7 +3,8 @@ curve of the run that never stopped -- under the same layout, and under another 
 
 The script (scripts/checkpoint_train.py) shuffles 28 samples into global batches of 8 (epochs of 4 steps, the last
 one short), saves after step 2 (mid-epoch) and trains to step 6 (across an epoch boundary); it registers a user
-object for checkpointing, and, in the same-layout runs, uses attention dropout so the random states matter.
+object for checkpointing, and, in the same-layout runs, uses attention dropout so the random states matter. Some
+layouts load the data in worker processes as well (2 per rank, persistent or not) and resume from step 4 too.
 
 Tolerances: the same layout resumes bit for bit (asserted within 1e-6, fp32). Another layout sums gradients in
 another order (reduce-scatter over other groups, tensor-parallel matmuls split differently), so its losses follow
@@ -50,17 +51,32 @@ def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[k] - b[k]) for k in a)
 
 
+# Data-loader worker processes (the DataLoader's num_workers; persistent or not) in some layouts: the resume is
+# exact with them too, from mid-epoch and from the epoch's last step (EPOCH_END: the loop saves after the epoch's
+# last batch, before the loader has ended its pass).
+WORKERS = {"no_workers": [], "workers2": ["--workers", "2"],
+           "persistent_workers2": ["--workers", "2", "--persistent-workers"]}
+RESUMES = [(name, "no_workers") for name in ("single", "ddp2", "fsdp2", "hsdp2x2_accum2", "fsdp2_full_state",
+                                             "fsdp2xtp2", "fsdp2xcp2")] + [
+    ("single", "workers2"), ("fsdp2", "persistent_workers2"), ("hsdp2x2_accum2", "workers2"),
+    ("fsdp2xcp2", "workers2")]
+EPOCH_END = 4  # 28 samples in global batches of 8: epochs of 4 steps
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["single", "ddp2", "fsdp2", "hsdp2x2_accum2", "fsdp2_full_state",
-                                 "fsdp2xtp2", "fsdp2xcp2"])
-def test_resume_reproduces_the_uninterrupted_run(name, tmp_path):
+@pytest.mark.parametrize("name,workers", RESUMES, ids=[f"{n}-{w}" for n, w in RESUMES])
+def test_resume_reproduces_the_uninterrupted_run(name, workers, tmp_path):
     dropout = [] if "cp" in name else ["--dropout", "0.1"]  # context-parallel attention is exact without dropout
-    full = run(name, *dropout, "--save-at", str(SAVE_AT), "--save-dir", str(tmp_path))
-    resumed = run(name, *dropout, "--load", str(tmp_path / f"step_{SAVE_AT}"))
-    expected = {k: v for k, v in full["losses"].items() if k > SAVE_AT}
-    assert max_diff(resumed["losses"], expected) <= 1e-6, f"{name}: {resumed['losses']} vs {expected}"
-    assert resumed["counter"] == full["counter"] == STEPS  # the registered object came back (2) and counted on
-    assert resumed["lr"] == full["lr"] and resumed["epoch"] == full["epoch"]
+    points = [SAVE_AT] if workers == "no_workers" else [SAVE_AT, EPOCH_END]
+    flags = [*dropout, *WORKERS[workers]]
+    full = run(name, *flags, "--save-at", *map(str, points), "--save-dir", str(tmp_path))
+    assert full["epoch"] == 1  # the run crossed an epoch boundary (the loader's pass count)
+    for point in points:
+        resumed = run(name, *flags, "--load", str(tmp_path / f"step_{point}"))
+        expected = {k: v for k, v in full["losses"].items() if k > point}
+        assert max_diff(resumed["losses"], expected) <= 1e-6, f"{name} from {point}: {resumed['losses']} vs {expected}"
+        assert resumed["counter"] == full["counter"] == STEPS  # the registered object came back and counted on
+        assert resumed["lr"] == full["lr"] and resumed["epoch"] == full["epoch"]
 
 
 @pytest.fixture(scope="module")

@@ -140,3 +140,54 @@ def test_pretrained_weights_of_another_shape_are_refused_before_loading(tmp_path
     assert messages[0] == messages[1]
     assert "CheckpointError: pretrained weights in" in messages[0]
     assert "model.layers.0.mlp.up_proj.weight: checkpoint (64, 32) vs model (48, 32)" in messages[0]
+
+
+# ---- models offloaded by Accelerate's big-model loading ----------------------------------------------------------------
+OFFLOAD_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "disk",
+               "model.rotary_emb": "cpu", "lm_head": "disk"}
+
+
+def _save_offloaded(source: str, tmp: str) -> dict:
+    """save_model of a model whose weights Accelerate keeps outside it (on the meta device in it, behind hooks): loaded
+    by from_pretrained with an offload map (CPU and disk), and put through Accelerate's cpu_offload; then a model of
+    meta tensors with nothing behind them."""
+    from accelerate import cpu_offload
+    from transformers import AutoConfig
+
+    from ndparallel import Accelerator
+    from ndparallel.big_modeling import init_empty_weights
+
+    accelerator = Accelerator()
+    out: dict = {}
+    dispatched = AutoModelForCausalLM.from_pretrained(source, device_map=OFFLOAD_MAP, offload_folder=f"{tmp}/offload")
+    offloaded = AutoModelForCausalLM.from_pretrained(source)
+    cpu_offload(offloaded, execution_device="cpu")
+    for name, model in (("dispatched", dispatched), ("cpu_offload", offloaded)):
+        out[name] = {"meta": sum(p.is_meta for p in model.parameters()), "logits": logits(model)}
+        accelerator.save_model(model, f"{tmp}/{name}", max_shard_size="30KB")
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+    try:
+        accelerator.save_model(empty, f"{tmp}/empty")
+    except ValueError as exc:
+        out["empty"] = str(exc)
+    accelerator.end_training()
+    return out
+
+
+def test_save_model_writes_the_weights_accelerates_offloading_keeps_outside_the_model(tmp_path):
+    torch.manual_seed(0)
+    model = build_model("llama")
+    model.save_pretrained(tmp_path / "source")
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    out = run_ranks(_save_offloaded, 1, str(tmp_path / "source"), str(tmp_path))[0]
+    for name in ("dispatched", "cpu_offload"):
+        assert out[name]["meta"] >= 5, out[name]["meta"]  # offloaded weights: on the meta device in the model
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        state = loaded.state_dict()
+        assert state.keys() == expected.keys()
+        assert all(torch.equal(state[k], expected[k]) for k in expected), name
+        assert torch.equal(logits(loaded), out[name]["logits"])
+    assert "save_model: 21 tensor(s) of the model are on the meta device with no values behind them" in out["empty"]
+    assert "nothing was written" in out["empty"]
+    assert not (tmp_path / "empty").exists() and not [p for p in tmp_path.iterdir() if "empty" in p.name]

@@ -89,10 +89,12 @@ def test_shuffle_is_deterministic_and_set_epoch_reshuffles():
     assert auto[0]["passes"][1] != auto[0]["passes"][0]  # passes count epochs by themselves
 
 
-@pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
-def test_last_uneven_batch_is_padded_and_gather_for_metrics_drops_the_padding(iterable):
-    # 9 samples, batch 2, 2 ranks: steps [0..3], [4..7], then sample 8 alone -> rank 1 gets a repeat.
-    results = run_ranks(_iterate, 2, {"dp_shard": 2}, 9, 2, False, iterable)
+@pytest.mark.parametrize("iterable,workers", [(False, 0), (True, 0), (True, 1)],
+                         ids=["map", "iterable", "iterable_in_a_worker"])
+def test_last_uneven_batch_is_padded_and_gather_for_metrics_drops_the_padding(iterable, workers):
+    # 9 samples, batch 2, 2 ranks: steps [0..3], [4..7], then sample 8 alone -> rank 1 gets a repeat. In a worker
+    # process the count of real samples comes back to the main process through shared memory.
+    results = run_ranks(_iterate, 2, {"dp_shard": 2}, 9, 2, False, iterable, 1, False, None, workers)
     assert [len(r["passes"][0]) for r in results] == [3, 3]  # same number of steps on every rank
     assert results[0]["passes"][0][-1] == [8] and results[1]["passes"][0][-1] == [0]
     gathered = list(itertools.chain.from_iterable(results[0]["gathered"]))

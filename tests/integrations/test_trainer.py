@@ -208,6 +208,22 @@ def test_checkpoints_resume_exactly_into_another_layout(tmp_path, tmp_path_facto
     assert all(torch.equal(loaded[k].detach(), full[0]["params"][k]) for k in loaded)
 
 
+def test_resume_with_data_loader_workers_continues_the_epoch_it_stopped_in(tmp_path, tmp_path_factory):
+    """dataloader_num_workers=2 under dp_shard 2, 12 samples (epochs of 3 steps), a checkpoint every 2 steps: the run
+    equals one process under stock Accelerate, and resume_from_checkpoint from the middle of epoch 0 (step 2) and of
+    epoch 1 (step 4: the Trainer skips the batch taken, then sets the epoch) logs its losses."""
+    options = {"samples": 12, "extra": {"dataloader_num_workers": 2}}
+    first = tmp_path / "first"
+    full = run_layout(first, {"dp_shard": 2}, save_steps=2, **options)
+    assert_same_run(full, reference(tmp_path_factory, **options))
+    for step in (2, 4):
+        resumed = run_layout(tmp_path / f"from_{step}", {"dp_shard": 2}, resume=str(first / f"checkpoint-{step}"),
+                             **options)
+        assert len(resumed[0]["losses"]) == 6
+        assert max(abs(a - b) for a, b in zip(full[0]["losses"], resumed[0]["losses"])) < TOL, \
+            (step, resumed[0]["losses"], full[0]["losses"])
+
+
 def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path, tmp_path_factory):
     """load_best_model_at_end: the parameters at the end are the best checkpoint's, as in one process. "Best" is the
     highest evaluation loss here, so it is not the last checkpoint (whose parameters the run ends with anyway)."""

@@ -4,8 +4,9 @@
 checkpoint after each step listed in ``--save-at``, and returns {step: global token-mean loss} plus what the tests
 compare. The data loader shuffles and runs several epochs (28 samples, global batch 8: epochs of 4 steps, the last
 one short), so a resume lands mid-epoch and crosses an epoch boundary. ``--dropout`` makes the loss depend on the
-random states, so resuming exactly needs them restored too. Every save follows an evaluation forward (``model.eval()``,
-``torch.no_grad()``), as in Accelerate's examples, which evaluate each epoch and save after; it must change nothing.
+random states, so resuming exactly needs them restored too; ``--workers N`` (``--persistent-workers``) loads the
+data in worker processes. Every save follows an evaluation forward (``model.eval()``, ``torch.no_grad()``), as in
+Accelerate's examples, which evaluate each epoch and save after; it must change nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--dataset-size", type=int, default=28)
+    p.add_argument("--workers", type=int, default=0, help="the DataLoader's num_workers")
+    p.add_argument("--persistent-workers", action="store_true")
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--dropout", type=float, default=0.0)
@@ -116,7 +119,8 @@ def build(args: argparse.Namespace) -> tuple:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     micro_batch = args.global_batch // (accelerator.data_parallel_size * args.accum)
     dataset = TokenDataset(args.dataset_size, args.seq_len, VOCAB)
-    dataloader = DataLoader(dataset, batch_size=micro_batch, shuffle=True)
+    dataloader = DataLoader(dataset, batch_size=micro_batch, shuffle=True, num_workers=args.workers,
+                            persistent_workers=args.persistent_workers)
     counter = StepCounter()
     accelerator.register_for_checkpointing(counter)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)

@@ -5,6 +5,8 @@
 ``max_shard_size`` with ``model.safetensors.index.json`` -- so ``AutoModelForCausalLM.from_pretrained`` loads it.
 Parameters are gathered one at a time (`DTensor.full_tensor`, a collective every rank joins) and rank 0 keeps at
 most one shard in memory. Tied parameters are written once, under their first name, as ``save_pretrained`` does.
+Weights that Accelerate's big-model offloading keeps outside the model (on the meta device in it) are read from their
+hook's weights map as they are written (`ndparallel.checkpoint.offloaded`); other meta tensors are refused first.
 
 `merge_weights` (``ndparallel merge-weights``) does the same offline, in one process, from the ``model_<i>``
 directory of a checkpoint written by ``save_state``, reading one output shard at a time.
@@ -34,6 +36,7 @@ from ..parallel import PreparedModel, interface
 from ..tracking import progress_bar
 from . import storage
 from .manifest import read_metadata, tied_names
+from .offloaded import OffloadedWeights
 from .storage import CheckpointError, on_main, rank
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -143,6 +146,8 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
     state = _parts_state_dict(parts) if not parts.holds_every_parameter else get_model_state_dict(model)
     tied = tied_names(unwrapped)
     names = [n for n in state if n not in tied]
+    offloaded = OffloadedWeights(unwrapped, state)  # Accelerate's big-model offloading: weights outside the model
+    offloaded.check(names)
     sizes = [(n, state[n].numel() * state[n].element_size()) for n in names]
     shards = plan_shards(sizes, max_bytes)
     files = shard_file_names(len(shards), safe_serialization)
@@ -152,7 +157,12 @@ def save_model(model: nn.Module, unwrapped: nn.Module, save_directory: str | Pat
     for shard, file in zip(shards, files):
         tensors = {}
         for name in shard:
-            full = _full(state[name])
+            if name in offloaded:  # read from its hook's weights map, on rank 0 only (no collective)
+                if rank() != 0:
+                    continue
+                full = offloaded.read(name, state[name])
+            else:
+                full = _full(state[name])
             if rank() == 0:
                 tensors[name] = full.detach().to("cpu").contiguous()
                 weight_map[name] = file

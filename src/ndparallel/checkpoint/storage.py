@@ -2,7 +2,8 @@
 
 A checkpoint is a directory that becomes visible only when complete:
 
-1. every rank writes into ``<parent>/.<name>.partial`` (rank 0 removes a stale one left by a crash first);
+1. every rank writes into ``<parent>/.<name>.partial`` (rank 0 removes a stale one left by a crash first), once
+   every rank has seen the token rank 0 put there (`check_shared`: the nodes must share the filesystem);
 2. after a barrier, the ranks checksum the files (each a share of them) and rank 0 writes
    ``ndparallel_checkpoint.json`` (format, layout, world size, step, versions, size and CRC32 of every file),
    fsyncs it, and renames the staging directory to ``<parent>/<name>`` (an atomic `rename` on one filesystem).
@@ -33,7 +34,9 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +50,7 @@ FORMAT = "ndparallel-checkpoint"
 FORMAT_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
+SHARED_MARK = ".ndparallel_shared"  # rank 0's token in a new staging directory: does every rank see it?
 CHECKPOINT, EXPORT = "checkpoint", "export"  # what a directory that commit() may replace must hold
 # Files of a Hugging Face export (save_model / merge-weights): a directory holding only these may be replaced.
 _EXPORT_FILE = re.compile(r"(config|generation_config)\.json|(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)"
@@ -205,6 +209,46 @@ def prepare_staging(final: Path, kind: str = CHECKPOINT) -> Path:
     except OSError as exc:
         raise write_error(exc, final.parent, f"the staging directory {staging.name}") from None
     return staging
+
+
+def mark_shared(staging: Path) -> str:
+    """Rank 0: write a token into the staging directory it just made, for `check_shared`; return the token."""
+    token = f"{socket.gethostname()} pid {os.getpid()} {time.time_ns()}"
+    try:
+        (staging / SHARED_MARK).write_text(token)  # closed before the others open it: NFS shows it them
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise write_error(exc, staging.parent, f"the staging directory {staging.name}") from None
+    return token
+
+
+def check_shared(staging: Path, token: str) -> None:
+    """Collective: every rank reads `token` from the staging directory rank 0 made (`mark_shared`), then rank 0
+    removes it. The ranks of every node write one checkpoint together, so its directory must be the same on every
+    node -- one filesystem that the nodes share, at the same path. Where it is not, every rank raises, naming the
+    ranks and hosts that do not see it, before anything is written (each removes its own staging copy)."""
+    try:
+        seen = (staging / SHARED_MARK).read_text() == token
+    except OSError:
+        seen = False
+    if not is_distributed():
+        return
+    everywhere = torch.tensor([int(seen)])
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group())  # one small collective when all is well
+    if rank() == 0:
+        with contextlib.suppress(OSError):
+            (staging / SHARED_MARK).unlink()
+    if everywhere.item():
+        return
+    views: list[Any] = [None] * world_size()
+    dist.all_gather_object(views, (seen, socket.gethostname()), group=group())
+    blind = [r for r, (ok, _) in enumerate(views) if not ok]
+    discard_staging(staging)
+    raise CheckpointError(
+        f"cannot save to {staging.parent}: rank(s) {blind} (on {', '.join(sorted({views[r][1] for r in blind}))}) do "
+        f"not see the directory that rank 0 (on {views[0][1]}) just made there. The ranks of every node write one "
+        "checkpoint together: save to a filesystem that every node shares, under the same path (NFS, Lustre, "
+        "GPFS...; not a node's local disk, nor a relative path under different working directories)")
 
 
 def discard_staging(staging: Path) -> None:

@@ -241,14 +241,16 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
     owners = _optimizer_owners(prepared)
     _check_layout(prepared, run.state_dict_type == FULL)
 
-    def make_staging() -> tuple[Path, Path]:
+    def make_staging() -> tuple[Path, Path, str]:
         if automatic:  # the next number above every checkpoint_<i> already there: never an old run's name
             final = project.checkpoints_dir / f"checkpoint_{next_number(project.checkpoints_dir, project.iteration)}"
         else:
             final = Path(output_dir)
-        return final, storage.prepare_staging(final)
+        staging = storage.prepare_staging(final)
+        return final, staging, storage.mark_shared(staging)
 
-    final, staging = on_main(make_staging)
+    final, staging, mark = on_main(make_staging)
+    storage.check_shared(staging, mark)  # every node sees the directory (a shared filesystem), or every rank raises
     started = time.perf_counter()
     try:
         if before_write is not None:

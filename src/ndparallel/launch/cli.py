@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ndparallel.config import ENV_PREFIX, MIXED_PRECISION, SIZE_FIELDS, ParallelismConfig
-from ndparallel.launch import accelerate_launch, plan_commands
+from ndparallel.launch import accelerate_launch, plan_commands, schedulers
 from ndparallel.launch.arguments import PROG, error, spellings
 
 DEFAULT_CONFIG_FILE = "ndparallel_config.yaml"
@@ -40,9 +40,10 @@ def _add_settings_arguments(parser: argparse.ArgumentParser, accelerate_names: b
         extra = (f"parallelism_config_{name}",) if accelerate_names else ()
         sizes.add_argument(*spellings(name, *extra), dest=name, type=int, default=None, metavar="N")
     parser.add_argument(*spellings("nproc-per-node"), type=int, default=None, metavar="N",
-                        help="processes per node (default: the product of the sizes, or 1)")
+                        help="processes per node (default: the scheduler's GPUs / CPUs per node, else the product of "
+                             "the sizes over the nodes, or 1)")
     parser.add_argument(*spellings("nnodes", *(("num_machines",) if accelerate_names else ())), dest="nnodes",
-                        type=int, default=None, metavar="N", help="number of nodes (default 1)")
+                        type=int, default=None, metavar="N", help="number of nodes (default: the scheduler's, else 1)")
     parser.add_argument(*spellings("mixed-precision"), choices=MIXED_PRECISION, default=None,
                         help="sets NDPARALLEL_MIXED_PRECISION for the script")
     parser.add_argument(*spellings("gradient-accumulation-steps"), type=int, default=None, metavar="N",
@@ -64,21 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="YAML written by `ndparallel config` or by `accelerate config`")
     _add_settings_arguments(launch, accelerate_names=True)
     launch.add_argument(*spellings("node-rank", "machine_rank"), dest="node_rank", type=int, default=None,
-                        metavar="K", help="this node's rank (default 0)")
+                        metavar="K", help="this node's rank (default: the scheduler's, else 0)")
     launch.add_argument(*spellings("rdzv-endpoint"), default=None, metavar="HOST:PORT",
-                        help="rendezvous address; default: a free local port (one node only)")
+                        help="rendezvous address; default: the scheduler's (SLURM's first node, MASTER_ADDR...), "
+                             "else a free local port (one node only)")
     launch.add_argument(*spellings("rdzv-backend"), choices=("static", "c10d"), default=None,
                         help="with --rdzv-endpoint: static (uses --node-rank) or c10d (default static)")
-    launch.add_argument(*spellings("rdzv-id"), default="ndparallel", help="job id for the c10d rendezvous")
+    launch.add_argument(*spellings("rdzv-id"), default=None,
+                        help="job id for the c10d rendezvous (default: the scheduler's job id, else ndparallel)")
     launch.add_argument(*spellings("rdzv-timeout"), type=float, default=300.0, metavar="SECONDS",
                         help="with --nnodes > 1: how long the nodes may take to meet at --rdzv-endpoint before the "
                              "launch ends with a message naming the missing or duplicate node ranks (default 300)")
     launch.add_argument(*spellings("stall-timeout"), type=float, default=None, metavar="SECONDS",
                         help="report and stop a rank that makes no library call for this long (rank, host, last "
                              "call); the job then exits non-zero, or restarts under --max-restarts (default: off)")
-    launch.add_argument(*spellings("max-restarts"), type=int, default=0, metavar="N",
-                        help="restart all ranks up to N times when one fails (default 0); a script that calls "
-                             "load_state() on start resumes from its newest checkpoint (examples/resume.py)")
+    launch.add_argument(*spellings("max-restarts"), type=int, default=None, metavar="N",
+                        help="restart all ranks up to N times when one fails (default: PET_MAX_RESTARTS, else 0); a "
+                             "script that calls load_state() on start resumes from its newest checkpoint "
+                             "(examples/resume.py)")
+    launch.add_argument("--scheduler", choices=schedulers.SCHEDULERS, default=schedulers.AUTO,
+                        help="where the node count, this node's rank, the rendezvous and the processes per node come "
+                             "from when no flag gives them: a SLURM srun step, Kubernetes (a PyTorchJob, torchrun's "
+                             "PET_* variables), or none; default auto (flags always win; docs/multi_node.md)")
     launch.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     accelerate_launch.add_flags(launch)
     launch.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
@@ -123,6 +131,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return error("launch", exc)
     for warning in plan.warnings:
         print(f"{PROG} launch: warning: {warning}", file=sys.stderr)
+    if plan.origin is not None:
+        print(plan.origin, file=sys.stderr)
     print(plan.describe(), file=sys.stderr, flush=True)
     return run_plan(plan)
 

@@ -1,7 +1,8 @@
 """`ndparallel launch`: check the sizes against the world size, then start the ranks with torchrun -- ranks that die
 with their launcher, nodes that meet within a bounded time, ranks that stall reported.
 
-Settings come from, in order of precedence: command-line flags > the YAML file of ``--config-file`` >
+Settings come from, in order of precedence: command-line flags > the YAML file of ``--config-file`` > the
+scheduler's environment (the nodes of a SLURM step or a Kubernetes PyTorchJob: `ndparallel.launch.schedulers`) >
 defaults. The YAML file has two sections (``ndparallel config`` writes it):
 
     parallelism:   {dp_replicate_size, dp_shard_size, tp_size, cp_size, sp_size}  (ParallelismConfig.to_dict)
@@ -44,7 +45,7 @@ from ndparallel.config import (
     load_yaml,
     size_env_var,
 )
-from ndparallel.launch import accelerate_launch
+from ndparallel.launch import accelerate_launch, schedulers
 from ndparallel.launch.accelerate_launch import Translated
 from ndparallel.launch.supervision import LaunchError, RollCall, StallWatch, note
 from ndparallel.launch.worker import LAUNCHER_PID_ENV
@@ -131,11 +132,11 @@ def config_file_data(pc: ParallelismConfig | None, launch: dict[str, Any], fmt: 
 
 
 def default_nproc(sizes: dict[str, int], nnodes: int) -> int:
-    """Processes per node when none is given: the product of the sizes on one node without -1, else 1 (ep_size is
-    carved out of the others: no factor)."""
+    """Processes per node when none is given: the product of the sizes over the nodes when there is no -1 and it
+    divides evenly, else 1 (ep_size is carved out of the others: no factor)."""
     axes = [size for name, size in sizes.items() if name != "ep_size"]
-    if axes and nnodes == 1 and -1 not in axes:
-        return math.prod(axes)
+    if axes and -1 not in axes and math.prod(axes) % nnodes == 0:
+        return math.prod(axes) // nnodes
     return 1
 
 
@@ -154,6 +155,7 @@ class LaunchPlan:
     rendezvous: RollCall | None = None  # multi-node static rendezvous: the roll call before torchrun
     endpoint: str | None = None  # --rdzv-endpoint
     stall_timeout: float | None = None  # seconds without a heartbeat before a rank is reported and stopped
+    origin: str | None = None  # under a scheduler: where the node count, node rank, rendezvous... came from
 
     def describe(self) -> str:
         world = self.nproc_per_node * self.nnodes
@@ -183,6 +185,35 @@ def _rendezvous_args(args: argparse.Namespace, nnodes: int) -> tuple[list[str], 
             f"--rdzv-conf=join_timeout={math.ceil(timeout)}"], None
 
 
+def _source(args: argparse.Namespace, key: str, flag: str, file_label: str | None = None) -> str:
+    """Where a launch setting given by the user came from: its flag, else the config file / accelerate's flags."""
+    if getattr(args, key, None) is not None:
+        return flag
+    return file_label or (f"--config-file {args.config_file}" if args.config_file else "accelerate launch's flags")
+
+
+def _given_node_settings(args: argparse.Namespace, given: Translated, flags: dict[str, Any],
+                         environment: schedulers.Environment | None,
+                         warnings: list[str]) -> dict[str, schedulers.Found | None]:
+    """The node settings the flags and the config file give, each with its source (for `schedulers.place`). A
+    config file's node rank yields to the scheduler's: one file serves every node (``accelerate config`` always
+    writes a ``machine_rank``), so only the scheduler can give each node its own."""
+    out: dict[str, schedulers.Found | None] = {}
+    for key, flag in (("nnodes", "--nnodes"), ("node_rank", "--node-rank"), ("rdzv_endpoint", "--rdzv-endpoint"),
+                      ("rdzv_backend", "--rdzv-backend"), ("rdzv_id", "--rdzv-id"), ("max_restarts", "--max-restarts")):
+        value = getattr(args, key, None)
+        value = given.launch.get(key) if value is None else value
+        label = "--main-process-ip" if key == "rdzv_endpoint" and "main_process_ip" in flags else None
+        out[key] = None if value is None else schedulers.Found(value, _source(args, key, flag, label))
+    mine, theirs = out["node_rank"], getattr(environment, "node_rank", None)
+    if mine is not None and args.node_rank is None and theirs is not None:
+        if mine.value != theirs.value:
+            warnings.append(f"node rank {mine.value} of {mine.source} is not used: one file serves every node, "
+                            f"{environment.name} gives this one {theirs.value} ({theirs.source})")
+        out["node_rank"] = None
+    return out
+
+
 def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     """Merge flags, config file and defaults; validate everything before any process starts."""
     # Precedence: flags > config file (Accelerate's flags are merged into an Accelerate file first) > defaults.
@@ -196,8 +227,16 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     sizes.update({name: getattr(args, name) for name in SIZE_FIELDS if getattr(args, name) is not None})
     settings = {key: getattr(args, key) if getattr(args, key) is not None else given.launch.get(key)
                 for key in (*LAUNCH_KEYS, "node_rank", "rdzv_endpoint", "rdzv_backend")}
-    nnodes = positive_int("--nnodes", 1 if settings["nnodes"] is None else settings["nnodes"])
+    cpu = bool(settings["cpu"]) or not torch.cuda.is_available()
+    # Flags and the config file over the scheduler's environment (SLURM, Kubernetes), over the defaults.
+    environment = schedulers.read_environment(os.environ, args.scheduler, cpu=cpu,
+                                              gpus=0 if cpu else torch.cuda.device_count())
+    if environment is not None:
+        warnings.extend(environment.warnings)
+    placed = schedulers.place(_given_node_settings(args, given, flags, environment, warnings), environment)
+    nnodes = positive_int(placed.nnodes.source, placed.nnodes.value)
     nproc = settings["nproc_per_node"]
+    nproc_source = _source(args, "nproc_per_node", "--nproc-per-node")
     total = given.launch.get("num_processes")  # accelerate launch's count: over all nodes
     if total is not None:
         total = positive_int("--num-processes", total)
@@ -206,18 +245,27 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
         if nproc is not None and nproc * nnodes != total:
             raise ValueError(f"--num-processes {total} (over all nodes) disagrees with --nproc-per-node {nproc} x "
                              f"--nnodes {nnodes}; give one of them")
-        nproc = total // nnodes
-    nproc = positive_int("--nproc-per-node", default_nproc(sizes, nnodes) if nproc is None else nproc)
-    node_rank = 0 if settings["node_rank"] is None else settings["node_rank"]
+        nproc, nproc_source = total // nnodes, f"--num-processes {total} / {nnodes} node(s)"
+    if nproc is None and placed.nproc_per_node is not None:
+        nproc, nproc_source = placed.nproc_per_node.value, placed.nproc_per_node.source
+    if nproc is None:
+        nproc = default_nproc(sizes, nnodes)
+        nproc_source = "the sizes' product over the nodes" if nproc > 1 else "default"
+    nproc = positive_int(nproc_source, nproc)
+    node_rank = placed.node_rank.value
     if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}")
+        if environment is None:
+            raise ValueError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}")
+        raise ValueError(f"node rank {node_rank} ({placed.node_rank.source}) must be in 0..{nnodes - 1} for "
+                         f"{nnodes} node(s) ({placed.nnodes.source})")
     if args.rdzv_endpoint is not None and ("main_process_ip" in flags or "main_process_port" in flags):
         raise ValueError("give --rdzv-endpoint HOST:PORT or --main-process-ip / --main-process-port, not both")
-    endpoint = settings["rdzv_endpoint"]
-    rendezvous = argparse.Namespace(rdzv_endpoint=endpoint, rdzv_backend=settings["rdzv_backend"] or "static",
-                                    node_rank=node_rank, rdzv_timeout=args.rdzv_timeout, rdzv_id=args.rdzv_id)
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    endpoint = None if placed.endpoint is None else placed.endpoint.value
+    max_restarts = placed.max_restarts.value
+    rendezvous = argparse.Namespace(rdzv_endpoint=endpoint, rdzv_backend=placed.rdzv_backend.value,
+                                    node_rank=node_rank, rdzv_timeout=args.rdzv_timeout, rdzv_id=placed.rdzv_id.value)
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     if not args.rdzv_timeout > 0:
         raise ValueError(f"--rdzv-timeout must be > 0 seconds, got {args.rdzv_timeout:g}")
     if args.stall_timeout is not None and not args.stall_timeout > 0:
@@ -225,7 +273,15 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     # Every size explicit: a stale NDPARALLEL_* variable of this shell must not change what is checked.
     # With no sizes at all, the script brings its own config (or runs plain data parallel): nothing to check.
     explicit = ParallelismConfig(**{name: sizes.get(name, 1) for name in SIZE_FIELDS})
-    resolved = explicit.resolve(nproc * nnodes) if sizes else None
+    try:
+        resolved = explicit.resolve(nproc * nnodes) if sizes else None
+    except ValueError as exc:
+        if environment is None:
+            raise
+        world = (f"world size {nproc * nnodes} = {nnodes} node(s) ({placed.nnodes.source}) x {nproc} process(es) "
+                 f"per node ({nproc_source})")
+        raise ValueError(f"{str(exc).replace(f'world size {nproc * nnodes}', world, 1)} Change the sizes, or the "
+                         "nodes or GPUs / CPUs the job asks for, or give --nproc-per-node.") from None
     if not args.module and not Path(args.script).is_file():
         raise FileNotFoundError(f"script {args.script!r} does not exist (use -m to run a module)")
 
@@ -238,7 +294,6 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
             warnings.append(f"ignoring {', '.join(stale)} from the environment: give sizes as flags or in "
                             "--config-file")
         env.update({var: None for var in stale})
-    cpu = bool(settings["cpu"]) or not torch.cuda.is_available()
     if cpu:
         env[CPU_ENV] = "1"
     if settings["mixed_precision"] is not None:
@@ -246,7 +301,7 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     if settings["gradient_accumulation_steps"] is not None:
         steps = positive_int("--gradient-accumulation-steps", settings["gradient_accumulation_steps"])
         env[ACCUMULATION_ENV] = str(steps)
-    if args.max_restarts > 0 and RESTART_STORE_ENV not in os.environ:
+    if max_restarts > 0 and RESTART_STORE_ENV not in os.environ:
         # Restarted workers must not share torchrun's rendezvous store with the workers they replace: they would
         # read their dead peers' addresses from it and fail to connect (pytorch/pytorch#135712). With this set,
         # every attempt gets a fresh store on a fresh port.
@@ -257,14 +312,14 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
         env["OMP_NUM_THREADS"] = "1"
 
     rendezvous_flags, roll = _rendezvous_args(rendezvous, nnodes)
-    torchrun_args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={args.max_restarts}",
+    torchrun_args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
                      *rendezvous_flags]
     # torchrun runs ndparallel's worker (by path, as a script), which ties the rank to this launcher and then runs
     # the script as `python [-m] SCRIPT ARGS` would.
     torchrun_args += [WORKER, *(["-m"] if args.module else []), args.script, *args.script_args]
     target = ("-m " if args.module else "") + " ".join([args.script, *args.script_args])
     return LaunchPlan(nproc, nnodes, resolved, cpu, target, env, torchrun_args, warnings, roll, endpoint,
-                      args.stall_timeout)
+                      args.stall_timeout, placed.describe(schedulers.Found(nproc, nproc_source)))
 
 
 def run_plan(plan: LaunchPlan) -> int:
@@ -291,7 +346,9 @@ def run_plan(plan: LaunchPlan) -> int:
             plan.rendezvous.hold()
         if watch is not None:
             watch.start()
-        run(parse_args(plan.torchrun_args))
+        with schedulers.torchrun_flags_only():  # torchrun reads PET_* as its flags' defaults: the launch's flags only
+            config = parse_args(plan.torchrun_args)
+        run(config)
         return 0
     except LaunchError as exc:
         note(f"error: {exc}")

@@ -50,5 +50,7 @@ def release_gathered(model: nn.Module) -> dict[int, torch.Tensor]:
 def _holds_gathered(unit: FSDPModule) -> bool:
     """Whether the FSDP2 unit's parameters are (partly) gathered, and not by a forward or backward under way."""
     state = unit._get_fsdp_state()
-    return any(not group.is_sharded and group._training_state == TrainingState.IDLE
-               for group in state._fsdp_param_groups)
+    groups = getattr(state, "_fsdp_param_groups", None)  # newer torch; one group per unit (or none) before
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return any(not group.is_sharded and group._training_state == TrainingState.IDLE for group in groups)

@@ -39,6 +39,20 @@ def test_checkpoints_move_between_pipeline_and_other_layouts(tmp_path, tied):
         assert diff <= 1e-5, f"{what}: {diff:.2e} from the uninterrupted run"
 
 
+@pytest.mark.slow
+def test_a_pipeline_run_with_data_loader_workers_resumes_exactly(tmp_path):
+    """pp 2 with the data loaded by 2 worker processes on each rank (every stage reads the batches): resumed from
+    mid-epoch (step 2) and from the epoch's last step (4), the losses are the uninterrupted run's (the same layout:
+    within 1e-6, fp32)."""
+    base = ["--layers", str(LAYERS), "--steps", "6", "--pp-size", "2", "--workers", "2"]
+    full = run_ranks(checkpoint_train.main, 2, [*base, "--save-at", "2", "4", "--save-dir", str(tmp_path)])[0]
+    for point in (2, 4):
+        resumed = run_ranks(checkpoint_train.main, 2, [*base, "--load", str(tmp_path / f"step_{point}")])[0]
+        assert sorted(resumed["losses"]) == list(range(point + 1, 7))
+        diff = max(abs(resumed["losses"][k] - full["losses"][k]) for k in resumed["losses"])
+        assert diff <= 1e-6, f"from step {point}: {resumed['losses']} vs {full['losses']}"
+
+
 def _load_under_pp(directory: str) -> tuple[str, str]:
     from ndparallel import CheckpointError
 
