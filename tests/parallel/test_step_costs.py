@@ -24,7 +24,13 @@ A logged step (``accelerator.reduce_loss(loss).item()`` against plain's ``loss.i
 from __future__ import annotations
 
 import pytest
+# What the ranks import, imported once here before they fork: each forked rank of each test would import it again
+# (about 20 s of the 20-25 s a test took here; a rank's setup is then under a second).
+import transformers.models.llama.modeling_llama  # noqa: F401
+import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+from transformers import Trainer  # noqa: F401
 
+import ndparallel.launch.worker  # noqa: F401
 from harness import run_ranks
 from step_costs import LAYOUTS, count_step, count_trainer_step
 
