@@ -323,3 +323,24 @@ def count_trainer_step(accum: int = 1, steps: int = 3, plain: bool = False) -> d
         trainer.train()
         ours = type(trainer.accelerator).__module__.startswith("ndparallel")
     return {**costs.summary(), "by_op": dict(costs.by_op), "ndparallel": ours}
+
+
+def main(argv: list[str]) -> None:
+    """``python tests/parallel/step_costs.py [layout ...]``: the figures the tests check, per rank, library / plain
+    (every layout and FSDP2 with 2 micro-steps by default)."""
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "scripts")]
+    import ndparallel.launch.worker  # noqa: F401  (imported once, before the ranks fork)
+    from harness import run_ranks
+
+    cases = [(layout, 1) for layout in argv] if argv else [*((layout, 1) for layout in LAYOUTS), ("fsdp2", 2)]
+    for layout, accum in cases:
+        ranks = run_ranks(count_step, LAYOUTS[layout][0], layout, accum, timeout=900)
+        lib, plain = [r["library"] for r in ranks], ranks[0]["plain"]
+        print(f"{layout}, {accum} micro-step(s): syncs {[m['syncs'] for m in lib]} / {plain['syncs']}; ops "
+              f"{[m['ops'] for m in lib]} / {plain['ops']}; matmul MFLOP {[m['flops'] / 1e6 for m in lib]} / "
+              f"{plain['flops'] / 1e6}; collectives {lib[0]['collectives']}; data loader's syncs "
+              f"{lib[0]['fetch']['syncs']}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
