@@ -123,7 +123,8 @@ def shortened(command: str) -> tuple[str, str | None]:
 def test_every_command_declares_its_install():
     assert any(c.doc == "README.md" for c in COMMANDS) and any(c.doc == "examples/README.md" for c in COMMANDS)
     missing = [c.id for c in COMMANDS if c.install is None]
-    assert not missing, f"commands with no `{INSTALL} ...` before them in their document: {missing}"
+    assert not missing, (f"commands with no `{INSTALL} ...` in force (earlier in their section): {missing}; put the "
+                         "install the command needs in its block")
 
 
 def test_the_rules_read_the_docs_as_meant(tmp_path):
