@@ -344,7 +344,8 @@ def load_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[..., 
         if not os.path.isdir(directory):
             raise ValueError(f"resume_from_checkpoint={resume!r} has no {CHECKPOINT_SUBDIR}/ folder: it was not "
                              "written by a Trainer on ndparallel, whose optimizer states are sharded there")
-        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory)
+        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory,
+                              parallelism=self.accelerator.state.parallelism_config)
         scheduler = os.path.join(resume, "scheduler.pt")
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -391,7 +392,8 @@ def load_best_model(original: Callable[..., Any]) -> Callable[..., Any]:
         if not taken_over(self):
             return original(self)
         directory = os.path.join(self.state.best_model_checkpoint, CHECKPOINT_SUBDIR)
-        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory)
+        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory,
+                              parallelism=self.accelerator.state.parallelism_config)
         return None
     return wrapper
 
