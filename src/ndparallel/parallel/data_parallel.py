@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ParallelismConfig
 from ..mesh import ParallelMesh
-from ..plugins import FullyShardedDataParallelPlugin
+from ..plugins import FullyShardedDataParallelPlugin, derived_policy
 from .blocks import block_classes, modules_to_wrap
 from .experts import shard_experts
 from .gathered import release_after_forward_without_gradients
@@ -74,12 +74,11 @@ def _ignored_params(model: nn.Module, ignored) -> set[nn.Parameter]:
 
 def mixed_precision_policy(plugin: FullyShardedDataParallelPlugin | None,
                            dtype: torch.dtype | None) -> MixedPrecisionPolicy:
-    """The plugin's policy when it sets one; else compute in `dtype`, reduce gradients in fp32."""
+    """The plugin's policy when it has one (given, or set by the Accelerator: `set_mixed_precision`); else compute in
+    `dtype`, reduce gradients in fp32 (`plugins.derived_policy`)."""
     if plugin is not None and plugin.mixed_precision_policy is not None:
         return plugin.mixed_precision_policy
-    if dtype is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return derived_policy(dtype) or MixedPrecisionPolicy()
 
 
 @torch.no_grad()
