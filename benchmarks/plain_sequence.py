@@ -73,7 +73,10 @@ def _heads_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
 
 def make_attention(groups: SequenceGroups):
     """The attention function for transformers' `AttentionInterface` (its calling convention)."""
-    from torch.distributed._functional_collectives import all_gather_single_autograd
+    try:
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+    except ImportError:  # torch < 2.13: the same all-gather along dim 0 (its backward reduce-scatters), older name
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
 
     def gather_keys(t: torch.Tensor) -> torch.Tensor:  # [B, Hkv, n, D] -> [B, Hkv, cp * n, D], cp-rank order
         got = all_gather_single_autograd(t.permute(2, 0, 1, 3).contiguous(), 0, groups.cp_group)

@@ -2,7 +2,8 @@
 
 One module per concern: `hardware` (GPU profiles, data), `model` (a Hugging Face config.json), `moe` and `experts`
 (mixtures of experts, expert parallelism), `layouts`
-(enumeration and the library's refusals), `memory`, `comm`, `timing` (the cost model), `search` (the best
+(enumeration and the library's refusals), `memory`, `offload` (FSDP2's CPU offload), `comm`, `timing` (the cost
+model), `search` (the best
 setting per layout, the ranking) and `report` (table, JSON, explanation). docs/planner.md has the formulas.
 """
 

@@ -35,6 +35,9 @@ class Setting:
     tiled_mlp: bool = False  # MemoryKwargs(tiled_mlp=True)
     offload: bool = False  # activation_checkpointing={"offload": True}: checkpointed layers' inputs in host memory
     mlp_tile: int | None = None  # MemoryKwargs(mlp_tile_size=...); None: the library's default
+    # FullyShardedDataParallelPlugin(cpu_offload=True): FSDP2 keeps the sharded parameters, their gradients and the
+    # optimizer's state in host memory and steps the optimizer there (`planner.offload`)
+    offload_params: bool = False
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in MIXED_PRECISIONS:
@@ -49,9 +52,10 @@ class Setting:
 
     @property
     def features(self) -> str:
-        """The memory features on, as letters: C chunked loss, T tiled MLP, O offload ("-": none)."""
-        return "".join(k for k, on in (("C", self.chunked_loss), ("T", self.tiled_mlp), ("O", self.offload))
-                       if on) or "-"
+        """The memory features on, as letters: C chunked loss, T tiled MLP, O activation offload, P parameters,
+        gradients and optimizer state offloaded (FSDP2's cpu_offload) ("-": none)."""
+        return "".join(k for k, on in (("C", self.chunked_loss), ("T", self.tiled_mlp), ("O", self.offload),
+                                       ("P", self.offload_params)) if on) or "-"
 
     @property
     def compute_bytes(self) -> int:

@@ -13,6 +13,9 @@ how much of the communication hides behind the compute.
   sliding and full attention (gpt-oss) average K over the layers.
 - activation offloading: each layer's input goes to host memory and back (2 x L x n x h x c bytes per micro-step)
   at the profile's host_bandwidth, on the copy engines: exposed only beyond overlap x compute.
+- FSDP2's CPU offload (`offload`): every unit's fp32 shard to the GPU at each all-gather and the gradient shards
+  back, on the same copy engines and link as activation offloading (their time added, hidden up to overlap x
+  compute); the optimizer steps on the host, 28 B per parameter at host_optimizer_bandwidth.
 - each collective: bytes / bandwidth of its link class + calls x latency.
 - data-parallel traffic (FSDP2 all-gathers and reduce-scatters, HSDP all-reduces) runs while other layers compute:
   exposed = max(0, its time - overlap x compute). Tensor-, context- and sequence-parallel collectives sit on the
@@ -31,10 +34,11 @@ from dataclasses import dataclass
 from .comm import Transfer
 from .hardware import Hardware
 from .layouts import Layout
-from .memory import state_elements
+from .memory import stage_root, state_elements
 from .moe import expert_elements
 from .model import ModelSpec
-from .setting import FP32, OPTIMIZER_STATES, Setting
+from .offload import host_traffic
+from .setting import FP32, OPTIMIZER_STATES, Setting, local_shape, shard_numel
 
 
 @dataclass(frozen=True)
@@ -105,15 +109,20 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
             critical += seconds
     hidden = min(overlappable, hw.overlap * compute)
     exposed = critical + overlappable - hidden
-    offload = 0.0
-    if setting.offload:  # every layer's input to host memory and back, per micro-step, on the copy engines
-        moved = 2 * model.layers // layout.pp * setting.tokens(layout) * model.hidden * setting.compute_bytes
-        offload = setting.accumulation * moved / hw.host_bandwidth
-        exposed += max(0.0, offload - hw.overlap * compute)
     held, _, _ = state_elements(model, layout)
     held += expert_elements(model, layout)[0]
+    host = 0.0  # bytes over the host link per step, on the copy engines
+    if setting.offload:  # every layer's input to host memory and back, per micro-step
+        host += setting.accumulation * 2 * model.layers // layout.pp * setting.tokens(layout) * model.hidden \
+            * setting.compute_bytes
+    if setting.offload_params:  # FSDP2's cpu_offload: shards in for every all-gather, gradients out (`offload`)
+        root = sum(shard_numel(local_shape(shape, dim, layout.tp), layout.fsdp)
+                   for _, shape, dim in stage_root(model, layout))
+        host += sum(host_traffic(held - root, root, layout, setting)[:2])
+    offload = host / hw.host_bandwidth
+    exposed += max(0.0, offload - hw.overlap * compute)
     moved = (2 * (1 + OPTIMIZER_STATES[setting.optimizer]) + 1) * FP32
-    optimizer = held * moved / hw.hbm_bandwidth
+    optimizer = held * moved / (hw.host_optimizer_bandwidth if setting.offload_params else hw.hbm_bandwidth)
     step = compute + exposed + optimizer
     tps = global_tokens / step / world
     mfu = tps * model.flops_per_token(setting.seq_len) / peak
@@ -124,7 +133,9 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
         "exposed": f"critical {critical * 1e3:.2f} ms + data-parallel {overlappable * 1e3:.2f} ms - hidden "
                    f"min(that, {hw.overlap} x compute) = {hidden * 1e3:.2f} ms"
                    + (f"; offload {offload * 1e3:.2f} ms to and from host memory at {hw.host_bandwidth / 1e9:.0f} GB/s, "
-                      f"exposed beyond {hw.overlap} x compute" if setting.offload else ""),
-        "optimizer": f"{held:,} parameters x {moved} B / {hw.hbm_bandwidth / 1e12:.2f} TB/s",
+                      f"exposed beyond {hw.overlap} x compute" if host else ""),
+        "optimizer": f"{held:,} parameters x {moved} B / " + (
+            f"{hw.host_optimizer_bandwidth / 1e9:.0f} GB/s (on the host: cpu_offload)" if setting.offload_params
+            else f"{hw.hbm_bandwidth / 1e12:.2f} TB/s"),
     }
     return Timing(compute, comm, overlappable, critical, exposed, optimizer, step, tps, mfu, flops, how)
