@@ -22,9 +22,9 @@ if ! "${install[@]}" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 "$VENV/bin/python" - <<PYEOF
-import accelerate, peft, torch, transformers, trl
-print("oldest supported:", *(f"{m.__name__} {m.__version__}" for m in (transformers, trl, peft, accelerate, torch)))
-assert transformers.__version__ == "$(sed -n 's/^transformers==//p' .ci/oldest.txt)", transformers.__file__
+from importlib.metadata import version  # what the venv resolves first, without importing it
+print("oldest supported:", *(f"{name} {version(name)}" for name in ("transformers", "trl", "peft", "accelerate", "torch")))
+assert version("transformers") == "$(sed -n 's/^transformers==//p' .ci/oldest.txt)", version("transformers")
 PYEOF
 if [ -n "${NDPARALLEL_OLDEST_ALL:-}" ]; then
   exec "$VENV/bin/python" -m pytest tests/integrations -m "not slow" -p no:cacheprovider
