@@ -25,7 +25,10 @@ from .agreement import monitored_barrier
 from .failures import explain_collective_failures
 from .singletons import current
 from .loss import GradientState
-from .runtime import Runtime, init_runtime
+from .plugins import FullyShardedDataParallelPlugin
+from .runtime import Runtime, env_flag, init_runtime
+
+DEBUG_ENV = "NDPARALLEL_DEBUG_MODE"
 
 
 class DistributedType(str, enum.Enum):
@@ -64,6 +67,7 @@ class PartialState:
             self._shared.clear()
         if "runtime" not in self._shared:  # (what a script set on a reset state stays)
             self.runtime: Runtime = init_runtime(cpu, **{k: v for k, v in kwargs.items() if v is not None})
+            self._shared.setdefault("debug", env_flag(DEBUG_ENV) or env_flag("ACCELERATE_DEBUG_MODE"))
             explain_collective_failures()  # a rank that dies in a collective says where every rank was
 
     @staticmethod
@@ -74,12 +78,27 @@ class PartialState:
     def __getattr__(self, name: str) -> Any:
         """Only for what normal lookup did not find: a state that `_reset_state` emptied says so (Accelerate's
         message) for the attributes it had, instead of naming an internal one."""
-        if not name.startswith("__") and self.__dict__ is PartialState._shared and not PartialState._shared and (
+        if not name.startswith("__") and self._was_reset() and (
                 name == "runtime" or isinstance(getattr(type(self), name, None), property)):
             cls = type(self).__name__
             raise AttributeError(f"`{cls}` object has no attribute `{name}`. This happens if `{cls}._reset_state()` "
                                  f"was called and an `Accelerator` or `{cls}` was not reinitialized.")
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def _was_reset(self) -> bool:
+        return self.__dict__ is PartialState._shared and not PartialState._shared
+
+    @property
+    def debug(self) -> bool:
+        """Accelerate's debug mode: the collectives of `ndparallel.gather_reduce` (``gather``, ``reduce``,
+        ``broadcast``, ``pad_across_processes``) first check that every process passes tensors they can combine,
+        raising the same `DistributedOperationException` everywhere otherwise. Settable; starts from
+        ``$NDPARALLEL_DEBUG_MODE`` / ``$ACCELERATE_DEBUG_MODE``. One setting for the process."""
+        return bool(PartialState._shared.get("debug", False))
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        PartialState._shared["debug"] = bool(value)
 
     # ---- where this process is -------------------------------------------------------------------------------------
     @property
@@ -236,7 +255,8 @@ class AcceleratorState(PartialState):
     its ``device_mesh``, ``fsdp_plugin``, ``distributed_type`` (FSDP when FSDP2 wraps the models), ``is_fsdp2`` --
     read from the Accelerator's settings (`ndparallel.accelerator.settings.Settings`, its one copy of them). Unlike
     Accelerate's, one per Accelerator (the process part is shared); ``AcceleratorState()`` with no arguments is that
-    of the newest Accelerator, as Accelerate's singleton is."""
+    of the newest Accelerator, as Accelerate's singleton is, and `_reset_state` forgets all of them, as it forgets
+    Accelerate's."""
 
     def __new__(cls, partial: PartialState | None = None, **kwargs: Any) -> AcceleratorState:
         if partial is None:
@@ -244,7 +264,9 @@ class AcceleratorState(PartialState):
                 raise TypeError("AcceleratorState(...) is made by the Accelerator; call AcceleratorState() with no "
                                 "arguments for the current one, or pass the settings to Accelerator(...)")
             return current(AcceleratorState, "AcceleratorState")
-        return super().__new__(cls)
+        made = super().__new__(cls)
+        AcceleratorState._made.add(made)  # unpickled ones too
+        return made
 
     def __getnewargs__(self) -> tuple[str]:
         return ("<unpickled>",)  # pickle makes a new object (no arguments would mean the current one)
@@ -259,15 +281,42 @@ class AcceleratorState(PartialState):
 
     mixed_precision = property(lambda self: self._settings.mixed_precision)
     parallelism_config = property(lambda self: self._settings.parallelism)
-    fsdp_plugin = property(lambda self: self._settings.fsdp_plugin)
+
+    @property
+    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None:
+        return self._settings.fsdp_plugin
+
+    @fsdp_plugin.setter
+    def fsdp_plugin(self, plugin: FullyShardedDataParallelPlugin) -> None:
+        """Accelerate's: another FSDP2 plugin for the models prepared from then on (those prepared already stay as
+        they are). Whether FSDP2 wraps the models was decided when the Accelerator was made, so an Accelerator
+        without FSDP2 refuses one (it would be ignored)."""
+        if not isinstance(plugin, FullyShardedDataParallelPlugin):
+            raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin, got {type(plugin).__name__}")
+        if not self._settings.fsdp:
+            raise ValueError("state.fsdp_plugin = ...: this Accelerator does not wrap its models with FSDP2 (decided "
+                             "when it was made, from its ParallelismConfig and plugin), so the plugin would be "
+                             "ignored; pass fsdp_plugin=... (or a ParallelismConfig that shards) to Accelerator(...)")
+        plugin.set_mixed_precision(self._settings.mixed_precision)
+        self._settings.fsdp_plugin = plugin
+
+    _made: weakref.WeakSet[AcceleratorState] = weakref.WeakSet()  # every state made so far, for `_reset_state`
+    _forgotten: weakref.WeakSet[AcceleratorState] = weakref.WeakSet()  # those `_reset_state` cleared
 
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:
-        """Accelerate's: each Accelerator keeps its own state here, so only the shared process part can be
-        forgotten (`reset_partial_state`, after the process group was destroyed)."""
+        """Accelerate's: forget the state of every Accelerator made so far. Reading it -- and so using such an
+        Accelerator -- then raises Accelerate's AttributeError saying so; the next Accelerator makes a new one. With
+        `reset_partial_state`, the shared process part is forgotten too (after the process group was destroyed)."""
+        for state in list(AcceleratorState._made):
+            state.__dict__.clear()
+            AcceleratorState._forgotten.add(state)
         AcceleratorState._latest = None
         if reset_partial_state:
             PartialState._reset_state()
+
+    def _was_reset(self) -> bool:
+        return self in AcceleratorState._forgotten
 
     @property
     def is_fsdp2(self) -> bool:

@@ -5,7 +5,7 @@ from .batch_size import find_executable_batch_size
 from .checkpoint import ProjectConfiguration
 from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from .data import move_to_device as send_to_device
-from .gather_reduce import broadcast, broadcast_object_list, pad_across_processes
+from .gather_reduce import DistributedOperationException, broadcast, broadcast_object_list, pad_across_processes
 from .gather_reduce import gather_all as gather
 from .gather_reduce import gather_object_all as gather_object
 from .gather_reduce import reduce_all as reduce
@@ -22,7 +22,7 @@ from .plugins import (
     TERecipeKwargs,
     TorchDynamoPlugin,
 )
-from .seed import set_seed
+from .seed import set_seed, synchronize_rng_state, synchronize_rng_states
 from .state import DistributedType
 from .tracking import GeneralTracker, LoggerType, progress_bar
 
@@ -31,6 +31,7 @@ __all__ = [
     "AutocastKwargs",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
+    "DistributedOperationException",
     "DistributedType",
     "FullyShardedDataParallelPlugin",
     "GeneralTracker",
@@ -55,4 +56,6 @@ __all__ = [
     "reduce",
     "send_to_device",
     "set_seed",
+    "synchronize_rng_state",
+    "synchronize_rng_states",
 ]

@@ -121,7 +121,8 @@ class CheckpointingMixin:
                 hook(models, str(directory))
 
         return str(checkpoint.load_state(self.prepared, self.project_configuration, input_dir,
-                                         before_load=before_load if hooks else None))
+                                         before_load=before_load if hooks else None,
+                                         parallelism=self.state.parallelism_config))
 
     def _check_same_directory(self, what: str, directory: str | os.PathLike | None) -> None:
         """Every rank here (a monitored barrier), with the same directory: a checkpoint is one directory that all

@@ -36,7 +36,8 @@ from ..batch_size import release_memory
 from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
 from ..config import ParallelismConfig
-from ..data import PreparedDataLoader, prepared_loader_class
+from ..data import PreparedDataLoader
+from ..data_loader import prepared_loader_class, shuffle_seed
 from ..loss import GradientState, is_causal_lm
 from ..mesh import ParallelMesh
 from ..optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -374,25 +375,18 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         """Shard `data_loader` along the ``batch`` view (`ndparallel.data`)."""
         if isinstance(data_loader, PreparedDataLoader):
             return data_loader
-        # One shuffling seed for every rank, rank 0's: the data seed if one was configured, else its sampler's or
-        # data loader's generator seed if either has one, else its torch seed -- so ranks seeded differently (or
-        # not at all) still draw one order.
+        # One shuffling seed for every rank, rank 0's (`shuffle_seed`): ranks seeded differently (or not at all)
+        # still draw one order.
         config = self.dataloader_config
         if config.dispatch_batches and isinstance(data_loader.dataset, torch.utils.data.IterableDataset):
             raise ValueError("prepare(): dispatch_batches=True with an iterable dataset is not supported: every rank "
                              "reads its own share, so the dataset must yield the same order on every rank (not "
                              "only on rank 0, which dispatching reads); make it so and set dispatch_batches=False")
-        sampler = getattr(data_loader.batch_sampler, "sampler", None) or data_loader.sampler
-        generator = getattr(sampler, "generator", None) or data_loader.generator
-        seed = config.data_seed if config.data_seed is not None else (
-            generator.initial_seed() if generator is not None else torch.initial_seed())
-        seed_tensor = torch.tensor([seed % 2**62], dtype=torch.long, device=self.device)
-        if self.num_processes > 1:
-            dist.broadcast(seed_tensor, src=0)
+        seed = shuffle_seed(data_loader, config.data_seed, self.device)
         sharding = self.sequence_sharding  # under CP/SP a rank's loss averages over its shard's tokens only
-        prepared = prepared_loader_class(config.use_stateful_dataloader)(
+        prepared = prepared_loader_class(config.use_stateful_dataloader, bool(config.dispatch_batches))(
             data_loader, num_shards=self.mesh.size("batch"), shard_index=self.mesh.rank("batch"),
-            seed=int(seed_tensor.item()), device=self.device,
+            seed=seed, device=self.device,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             window=self.gradient_accumulation_steps,
             window_group=self.mesh.group("batch") if self.mesh.size("batch") > 1 else None,

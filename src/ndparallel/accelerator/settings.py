@@ -87,6 +87,8 @@ class Settings:
         the models -- the mesh, the parallelisms (`PrepareOptions.fsdp`) and `AcceleratorState` read this decision."""
         self.parallelism = self.parallelism.resolve(world_size)
         self.fsdp = uses_fsdp(self.parallelism, self.fsdp_plugin)
+        if self.fsdp and self.fsdp_plugin is not None:  # the policy FSDP2 casts with, there to read
+            self.fsdp_plugin.set_mixed_precision(self.mixed_precision)
 
 
 def _dynamo_plugin(backend: Any, plugin: Any, environ: Mapping[str, str]) -> TorchDynamoPlugin | None:

@@ -11,6 +11,8 @@ Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `sav
   small states), and the newest complete checkpoint of a project that verifies;
 - `training_state`: what `save_state` / `load_state` write and read, from the Accelerator's record of prepared objects;
 - `background`: ``save_state(async_save=True)``: host copies of the state, the writer thread, waiting for it;
+- `positional`: optimizers of no single prepared model, saved by position (every rank its own), loaded only under
+  the layout they were saved under;
 - `state_dicts`: a model's and optimizer's sharded state dicts as torch makes them, without its naming pass each call;
 - `export`: `save_model`, `get_state_dict`, `merge_weights` (``ndparallel merge-weights``);
 - `adapters`: PEFT models saved as PEFT saves them (the adapter), or with their LoRA merged in;
