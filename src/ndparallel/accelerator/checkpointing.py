@@ -132,9 +132,9 @@ class CheckpointingMixin:
         key = "directory (a checkpoint is one directory that every rank writes into: pass the same path on every rank)"
         agreement.check_agreement({key: path}, what, timeout=self.state.runtime.timeout)
 
-    def _run_settings(self) -> checkpoint.RunSettings:
+    def _run_settings(self) -> checkpoint.RunRecord:
         plugin = self.state.fsdp_plugin
-        return checkpoint.RunSettings(self.state.parallelism_config, self.state.device.type,
+        return checkpoint.RunRecord(self.state.parallelism_config, self.state.device.type,
                                       self.state.mixed_precision, self.gradient_accumulation_steps,
                                       plugin.state_dict_type.name if plugin is not None else checkpoint.SHARDED)
 

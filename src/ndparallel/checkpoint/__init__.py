@@ -26,7 +26,7 @@ from .load_pretrained import announce, init_empty_weights, parallelize_loading_w
 from .manifest import read_metadata
 from .project import ProjectConfiguration, latest_checkpoint
 from .storage import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .training_state import FULL, SHARDED, RunSettings, load_state, save_state
+from .training_state import FULL, SHARDED, RunRecord, load_state, save_state
 
 __all__ = [
     "adapter_state_dict",
@@ -37,7 +37,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "FULL",
     "ProjectConfiguration",
-    "RunSettings",
+    "RunRecord",
     "SHARDED",
     "announce",
     "get_state_dict",

@@ -29,7 +29,7 @@ for the newest one that verifies. A save writes into a staging directory (`stora
 every rank, saying why (disk full, permission), and leaves previous checkpoints untouched.
 
 What is saved is the Accelerator's `ndparallel.prepared.PreparedObjects`; the run's settings that the metadata
-records come as a `RunSettings`.
+records come as a `RunRecord`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ SHARDED, FULL = validate.SHARDED, validate.FULL
 
 
 @dataclass(frozen=True)
-class RunSettings:
+class RunRecord:
     """The Accelerator's settings a checkpoint records (and `save_state` follows)."""
 
     parallelism: ParallelismConfig
@@ -196,7 +196,7 @@ def _written(what: str, directory: Path, write: Callable[[], None]) -> None:
 
 
 # ---- save --------------------------------------------------------------------------------------------------------
-def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration,
+def save_state(prepared: PreparedObjects, run: RunRecord, project: ProjectConfiguration,
                output_dir: str | Path | None = None, async_save: bool = False,
                before_write: Callable[[Path], None] | None = None) -> Path:
     """Collective: write a checkpoint of everything `prepared` holds; return its directory (see the module doc).
@@ -274,7 +274,7 @@ class _Parts:
     metadata: dict[str, Any]
 
 
-def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration, final: Path,
+def _parts(prepared: PreparedObjects, run: RunRecord, project: ProjectConfiguration, final: Path,
            owners: list[int | None], by_position: dict[int, dict[str, Any]], staged: bool) -> _Parts:
     """Collective when `staged` (the states are made and copied to host memory now); the small files are read now
     either way, so that what is written is the state of this moment. `by_position`: this rank's states of the
@@ -355,7 +355,7 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
     return _Parts(states, small, metadata)
 
 
-def _write_parts(parts: _Parts, run: RunSettings, project: ProjectConfiguration, final: Path, staging: Path,
+def _write_parts(parts: _Parts, run: RunRecord, project: ProjectConfiguration, final: Path, staging: Path,
                  started: float) -> None:
     """Collective: write every file into `staging`, checksum them, then (rank 0) commit it as `final`; on a failure,
     every rank removes the staging directory and raises."""

@@ -115,8 +115,8 @@ def _plan_config_file(row: Any, nodes: int, gpus_per_node: int) -> dict[str, Any
     from ndparallel.launch.launcher import check_launch_settings, config_file_data
 
     launch = check_launch_settings({"nproc_per_node": gpus_per_node, "nnodes": nodes,
-                                    "mixed_precision": "bf16" if row.setting.mixed_precision == "bf16" else "no",
-                                    "gradient_accumulation_steps": row.setting.accumulation, "cpu": False},
+                                    "mixed_precision": "bf16" if row.recipe.mixed_precision == "bf16" else "no",
+                                    "gradient_accumulation_steps": row.recipe.accumulation, "cpu": False},
                                    "ndparallel plan")
     return config_file_data(ParallelismConfig(**row.layout.config_kwargs()), launch)
 
@@ -243,7 +243,7 @@ def _plan_measure(args: argparse.Namespace, request: Any, result: Any) -> list[d
                            lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def _expert_figures(args: argparse.Namespace, layout: Any, setting: Any) -> Any:
+def _expert_figures(args: argparse.Namespace, layout: Any, recipe: Any) -> Any:
     """For a mixture-of-experts config, `planner.experts.expert_figures` of the layout and ep_size; None for a dense
     one (where ep_size > 1 is refused)."""
     from ndparallel.planner.experts import expert_figures, expert_spec
@@ -255,12 +255,12 @@ def _expert_figures(args: argparse.Namespace, layout: Any, setting: Any) -> Any:
         if args.ep_size != 1:
             raise ValueError(f"--ep-size {args.ep_size}: {where} is not a mixture of experts")
         return None
-    return expert_figures(spec, layout.fsdp, args.ep_size, setting.tokens(layout), setting.accumulation,
-                          setting.compute_bytes, setting.checkpointing, setting.optimizer)
+    return expert_figures(spec, layout.fsdp, args.ep_size, recipe.tokens(layout), recipe.accumulation,
+                          recipe.compute_bytes, recipe.checkpointing, recipe.optimizer)
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
-    from ndparallel.planner import Layout, Setting, get_hardware, load_model, report
+    from ndparallel.planner import Layout, Recipe, get_hardware, load_model, report
     from ndparallel.planner.layouts import Constraints, reasons
     from ndparallel.planner.memory import estimate
 
@@ -270,10 +270,10 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
             raise ValueError(f"every size must be >= 1, got {layout.all_sizes()}")
         if args.seq_len is None:
             raise ValueError("--seq-len is required")
-        setting = Setting(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
+        recipe = Recipe(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
                           args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
                           args.chunked_loss == "on", args.tiled_mlp, args.offload, offload_params=args.offload_params)
-        experts = _expert_figures(args, layout, setting)  # a mixture of experts: expert parallelism's figures
+        experts = _expert_figures(args, layout, recipe)  # a mixture of experts: expert parallelism's figures
         model = load_model(args.model)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch
         why = reasons(layout, Constraints(model, args.seq_len, samples, layout.world, allow_cross_node_tp=True))
@@ -286,7 +286,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
             fragmentation = hardware.fragmentation
         elif args.memory_gib:
             budget = args.memory_gib * 2**30
-        memory = estimate(model, layout, setting, fragmentation)
+        memory = estimate(model, layout, recipe, fragmentation)
     except (ValueError, FileNotFoundError) as exc:
         return error("estimate-memory", exc)
     if args.json:
@@ -299,7 +299,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
                          indent=1))
     else:
         print(f"{model.name}: {report.model_size(model)}, {layout.world} GPU(s)")
-        print(report.memory_text(layout, setting, memory, budget))
+        print(report.memory_text(layout, recipe, memory, budget))
         if experts is not None:
             print("\n".join(experts.lines()))
     return 0

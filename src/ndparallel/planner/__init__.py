@@ -11,7 +11,7 @@ from .hardware import Hardware, get_hardware
 from .layouts import Layout, parse_layout
 from .model import ModelSpec, load_model, spec_from_config
 from .search import Plan, Request, Row, evaluate, plan, row_for
-from .setting import Setting
+from .recipe import Recipe
 
-__all__ = ["Hardware", "Layout", "ModelSpec", "Plan", "Request", "Row", "Setting", "evaluate", "get_hardware",
+__all__ = ["Hardware", "Layout", "ModelSpec", "Plan", "Request", "Recipe", "Row", "evaluate", "get_hardware",
            "load_model", "parse_layout", "plan", "row_for", "spec_from_config"]

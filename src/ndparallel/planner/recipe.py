@@ -1,4 +1,5 @@
-"""The per-run settings every part of the cost model reads, and the small helpers they share."""
+"""`Recipe`: how one optimizer step runs on every rank (sequence, micro-batch, accumulation, precision, memory
+features), which every part of the cost model reads, and the small helpers they share."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ FP32 = 4
 
 
 @dataclass(frozen=True)
-class Setting:
+class Recipe:
     """How one optimizer step runs on every rank."""
 
     seq_len: int
