@@ -29,7 +29,7 @@ import ndparallel  # noqa: E402, F401
 import workloads  # noqa: E402
 from comm_count import CollectiveCounter, model_state_bytes  # noqa: E402
 from harness import run_ranks  # noqa: E402
-from ndparallel.config import ParallelismConfig  # noqa: E402
+from ndparallel.configuration.parallelism import ParallelismConfig  # noqa: E402
 from ndparallel.planner import Layout, Recipe, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import by_kind, transfers  # noqa: E402
 from ndparallel.planner.memory import estimate  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, str(BENCH))
 
 from planner_check import CASES, predict, run_case  # noqa: E402  (measures the library on forked ranks)
 from ndparallel.cli import main  # noqa: E402
-from ndparallel.config import ParallelismConfig  # noqa: E402
+from ndparallel.configuration.parallelism import ParallelismConfig  # noqa: E402
 from ndparallel.launch.launcher import read_config_file  # noqa: E402
 from ndparallel.planner import Layout, Request, Recipe, get_hardware, load_model  # noqa: E402
 from ndparallel.planner.comm import by_kind, by_link, transfers  # noqa: E402

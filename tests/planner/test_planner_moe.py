@@ -205,7 +205,7 @@ def test_plan_ranks_ep_layouts_and_their_figures_are_estimate_memorys(capsys, ti
 
 
 def test_plan_writes_ep_into_the_config_file(capsys, tiny_moe, tmp_path):
-    from ndparallel.config import ParallelismConfig
+    from ndparallel.configuration.parallelism import ParallelismConfig
 
     code, _, _ = _run(capsys, *PLAN, "--model", tiny_moe, "--ep-size", "4", "--write-config",
                       str(tmp_path / "plan.yaml"))

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import agreement, checkpoint, parallel
+from ..distributed import agreement
+from .. import checkpoint, parallel
 from ..checkpoint import ProjectConfiguration
-from ..prepared import PreparedObjects
-from ..state import AcceleratorState
+from ..training.prepared import PreparedObjects
+from ..distributed.state import AcceleratorState
 
 
 class CheckpointingMixin:

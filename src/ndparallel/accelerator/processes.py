@@ -1,5 +1,5 @@
 """Where this process stands, and process control: Accelerate's process properties and helpers, read from the
-process state (`ndparallel.state`) and the mesh (`ndparallel.mesh`)."""
+process state (`ndparallel.state`) and the mesh (`ndparallel.distributed.mesh`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from ..mesh import ParallelMesh
-from ..prepared import PreparedObjects
-from ..state import AcceleratorState, DistributedType, PartialState
+from ..distributed.mesh import ParallelMesh
+from ..training.prepared import PreparedObjects
+from ..distributed.state import AcceleratorState, DistributedType, PartialState
 
 # Where torch's Join works: DDP over several processes (on GPUs and, unlike Accelerate, on CPUs with gloo).
 _JOINABLE_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..parallel import unwrap
-from ..prepared import PreparedObjects
+from ..training.prepared import PreparedObjects
 from .storage import CheckpointError, agree, on_main, rank, world_size
 from .validate import check_mapping, fail
 

@@ -17,7 +17,7 @@ Resharding. Model and optimizer states go through `torch.distributed.checkpoint.
 (`get_state_dict` / `set_state_dict`), whose keys are the parameters' names in the unwrapped model and whose
 values are DTensors with *global* shapes; DCP reads into whatever sharding the loading model has. So a checkpoint
 saved under one ``ParallelismConfig`` loads under any other (world size, dp_replicate / dp_shard / tp mix, one
-process). The data loaders' positions are counted in samples of the pass (see `ndparallel.data`), which mean
+process). The data loaders' positions are counted in samples of the pass (see `ndparallel.training.data`), which mean
 the same thing under any data-parallel size. Random states are per rank: under another world size every rank
 continues rank 0's streams.
 
@@ -28,7 +28,7 @@ and leaves the prepared objects as they were. ``load_state()`` of a project skip
 for the newest one that verifies. A save writes into a staging directory (`storage`); a failed write raises on
 every rank, saying why (disk full, permission), and leaves previous checkpoints untouched.
 
-What is saved is the Accelerator's `ndparallel.prepared.PreparedObjects`; the run's settings that the metadata
+What is saved is the Accelerator's `ndparallel.training.prepared.PreparedObjects`; the run's settings that the metadata
 records come as a `RunRecord`.
 """
 
@@ -57,10 +57,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._version import __version__
-from ..config import ParallelismConfig
+from ..configuration.parallelism import ParallelismConfig
 from ..parallel import interface, state_module, unwrap
-from ..prepared import PreparedObjects
-from ..runtime import heartbeat
+from ..training.prepared import PreparedObjects
+from ..distributed.runtime import heartbeat
 from . import background, positional, storage, validate, verify
 from .manifest import model_tensors, tied_names
 from .project import (

@@ -75,7 +75,8 @@ def check_metadata(meta: dict[str, Any], path: Path, models: int, optimizers: in
 
 
 def check_dataloaders(states: Any, path: Path, count: int) -> None:
-    """``dataloaders.json``: one position per prepared data loader (see `ndparallel.data.PreparedDataLoader`)."""
+    """``dataloaders.json``: one position per prepared data loader (see
+    `ndparallel.training.data.PreparedDataLoader`)."""
     file = "dataloaders.json"
     if not isinstance(states, list) or len(states) != count:
         n = len(states) if isinstance(states, list) else type(states).__name__
@@ -96,7 +97,7 @@ def check_dataloaders(states: Any, path: Path, count: int) -> None:
 
 
 def check_gradient_state(state: Any, path: Path) -> None:
-    """``gradient_state.json``: the counters of `ndparallel.loss.GradientState`."""
+    """``gradient_state.json``: the counters of `ndparallel.training.loss.GradientState`."""
     if not isinstance(state, dict):
         raise fail(path, "gradient_state.json", f"must be a mapping, got {type(state).__name__}")
     checks = {"step": _is_int(state.get("step")), "num_steps": _is_int(state.get("num_steps")),

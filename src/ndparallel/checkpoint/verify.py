@@ -13,8 +13,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ..parallel import unwrap
-from ..prepared import PreparedObjects
-from ..runtime import heartbeat
+from ..training.prepared import PreparedObjects
+from ..distributed.runtime import heartbeat
 from . import positional, storage, validate
 from .manifest import compare_tensors, model_tensors, read_metadata
 from .project import ProjectConfiguration, complete_checkpoints

@@ -16,11 +16,11 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    a count X and, with ``average_tokens_across_devices``, multiplies it by M = processes / tp (DDP averages
    gradients over processes); its own X counts tokens over every process and divides by tp * cp * sp. ndparallel
    averages gradients over the W ranks of the ``loss`` view (batch x cp x sp) and counts each sample's tokens once
-   (`ndparallel.loss.count_loss_tokens` on the full rows, summed over ``batch``), giving N, the tokens of the whole
-   optimizer step. X = N * M / W makes every rank's loss S * W / N, so the averaged gradient is the one process's
+   (`ndparallel.training.loss.count_loss_tokens` on the full rows, summed over ``batch``), giving N, the tokens of the
+   whole optimizer step. X = N * M / W makes every rank's loss S * W / N, so the averaged gradient is the one process's
    grad(sum S / N) and the logged loss (the Trainer's mean over processes) its sum S / N -- with
-   ``average_tokens_across_devices`` on (M = W without pipeline stages) and off (M = 1), and whatever the -100
-   labels over ranks and micro-batches.
+   ``average_tokens_across_devices`` on (M = W without pipeline stages) and off (M = 1), and whatever the -100 labels
+   over ranks and micro-batches.
 3. Context and sequence parallelism (`_prepare_context_parallel_inputs`): ``shift_labels`` made before sharding,
    ``position_ids`` added, then every sequence tensor of the batch sharded by `Accelerator.maybe_context_parallel`
    (cp and sp alike; padded and packed rows included: ndparallel keeps their masks). TRL's padding-free fields
@@ -58,13 +58,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import checkpoint, plugins
-from ..agreement import monitored_barrier
+from .. import checkpoint
+from ..configuration import plugins
+from ..distributed.agreement import monitored_barrier
 from ..accelerator import Accelerator
-from ..config import ParallelismConfig
-from ..data import PreparedDataLoader
-from ..loss import IGNORE_INDEX, count_loss_tokens
-from ..prepared import PreparedObjects
+from ..configuration.parallelism import ParallelismConfig
+from ..training.data import PreparedDataLoader
+from ..training.loss import IGNORE_INDEX, count_loss_tokens
+from ..training.prepared import PreparedObjects
 from ..launch.worker import launch_sizes
 
 SUPPORTED_TRANSFORMERS = (">=5.16", "<5.25")

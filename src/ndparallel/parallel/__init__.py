@@ -12,7 +12,7 @@ import dataclasses
 
 from torch import nn
 
-from ..mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import apply_model_compilation, apply_regional_compilation, check_compilation
 from .fp8 import apply_fp8, check_fp8

@@ -15,7 +15,7 @@
   FSDP2's per-block hooks and copies cost 11% of a 1.1B model's step on an H100 (docs/gpu.md). The plugin's
   activation checkpointing and the mixed precision (autocast) still apply, as without FSDP.
 
-Either way gradients end up *averaged* over the ``loss`` view; `ndparallel.loss` relies on that.
+Either way gradients end up *averaged* over the ``loss`` view; `ndparallel.training.loss` relies on that.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import ParallelismConfig
-from ..mesh import ParallelMesh
-from ..plugins import FullyShardedDataParallelPlugin, derived_policy
+from ..configuration.parallelism import ParallelismConfig
+from ..distributed.mesh import ParallelMesh
+from ..configuration.plugins import FullyShardedDataParallelPlugin, derived_policy
 from .blocks import block_classes, modules_to_wrap
 from .experts import shard_experts
 from .gathered import release_after_forward_without_gradients

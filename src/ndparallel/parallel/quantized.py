@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh
 from .options import PrepareOptions
 
 

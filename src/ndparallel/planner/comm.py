@@ -47,7 +47,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..layout import Layout, view_axes
+from ..distributed.layout import Layout, view_axes
 from .layouts import cross_node
 from .memory import kv_width_local, local_shape, shard_numel, stage_layers, stage_root, state_elements
 from .model import ModelSpec
@@ -159,7 +159,7 @@ def transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: i
 
 def expert_transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: int) -> list[Transfer]:
     """Expert parallelism's collectives (module docstring): the all-to-alls over ep and the experts' FSDP2 unit over
-    expert_shard (groups of the fsdp ranks, `ndparallel.layout.EXPERT_VIEWS`), HSDP over dp_replicate."""
+    expert_shard (groups of the fsdp ranks, `ndparallel.distributed.layout.EXPERT_VIEWS`), HSDP over dp_replicate."""
     assert model.moe is not None
     out: list[Transfer] = []
     fig, sparse, ep, es = figures(model, layout, recipe), model.moe.sparse_layers, layout.ep, layout.expert_shard

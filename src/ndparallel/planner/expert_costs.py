@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .experts import ExpertFigures, expert_figures
 from .model import ModelSpec
 from .recipe import Recipe

@@ -44,7 +44,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
 from .offload import host_states, pinned, staging

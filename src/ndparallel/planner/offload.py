@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .recipe import FP32, OPTIMIZER_STATES, Recipe, local_shape, shard_numel
 
 Params = Iterable[tuple[str, tuple[int, ...], int | None]]  # (name, shape, tensor-parallel dim) per weight

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..layout import Layout
+from ..distributed.layout import Layout
 from ..parallel.memory.cross_entropy import chunk_rows as loss_chunk_rows  # the library's own, not a copy
 from ..parallel.memory.tiled_mlp import default_tile
 

@@ -9,7 +9,7 @@ from typing import IO, Any
 
 from .comm import KINDS, by_kind, by_link
 from .hardware import GiB
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .memory import Memory
 from .model import ModelSpec
 from .expert_costs import figures
@@ -162,7 +162,7 @@ def explain_text(row: Row, request: Request) -> str:
               f"  optimizer  {t.optimizer_s * 1e3:10.2f} ms   {t.how['optimizer']}",
               f"  step       {t.step_s * 1e3:10.2f} ms   -> {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU "
               f"{t.mfu:.1%} (FLOPs per token {request.model.flops_per_token(s.seq_len) / 1e9:.2f} G, "
-              f"ndparallel.metrics convention)"]
+              f"ndparallel.training.metrics convention)"]
     return "\n".join(lines)
 
 

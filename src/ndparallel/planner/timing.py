@@ -2,8 +2,8 @@
 how much of the communication hides behind the compute.
 
 - compute = global tokens x FLOPs per token / world / (peak x compute_efficiency). FLOPs per token as the GPU
-  performs them (`ndparallel.flops`): 6 N_matmul + 6 L (q_width + v_width) K, with K the keys a query attends to on
-  average -- S/2 under the causal mask (the MFU convention counts the whole score matrix, K = S), w - w^2/2S under
+  performs them (`ndparallel.training.flops`): 6 N_matmul + 6 L (q_width + v_width) K, with K the keys a query attends
+  to on average -- S/2 under the causal mask (the MFU convention counts the whole score matrix, K = S), w - w^2/2S under
   a sliding window w < S -- plus one forward of the layers again (2 N_layers + 2 L (q_width + v_width) K) with
   activation checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
 - mixtures of experts (`moe`): N_matmul counts the k routed experts a token goes to (not all E), the shared
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..flops import forward_flops, training_flops
+from ..training.flops import forward_flops, training_flops
 from .comm import Transfer
 from .hardware import Hardware
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .expert_costs import expert_elements
 from .memory import stage_root, state_elements
 from .model import ModelSpec
@@ -70,8 +70,8 @@ def attended_keys(model: ModelSpec, seq_len: int) -> float:
 
 
 def hardware_flops_per_token(model: ModelSpec, recipe: Recipe, tp: int = 1) -> float:
-    """FLOPs the GPUs perform per token of training (module docstring; `ndparallel.flops`), per GPU of a tp group of
-    `tp` for weights tensor parallelism leaves whole (a mixture's experts and routers)."""
+    """FLOPs the GPUs perform per token of training (module docstring; `ndparallel.training.flops`), per GPU of a tp
+    group of `tp` for weights tensor parallelism leaves whole (a mixture's experts and routers)."""
     split, whole = model.matmul_parameters()
     head = model.hidden * model.vocab
     layer_matmul = split - head + tp * whole

@@ -35,7 +35,7 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (
     StateDictType,
 )
 
-from .config import parse_dtype
+from .dtypes import parse_dtype
 from .plugin_fields import (  # noqa: F401 - importable from here too, as before
     FALSE_STRINGS,
     TRUE_STRINGS,

@@ -1,5 +1,5 @@
-"""Fields of the settings objects (`ndparallel.plugins`): `parse_bool`, how each reads a flag (as launchers and YAML
-files spell it), and the FSDP plugin's ``activation_checkpointing`` (`ActivationCheckpointing`,
+"""Fields of the settings objects (`ndparallel.configuration.plugins`): `parse_bool`, how each reads a flag (as
+launchers and YAML files spell it), and the FSDP plugin's ``activation_checkpointing`` (`ActivationCheckpointing`,
 `parse_activation_checkpointing`)."""
 
 from __future__ import annotations

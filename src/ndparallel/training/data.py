@@ -55,7 +55,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .loss import BatchInfo, GradientState, TokenTotal, count_loss_tokens
-from .runtime import group_name, resolve_group
+from ..distributed.runtime import group_name, resolve_group
 
 
 def uneven_refusal(holding: int, shards: int, why: str) -> str:
@@ -276,7 +276,7 @@ class PreparedDataLoader:
     """A data loader that yields this rank's share of each global batch, on this rank's device.
 
     It also reads one gradient-accumulation window of batches ahead to tell the Accelerator where windows end
-    and how many loss tokens each batch and window hold (see `ndparallel.loss`). Attributes it does not define
+    and how many loss tokens each batch and window hold (see `ndparallel.training.loss`). Attributes it does not define
     are looked up on the wrapped `torch.utils.data.DataLoader`.
     """
 
