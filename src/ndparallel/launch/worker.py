@@ -167,7 +167,8 @@ def attach_integrations() -> None:
             after_import(name, "ndparallel.integrations:on_import")
 
 
-HEARTBEAT_DIR_ENV = "NDPARALLEL_HEARTBEAT_DIR"  # = ndparallel.distributed.runtime.HEARTBEAT_ENV (this file imports no ndparallel)
+# = ndparallel.distributed.runtime.HEARTBEAT_ENV (this file imports no ndparallel)
+HEARTBEAT_DIR_ENV = "NDPARALLEL_HEARTBEAT_DIR"
 STACK_SIGNAL = signal.SIGUSR1 if hasattr(signal, "SIGUSR1") else None
 _stack_file = None  # kept open: faulthandler writes into it from a signal handler
 
@@ -201,7 +202,7 @@ def main(argv: list) -> None:
         # it ended, a gloo process group it left behind is released at exit while the interpreter is whole
         # (`ndparallel.distributed.runtime.release_at_exit`); torch is imported here only if the script imported it.
         if "torch.distributed" in sys.modules:
-            from ..distributed.runtime import release_at_exit
+            from ndparallel.distributed.runtime import release_at_exit  # absolute: this file runs by path
 
             release_at_exit()
 
