@@ -148,22 +148,61 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
             dynamo_plugin: Any, foreign: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:
     """Every argument of `Accelerator.__init__` checked and combined with the environment (see the module doc)."""
     environ = os.environ if environ is None else environ
+    _check_arguments(foreign, rng_types, loss_weighting, parallelism_config=parallelism_config,
+                     fsdp_plugin=fsdp_plugin, project_config=project_config, dataloader_config=dataloader_config,
+                     gradient_accumulation_plugin=gradient_accumulation_plugin)
+    dynamo = _dynamo_plugin(dynamo_backend, dynamo_plugin, environ)
+    handlers = _handlers(kwargs_handlers)
+    fp8_recipe = _fp8_recipe(mixed_precision, handlers, environ)
+    if gradient_accumulation_plugin is not None:
+        if GradientAccumulationPlugin in handlers:
+            raise ValueError("pass the GradientAccumulationPlugin once: as gradient_accumulation_plugin= or in "
+                             "kwargs_handlers, not both")
+        handlers[GradientAccumulationPlugin] = gradient_accumulation_plugin
+    plugin = handlers.get(GradientAccumulationPlugin)
+    mixed_precision = _mixed_precision(mixed_precision, environ)
+    steps = _accumulation_steps(gradient_accumulation_steps, plugin, environ)
+    cpu = bool(cpu) or env_flag(CPU_ENV) or env_flag("ACCELERATE_USE_CPU")
+    if fsdp_plugin is not None or parse_bool(environ.get("ACCELERATE_USE_FSDP", "false"), "$ACCELERATE_USE_FSDP"):
+        fsdp_plugin = FullyShardedDataParallelPlugin.from_env(fsdp_plugin, environ)
+    parallelism = _parallelism(parallelism_config, fsdp_plugin, environ)
+    dataloader = _dataloader(dataloader_config, split_batches)
+    project = _project(project_config, project_dir)
+    def handler_kwargs(kind: type) -> dict[str, Any]:
+        return handlers[kind].to_kwargs() if kind in handlers else {}
+
+    return Settings(
+        parallelism=parallelism, fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision, accumulation_steps=steps,
+        sync_each_batch=bool(plugin and plugin.sync_each_batch),
+        adjust_scheduler=bool(plugin.adjust_scheduler) if plugin is not None else True, cpu=cpu,
+        device_placement=bool(device_placement), project=project, dataloader=dataloader,
+        step_scheduler_with_optimizer=bool(step_scheduler_with_optimizer), loss_weighting=loss_weighting,
+        log_with=log_with, process_group=_process_group(handlers.get(InitProcessGroupKwargs)),
+        ddp_kwargs=handler_kwargs(DistributedDataParallelKwargs), scaler_kwargs=handler_kwargs(GradScalerKwargs),
+        autocast_kwargs=handler_kwargs(AutocastKwargs), dynamo_plugin=dynamo, fp8_recipe=fp8_recipe,
+        memory=MemoryKwargs.from_env(handlers.get(MemoryKwargs), environ),
+    )
+
+
+def _check_arguments(foreign: Mapping[str, Any], rng_types: Any, loss_weighting: str, **typed: Any) -> None:
+    """Arguments refused outright, warned about, or of the wrong type."""
     for name, value in foreign.items():
         if value is not None:
             raise ValueError(f"Accelerator({name}=...) is not supported: {FOREIGN_PLUGINS[name]}")
-    dynamo = _dynamo_plugin(dynamo_backend, dynamo_plugin, environ)
     if rng_types is not None:
         warnings.warn("Accelerator(rng_types=...) is ignored: prepared data loaders seed every random sampler alike "
-                      "on all ranks at each pass, and other generators stay per rank", stacklevel=4)
+                      "on all ranks at each pass, and other generators stay per rank", stacklevel=5)
     if loss_weighting not in LOSS_WEIGHTINGS:
         raise ValueError(f"loss_weighting must be one of {list(LOSS_WEIGHTINGS)}, got {loss_weighting!r}")
-    _typed("parallelism_config", parallelism_config, ParallelismConfig)
-    _typed("fsdp_plugin", fsdp_plugin, FullyShardedDataParallelPlugin)
-    _typed("project_config", project_config, ProjectConfiguration)
-    _typed("dataloader_config", dataloader_config, DataLoaderConfiguration)
-    _typed("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
+    kinds = {"parallelism_config": ParallelismConfig, "fsdp_plugin": FullyShardedDataParallelPlugin,
+             "project_config": ProjectConfiguration, "dataloader_config": DataLoaderConfiguration,
+             "gradient_accumulation_plugin": GradientAccumulationPlugin}
+    for name, value in typed.items():
+        _typed(name, value, kinds[name])
 
-    # ---- kwargs handlers: at most one of each kind ----
+
+def _handlers(kwargs_handlers: Any) -> dict[type, KwargsHandler]:
+    """The kwargs handlers by kind: at most one of each."""
     handlers: dict[type, KwargsHandler] = {}
     for handler in kwargs_handlers or ():
         kind = next((k for k in HANDLERS if isinstance(handler, k)), None)
@@ -173,23 +212,24 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
         if kind in handlers:
             raise ValueError(f"kwargs_handlers: more than one {kind.__name__}")
         handlers[kind] = handler
-    fp8_recipe = _fp8_recipe(mixed_precision, handlers, environ)
-    if gradient_accumulation_plugin is not None:
-        if GradientAccumulationPlugin in handlers:
-            raise ValueError("pass the GradientAccumulationPlugin once: as gradient_accumulation_plugin= or in "
-                             "kwargs_handlers, not both")
-        handlers[GradientAccumulationPlugin] = gradient_accumulation_plugin
+    return handlers
 
-    # ---- mixed precision, accumulation, cpu ----
+
+def _mixed_precision(mixed_precision: Any, environ: Mapping[str, str]) -> str:
+    """The argument, else the launcher's variable, else "no"; Accelerate's PrecisionType taken by its value."""
     where = "mixed_precision"
     if mixed_precision is None:
         mixed_precision, where = _env_choice(environ, MIXED_PRECISION_ENV, "ACCELERATE_MIXED_PRECISION")
         mixed_precision = mixed_precision or "no"
-    mixed_precision = str(getattr(mixed_precision, "value", mixed_precision)).lower()  # Accelerate's PrecisionType
+    mixed_precision = str(getattr(mixed_precision, "value", mixed_precision)).lower()
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"{where} must be one of {list(MIXED_PRECISION)}, got {mixed_precision!r}")
-    plugin = handlers.get(GradientAccumulationPlugin)
-    steps, where = gradient_accumulation_steps, "gradient_accumulation_steps"
+    return mixed_precision
+
+
+def _accumulation_steps(steps: Any, plugin: GradientAccumulationPlugin | None, environ: Mapping[str, str]) -> int:
+    """The argument or the plugin's num_steps (which must agree), else the launcher's variable, else 1."""
+    where = "gradient_accumulation_steps"
     if plugin is not None and plugin.num_steps is not None:
         if steps not in (None, 1, plugin.num_steps):
             raise ValueError(f"gradient_accumulation_steps={steps} and GradientAccumulationPlugin(num_steps="
@@ -205,56 +245,49 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
         raise TypeError(f"{where} must be an int >= 1, got {steps!r}")
     if steps < 1:
         raise ValueError(f"{where} must be an int >= 1, got {steps!r}")
-    cpu = bool(cpu) or env_flag(CPU_ENV) or env_flag("ACCELERATE_USE_CPU")
+    return steps
 
-    # ---- layout and FSDP plugin ----
-    if fsdp_plugin is not None or parse_bool(environ.get("ACCELERATE_USE_FSDP", "false"), "$ACCELERATE_USE_FSDP"):
-        fsdp_plugin = FullyShardedDataParallelPlugin.from_env(fsdp_plugin, environ)
-    if parallelism_config is None:
+
+def _parallelism(config: ParallelismConfig | None, fsdp_plugin: Any, environ: Mapping[str, str]) -> ParallelismConfig:
+    """The layout: the argument completed from the environment. As Accelerate: none at all is FSDP sharding over every
+    process when an FSDP plugin is on, else DDP; all sizes 1 is DDP over every process."""
+    if config is None:
         launched = any(environ.get(var) for f in SIZE_FIELDS
                        for var in (size_env_var(f), "PARALLELISM_CONFIG_" + f.upper()))
-        # As Accelerate: no layout at all is FSDP sharding over every process when an FSDP plugin is on, else DDP.
-        parallelism_config = (ParallelismConfig() if launched else ParallelismConfig(dp_shard_size=-1)
-                              if fsdp_plugin is not None else ParallelismConfig(dp_replicate_size=-1))
-    parallelism = ParallelismConfig.from_env(parallelism_config, environ)
-    if all(size == 1 for size in parallelism.sizes().values()):  # Accelerate: all ones is DDP over every process
+        config = (ParallelismConfig() if launched else ParallelismConfig(dp_shard_size=-1)
+                  if fsdp_plugin is not None else ParallelismConfig(dp_replicate_size=-1))
+    parallelism = ParallelismConfig.from_env(config, environ)
+    if all(size == 1 for size in parallelism.sizes().values()):
         parallelism = ParallelismConfig.from_env(ParallelismConfig(
             dp_replicate_size=-1, tp_handler=parallelism.tp_handler, cp_handler=parallelism.cp_handler), {})
+    return parallelism
 
-    # ---- data loaders and projects ----
-    dataloader = dataloader_config or DataLoaderConfiguration()
+
+def _dataloader(config: DataLoaderConfiguration | None, split_batches: Any) -> DataLoaderConfiguration:
+    dataloader = config or DataLoaderConfiguration()
     if split_batches is not None:
-        if dataloader_config is not None and dataloader_config.split_batches != split_batches:
+        if config is not None and config.split_batches != split_batches:
             raise ValueError("split_batches= and dataloader_config.split_batches disagree; set one of them")
         dataloader = DataLoaderConfiguration(**{**dataloader.__dict__, "split_batches": bool(split_batches)})
-    project = project_config or ProjectConfiguration()
+    return dataloader
+
+
+def _project(config: ProjectConfiguration | None, project_dir: Any) -> ProjectConfiguration:
+    project = config or ProjectConfiguration()
     if project_dir is not None:
         project.set_directories(project_dir)
     if project.automatic_checkpoint_naming and project.project_dir is None:  # checked here, as Accelerate does:
         # the directory may come with the Accelerator rather than the configuration
         raise ValueError("automatic_checkpoint_naming needs a project_dir: pass Accelerator(project_dir=...) or "
                          "ProjectConfiguration(project_dir=...)")
+    return project
 
-    process_group: dict[str, Any] = {}
-    if InitProcessGroupKwargs in handlers:
-        init = handlers[InitProcessGroupKwargs]
-        if init.timeout is not None:
-            process_group["timeout"] = init.timeout if isinstance(init.timeout, timedelta) else timedelta(
-                seconds=init.timeout)
-        if init.backend is not None:
-            process_group["backend"] = init.backend
-    return Settings(
-        parallelism=parallelism, fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision, accumulation_steps=steps,
-        sync_each_batch=bool(plugin and plugin.sync_each_batch),
-        adjust_scheduler=bool(plugin.adjust_scheduler) if plugin is not None else True, cpu=cpu,
-        device_placement=bool(device_placement),
-        project=project, dataloader=dataloader, step_scheduler_with_optimizer=bool(step_scheduler_with_optimizer),
-        loss_weighting=loss_weighting, log_with=log_with, process_group=process_group,
-        ddp_kwargs=handlers[DistributedDataParallelKwargs].to_kwargs() if DistributedDataParallelKwargs in handlers
-        else {},
-        scaler_kwargs=handlers[GradScalerKwargs].to_kwargs() if GradScalerKwargs in handlers else {},
-        autocast_kwargs=handlers[AutocastKwargs].to_kwargs() if AutocastKwargs in handlers else {},
-        dynamo_plugin=dynamo,
-        fp8_recipe=fp8_recipe,
-        memory=MemoryKwargs.from_env(handlers.get(MemoryKwargs), environ),
-    )
+
+def _process_group(init: InitProcessGroupKwargs | None) -> dict[str, Any]:
+    """``init_process_group`` keyword arguments from InitProcessGroupKwargs."""
+    out: dict[str, Any] = {}
+    if init is not None and init.timeout is not None:
+        out["timeout"] = init.timeout if isinstance(init.timeout, timedelta) else timedelta(seconds=init.timeout)
+    if init is not None and init.backend is not None:
+        out["backend"] = init.backend
+    return out

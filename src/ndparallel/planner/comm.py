@@ -70,90 +70,115 @@ class Transfer:
     how: str
 
 
+class Product:
+    """A product of factors kept with how it reads, so that a transfer's bytes and their explanation come from one
+    expression: ``Product(m, f"{m} micro-steps") * ring(t) * n * 4`` is worth m (t-1)/t n 4 and reads
+    ``2 micro-steps x (4-1)/4 x 4096 x 4``. Plain numbers multiply in as themselves."""
+
+    def __init__(self, value: float, text: str | None = None) -> None:
+        self.value, self.text = value, str(value) if text is None else text
+
+    def __mul__(self, other: "Product | float") -> "Product":
+        other = other if isinstance(other, Product) else Product(other)
+        return Product(self.value * other.value, f"{self.text} x {other.text}")
+
+    __rmul__ = __mul__
+
+
+def ring(n: int) -> Product:
+    """(n-1)/n: the share of a buffer a rank sends in a ring all-reduce step (and an all-to-all)."""
+    return Product((n - 1) / n, f"({n}-1)/{n}")
+
+
 def transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: int) -> list[Transfer]:
     """Every collective of one optimizer step on one rank (module docstring)."""
     out: list[Transfer] = []
     m, c, L, t = recipe.accumulation, recipe.compute_bytes, stage_layers(model, layout), layout.tp
     n = recipe.tokens(layout)
+    steps, tokens, dtype = Product(m, f"{m} micro-steps"), Product(n, f"{n} tokens"), Product(c, f"{c} B")
 
-    def add(purpose: str, kind: str, view: str, value: float, calls: int, overlap: bool, how: str):
+    def add(purpose: str, kind: str, view: str, sent: Product, calls: int, overlap: bool, note: str = ""):
         size = layout.size(view)
         if size > 1:
             link = "inter" if cross_node(layout, view, gpus_per_node) else "intra"
-            out.append(Transfer(purpose, kind, view_axes(view), size, link, value, calls, overlap, how))
+            out.append(Transfer(purpose, kind, view_axes(view), size, link, sent.value, calls, overlap,
+                                sent.text + note))
 
     held, per_tp, _ = state_elements(model, layout)
     e_held, _ = expert_elements(model, layout)
     if layout.ep == 1:  # the routed experts belong to their layer's FSDP2 unit
         held += e_held
     s, r = layout.fsdp, layout.dp_replicate
+    shard = Product(held, f"{held:,}")
     units = L + 1  # one FSDP2 unit per decoder layer, and the root
     if layout.pp == 1:
         # Forward and backward, but the root unit (embedding, final norm, head) once: it stays gathered from forward
         # into backward, which starts with it (torch's default for the root).
         root = sum(shard_numel(local_shape(shape, dim, t), s) for _, shape, dim in stage_root(model, layout))
-        add("FSDP2 parameter all-gather", "all_gather", "fsdp", m * (s - 1) * (2 * held - root) * c,
-            m * (2 * units - 1), True, f"{m} micro-steps x ({s}-1) x (2 x {held:,} - root {root:,}) x {c} B")
+        add("FSDP2 parameter all-gather", "all_gather", "fsdp",
+            steps * Product(s - 1, f"({s}-1)") * Product(2 * held - root, f"(2 x {held:,} - root {root:,})") * dtype,
+            m * (2 * units - 1), True)
     else:
         gathers = layout.pp + 1  # per pipeline micro-batch forward, and once for the backward passes
-        add("FSDP2 parameter all-gather", "all_gather", "fsdp", gathers * m * (s - 1) * held * c,
-            gathers * m * units, True, f"{gathers} x {m} micro-steps x ({s}-1) x {held:,} x {c} B")
+        add("FSDP2 parameter all-gather", "all_gather", "fsdp",
+            Product(gathers) * steps * Product(s - 1, f"({s}-1)") * shard * dtype, gathers * m * units, True)
     syncs = m if recipe.sync_each_batch else 1
-    add("FSDP2 gradient reduce-scatter", "reduce_scatter", "fsdp", syncs * (s - 1) * held * FP32, syncs * units,
-        True, f"{syncs} x ({s}-1) x {held:,} x 4 B")
-    add("HSDP gradient all-reduce", "all_reduce", "dp_replicate", 2 * (r - 1) / r * held * FP32, units, True,
-        f"2 x ({r}-1)/{r} x {held:,} x 4 B")
+    add("FSDP2 gradient reduce-scatter", "reduce_scatter", "fsdp",
+        Product(syncs) * Product(s - 1, f"({s}-1)") * shard * Product(FP32, "4 B"), syncs * units, True)
+    add("HSDP gradient all-reduce", "all_reduce", "dp_replicate", 2 * ring(r) * shard * Product(FP32, "4 B"), units,
+        True)
     # With activation checkpointing each layer's forward runs again in backward, collectives included.
     forwards = 2 if recipe.checkpointing else 1
     if t > 1:
-        act = n * model.hidden * c
         # The rerun stops once the tensors backward needs exist (torch's non-reentrant checkpoint): the attention
         # output's all-reduce is repeated, the MLP output's is not. Layers whose MLP tp leaves whole (experts)
         # reduce nothing there.
         attention = L if model.attention_split else 0
         reduces = (2 * attention + 2 * min(L, model.split_mlp_layers) + 1 + (attention if recipe.checkpointing else 0)
                    + (1 if model.tied else 0))
-        add("TP activation all-reduce", "all_reduce", "tp", m * 2 * (t - 1) / t * act * reduces, m * reduces,
-            False, f"{m} x 2 x ({t}-1)/{t} x {n} tokens x {model.hidden} x {c} B x {reduces}")
+        add("TP activation all-reduce", "all_reduce", "tp",
+            steps * 2 * ring(t) * tokens * model.hidden * dtype * Product(reduces, f"{reduces} all-reduces"),
+            m * reduces, False)
         if model.qk_norm:
-            norms = m * 2 * L * 2 * (t - 1) / t * model.head_dim * c
-            add("TP q/k norm gradient all-reduce", "all_reduce", "tp", norms, m * 2 * L, False,
-                f"{m} x 2 norms x {L} layers x 2 x ({t}-1)/{t} x {model.head_dim} x {c} B")
+            add("TP q/k norm gradient all-reduce", "all_reduce", "tp",
+                steps * Product(2, "2 norms") * Product(L, f"{L} layers") * 2 * ring(t) * model.head_dim * dtype,
+                m * 2 * L, False)
         if recipe.chunked_loss:
             # The vocabulary-parallel chunked loss: per chunk, the maximum (4 B per token) and the sum of
             # exponentials with the label's logit (8 B) all-reduced over tp, for every position (those that predict
             # nothing are masked, not left out: the unchunked logits' rows, and no host sync to select them).
             chunks = math.ceil(n / loss_chunk_rows(n, model.vocab // t))
-            add("TP chunked-loss log-sum-exp all-reduce", "all_reduce", "tp", m * 2 * (t - 1) / t * n * 12,
-                m * 2 * chunks, False, f"{m} x 2 x ({t}-1)/{t} x {n} tokens x 12 B, 2 calls x {chunks} chunks")
+            add("TP chunked-loss log-sum-exp all-reduce", "all_reduce", "tp",
+                steps * 2 * ring(t) * tokens * Product(12, "12 B"), m * 2 * chunks, False,
+                f", 2 calls x {chunks} chunks")
         else:
-            add("TP logits all-gather", "all_gather", "tp", m * (t - 1) * n * model.vocab // t * c, m, False,
-                f"{m} x ({t}-1) x {n} x {model.vocab // t} x {c} B")
+            add("TP logits all-gather", "all_gather", "tp",
+                steps * Product(t - 1, f"({t}-1)") * tokens * (model.vocab // t) * dtype, m, False)
     kw = kv_width_local(model, layout)
     vw = kw // model.head_dim * (model.v_head_dim or model.head_dim)
     if layout.sp > 1:
-        sp = layout.sp
         width = (model.q_width + model.o_width) // t + kw + vw
         passes = 1 + forwards  # forward (and its rerun), backward: q, k, v and the output each time
-        add("Ulysses all-to-all", "all_to_all", "sp", m * passes * L * (sp - 1) / sp * n * width * c,
-            m * 4 * passes * L, False, f"{m} x {passes} x {L} x ({sp}-1)/{sp} x {n} x {width} x {c} B")
+        add("Ulysses all-to-all", "all_to_all", "sp",
+            steps * Product(passes, f"{passes} passes") * Product(L, f"{L} layers") * ring(layout.sp) * tokens
+            * Product(width, f"{width} wide") * dtype, m * 4 * passes * L, False)
     if layout.cp > 1:
         cp = layout.cp
-        kv = n * (kw + vw)
+        kv = Product(kw + vw, f"({kw}+{vw})")
         gathers = 1 + forwards  # forward (and its rerun), and again in backward
-        add("CP K/V all-gather (forward + backward)", "all_gather", "cp", m * gathers * L * (cp - 1) * kv * c,
-            m * gathers * L, False, f"{m} x {gathers} x {L} x ({cp}-1) x {n} x ({kw}+{vw}) x {c} B")
-        add("CP K/V gradient reduce-scatter", "reduce_scatter", "cp", m * L * (cp - 1) * kv * FP32, m * L, False,
-            f"{m} x {L} x ({cp}-1) x {n} x ({kw}+{vw}) x 4 B (accumulated in fp32)")
+        add("CP K/V all-gather (forward + backward)", "all_gather", "cp",
+            steps * Product(gathers, f"{gathers} gathers") * Product(L, f"{L} layers") * Product(cp - 1, f"({cp}-1)")
+            * tokens * kv * dtype, m * gathers * L, False)
+        add("CP K/V gradient reduce-scatter", "reduce_scatter", "cp",
+            steps * Product(L, f"{L} layers") * Product(cp - 1, f"({cp}-1)") * tokens * kv * Product(FP32, "4 B"),
+            m * L, False, " (accumulated in fp32)")
     if model.moe is not None and layout.ep > 1:
         out += expert_transfers(model, layout, recipe, gpus_per_node)
     if layout.pp > 1:
-        act = n * model.hidden * c
-        add("pipeline activations and their gradients", "send_recv", "pp", m * 2 * act, m * 2 * layout.pp, False,
-            f"{m} x 2 directions x {n} tokens x {model.hidden} x {c} B, in {layout.pp} micro-batches")
-    b = layout.batch
-    add("loss token count", "all_reduce", "batch", 2 * (b - 1) / b * 8, 1, False,
-        f"2 x ({b}-1)/{b} x 8 B")
+        add("pipeline activations and their gradients", "send_recv", "pp",
+            steps * Product(2, "2 directions") * tokens * model.hidden * dtype, m * 2 * layout.pp, False,
+            f", in {layout.pp} micro-batches")
+    add("loss token count", "all_reduce", "batch", 2 * ring(layout.batch) * Product(8, "8 B"), 1, False)
     return out
 
 
@@ -165,30 +190,34 @@ def expert_transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_
     fig, sparse, ep, es = figures(model, layout, recipe), model.moe.sparse_layers, layout.ep, layout.expert_shard
     m, c = recipe.accumulation, recipe.compute_bytes
     held, _ = expert_elements(model, layout)
-    ep_ranks, shard_ranks = layout.group("ep"), layout.group("expert_shard")
+    steps, shard = Product(m, f"{m} micro-steps"), Product(held, f"{held:,}")
     forwards = 2 if recipe.checkpointing else 1
 
-    def add(purpose: str, kind: str, axis: str, ranks: list[int], value: float, calls: int, overlap: bool, how: str):
+    def add(purpose: str, kind: str, view: str, sent: Product, calls: int, overlap: bool, note: str = ""):
+        ranks = layout.group(view)
         if len(ranks) > 1:
             link = "inter" if ranks[0] // gpus_per_node != ranks[-1] // gpus_per_node else "intra"
-            out.append(Transfer(purpose, kind, (axis,), len(ranks), link, value, calls, overlap, how))
+            out.append(Transfer(purpose, kind, (view,), len(ranks), link, sent.value, calls, overlap,
+                                sent.text + note))
 
-    add("expert all-to-all: tokens", "all_to_all", "ep", ep_ranks, (ep - 1) / ep * fig.payload_bytes,
-        m * sparse * (2 * forwards + 2), False, f"({ep}-1)/{ep} x {fig.payload_bytes:,} B (experts.py: {m} x {sparse} "
-        f"layers x {forwards + 1} passes x 2 directions x {recipe.tokens(layout)} tokens x {model.moe.routed.top_k} x "
-        f"{model.moe.routed.hidden} x {c} B)")
-    add("expert all-to-all: routing counts", "all_to_all", "ep", ep_ranks, (ep - 1) / ep * fig.count_bytes,
-        m * sparse * forwards, False, f"({ep}-1)/{ep} x {m} x {sparse} x {forwards} x {model.moe.routed.experts} x 8 B")
-    add("FSDP2 expert all-gather", "all_gather", "expert_shard", shard_ranks, m * (es - 1) * 2 * held * c,
-        m * 2 * sparse, True, f"{m} micro-steps x ({es}-1) x 2 x {held:,} x {c} B")
+    routed = model.moe.routed
+    # The payloads are experts.py's (`expert_figures`); the notes say what they hold.
+    add("expert all-to-all: tokens", "all_to_all", "ep", ring(ep) * Product(fig.payload_bytes,
+        f"{fig.payload_bytes:,} B"), m * sparse * (2 * forwards + 2), False,
+        f" ({m} x {sparse} layers x {forwards + 1} passes x 2 directions x {recipe.tokens(layout)} tokens x "
+        f"{routed.top_k} x {routed.hidden} x {c} B)")
+    add("expert all-to-all: routing counts", "all_to_all", "ep", ring(ep) * Product(fig.count_bytes,
+        f"{fig.count_bytes:,} B"), m * sparse * forwards, False,
+        f" ({m} x {sparse} layers x {forwards} forwards x {routed.experts} experts x 8 B)")
+    add("FSDP2 expert all-gather", "all_gather", "expert_shard",
+        steps * Product(es - 1, f"({es}-1)") * 2 * shard * Product(c, f"{c} B"), m * 2 * sparse, True)
     syncs = m if recipe.sync_each_batch else 1
-    add("FSDP2 expert gradient reduce-scatter", "reduce_scatter", "expert_shard", shard_ranks,
-        syncs * (es - 1) * held * FP32, syncs * sparse, True, f"{syncs} x ({es}-1) x {held:,} x 4 B")
+    add("FSDP2 expert gradient reduce-scatter", "reduce_scatter", "expert_shard",
+        Product(syncs) * Product(es - 1, f"({es}-1)") * shard * Product(FP32, "4 B"), syncs * sparse, True)
     r = layout.dp_replicate
     if r > 1:
-        replicas = layout.group("dp_replicate")
-        add("HSDP expert gradient all-reduce", "all_reduce", "dp_replicate", replicas, 2 * (r - 1) / r * held * FP32,
-            sparse, True, f"2 x ({r}-1)/{r} x {held:,} x 4 B")
+        add("HSDP expert gradient all-reduce", "all_reduce", "dp_replicate",
+            2 * ring(r) * shard * Product(FP32, "4 B"), sparse, True)
     return out
 
 

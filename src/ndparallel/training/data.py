@@ -272,6 +272,64 @@ _LOADER_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_
                   "generator", "persistent_workers")
 
 
+def _batch_sizes(loader: DataLoader, split_batches: bool, num_shards: int) -> tuple[int | None, int | None]:
+    """(the loader's batch size when it is fixed, the batch size of this rank's batches).
+
+    Progress through a pass is counted in samples when batches have a fixed size (then a position means the same under
+    any data-parallel size and batch size), else in original batches. The size is fixed when the loader has a
+    batch_size or was given a torch BatchSampler (``DataLoader(batch_sampler=BatchSampler(s, B, d))`` batches as
+    ``DataLoader(sampler=s, batch_size=B, drop_last=d)`` does); not for another batch sampler, or batch_size=None (no
+    batching). With split_batches each rank's batches are 1/D of it."""
+    fixed = loader.batch_size
+    if fixed is None and type(loader.batch_sampler) is BatchSampler:
+        fixed = loader.batch_sampler.batch_size
+    if not split_batches:
+        return fixed, fixed
+    if fixed is None and loader.batch_sampler is not None:
+        raise ValueError(f"prepare(): split_batches=True needs batches of a fixed size to split, and this "
+                         f"DataLoader's batch_sampler ({type(loader.batch_sampler).__name__}) has none; give it a "
+                         "batch_size (or a torch BatchSampler)")
+    if fixed is None:
+        return None, None
+    if fixed % num_shards:
+        raise ValueError(f"prepare(): split_batches=True needs a batch_size divisible by the {num_shards} "
+                         f"ranks with distinct samples (the batch view); got batch_size={fixed}")
+    return fixed, fixed // num_shards
+
+
+def _sharded(loader: DataLoader, fixed: int | None, batch_size: int | None, num_shards: int, shard_index: int,
+             seed: int, even_batches: bool, check_sampler: Callable[[Any], None]) -> tuple[Any, DataLoader]:
+    """(this rank's shard of the data, the DataLoader that reads it), one of three ways: an iterable dataset's batches
+    dealt over the shards; a map-style dataset without batching (batch_size=None) by items; else by batches of the
+    loader's batch sampler (re-batched at batch_size with split_batches)."""
+    kwargs = {k: getattr(loader, k) for k in _LOADER_KWARGS}
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if isinstance(loader.dataset, IterableDataset):
+        if batch_size is None:
+            raise ValueError("prepare(): an iterable dataset's DataLoader needs a batch_size to shard batches")
+        if loader.num_workers > 1:
+            raise ValueError(
+                f"prepare(): num_workers={loader.num_workers} with an iterable dataset: each worker would read "
+                "the whole dataset and yield every sample again; use num_workers=0 or 1"
+            )
+        shard = IterableDatasetShard(loader.dataset, batch_size, num_shards, shard_index, loader.drop_last,
+                                     even_batches)
+        return shard, DataLoader(shard, batch_size=batch_size, drop_last=False, **kwargs)
+    if loader.batch_sampler is None:  # batch_size=None: the dataset yields whole batches: shard the items
+        check_sampler(loader.sampler)
+        single = BatchSampler(loader.sampler, 1, drop_last=False)
+        shard = ShardedBatchSampler(single, num_shards, shard_index, False, seed, even_batches)
+        return shard, DataLoader(loader.dataset, sampler=_Unbatched(shard), batch_size=None, **kwargs)
+    batch_sampler = loader.batch_sampler
+    check_sampler(getattr(batch_sampler, "sampler", None))
+    drop_last = getattr(batch_sampler, "drop_last", False)
+    if batch_size != fixed:  # split_batches: batches of B/D, taken D at a time
+        batch_sampler = BatchSampler(batch_sampler.sampler, batch_size, drop_last)
+    shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last, seed, even_batches)
+    return shard, DataLoader(loader.dataset, batch_sampler=shard, **kwargs)
+
+
 class PreparedDataLoader:
     """A data loader that yields this rank's share of each global batch, on this rank's device.
 
@@ -310,20 +368,8 @@ class PreparedDataLoader:
         # The loader's batch size when it is fixed: its batch_size, or that of a torch BatchSampler it was given
         # (``DataLoader(batch_sampler=BatchSampler(s, B, d))`` batches as ``DataLoader(sampler=s, batch_size=B,
         # drop_last=d)`` does); None for another batch sampler, or batch_size=None (no batching).
-        fixed = loader.batch_size
-        if fixed is None and type(loader.batch_sampler) is BatchSampler:
-            fixed = loader.batch_sampler.batch_size
+        fixed, batch_size = _batch_sizes(loader, split_batches, num_shards)
         self.position_unit = "samples" if fixed is not None else "batches"
-        batch_size = fixed  # of this rank's batches
-        if split_batches and batch_size is None and loader.batch_sampler is not None:
-            raise ValueError(f"prepare(): split_batches=True needs batches of a fixed size to split, and this "
-                             f"DataLoader's batch_sampler ({type(loader.batch_sampler).__name__}) has none; give it a "
-                             "batch_size (or a torch BatchSampler)")
-        if split_batches and batch_size is not None:
-            if batch_size % num_shards:
-                raise ValueError(f"prepare(): split_batches=True needs a batch_size divisible by the {num_shards} "
-                                 f"ranks with distinct samples (the batch view); got batch_size={batch_size}")
-            batch_size //= num_shards
         self._batch_size = batch_size  # of the sharded batch sampler: the loader's, or its 1/D with split_batches
         self._step = num_shards * (batch_size or 1)  # units one micro-step consumes, over all batch ranks
         self._position = 0
@@ -333,33 +379,8 @@ class PreparedDataLoader:
         # Trainer skips, then sets the epoch) and replaces `_restored`.
         self._restored = 0
         self._skip: int | None = None
-        kwargs = {k: getattr(loader, k) for k in _LOADER_KWARGS}
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-        if isinstance(loader.dataset, IterableDataset):
-            if batch_size is None:
-                raise ValueError("prepare(): an iterable dataset's DataLoader needs a batch_size to shard batches")
-            if loader.num_workers > 1:
-                raise ValueError(
-                    f"prepare(): num_workers={loader.num_workers} with an iterable dataset: each worker would read "
-                    "the whole dataset and yield every sample again; use num_workers=0 or 1"
-                )
-            self._shard = IterableDatasetShard(loader.dataset, batch_size, num_shards, shard_index,
-                                               loader.drop_last, even_batches)
-            self.loader = DataLoader(self._shard, batch_size=batch_size, drop_last=False, **kwargs)
-        elif loader.batch_sampler is None:  # batch_size=None: the dataset yields whole batches: shard the items
-            self._check_sampler(loader.sampler)
-            single = BatchSampler(loader.sampler, 1, drop_last=False)
-            self._shard = ShardedBatchSampler(single, num_shards, shard_index, False, seed, even_batches)
-            self.loader = DataLoader(loader.dataset, sampler=_Unbatched(self._shard), batch_size=None, **kwargs)
-        else:
-            batch_sampler = loader.batch_sampler
-            self._check_sampler(getattr(batch_sampler, "sampler", None))
-            drop_last = getattr(batch_sampler, "drop_last", False)
-            if batch_size != fixed:  # split_batches: batches of B/D, taken D at a time
-                batch_sampler = BatchSampler(batch_sampler.sampler, batch_size, drop_last)
-            self._shard = ShardedBatchSampler(batch_sampler, num_shards, shard_index, drop_last, seed, even_batches)
-            self.loader = DataLoader(loader.dataset, batch_sampler=self._shard, **kwargs)
+        self._shard, self.loader = _sharded(loader, fixed, batch_size, num_shards, shard_index, seed, even_batches,
+                                            self._check_sampler)
         # Why every rank must run every step (FSDP2, tp, cp, sp, pp: collectives in every forward), if it must: an
         # uneven last batch (even_batches=False) is then refused on every rank before any of them runs it.
         self._shard.lockstep = lockstep
