@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install ndparallel (editable) with the Hugging Face extra; `--test` adds the test dependencies.
+# Install ndparallel (editable) with the Hugging Face extra; `--test` adds the test dependencies and the docs site's
+# (tests/project/test_docs_site.py builds it).
 # A torch >= 2.6 that is already installed is kept as it is (a GPU build stays a GPU build); otherwise the
 # torch version we test on is installed. Pinning it matters: an unpinned `torch` may pull gigabytes of CUDA
 # packages onto a machine that has no GPU.
@@ -7,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 extras="hf"
-if [ "${1:-}" = "--test" ]; then extras="hf,test"; fi
+if [ "${1:-}" = "--test" ]; then extras="hf,test,docs"; fi
 if ! "$PY" - <<'PYEOF' 2>/dev/null
 import sys, torch
 major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
