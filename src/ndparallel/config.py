@@ -29,9 +29,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 
-# Mesh axes, outermost first. TP is innermost: it needs the fastest links. The mesh takes them from the config
-# (`ParallelismConfig.sizes`, in this order).
-AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
+from .layout import AXES, VIEWS, Layout  # the axes, outermost first, and the views: declared once, there
+
 AXIS_FIELDS: tuple[str, ...] = tuple(f"{axis}_size" for axis in AXES)  # their product is the world size
 # Every size a config, a flag, a file or a variable sets. ep_size is no axis: the expert-parallel ranks are carved out
 # of the ranks that already hold different tokens (dp_shard x cp x sp), so it does not multiply the world size.
@@ -353,6 +352,10 @@ class ParallelismConfig:
         """Axis name -> size, outermost first (may contain one -1 before `resolve`)."""
         return {axis: getattr(self, f"{axis}_size") for axis in AXES}
 
+    def layout(self) -> Layout:
+        """The sizes as a `ndparallel.layout.Layout`, which every view's size comes from (a -1 stays -1)."""
+        return Layout(**{axis: getattr(self, f"{axis}_size") for axis in AXES}, ep=self.ep_size)
+
     @property
     def ep_enabled(self) -> bool:
         return self.ep_size != 1
@@ -386,7 +389,7 @@ class ParallelismConfig:
 
     def _check_expert_parallel(self) -> None:
         """ep_size must divide the ranks it is taken from (dp_shard x cp x sp), with every size resolved."""
-        taken_from = self.dp_shard_size * self.cp_size * self.sp_size
+        taken_from = self.layout().size("fsdp")
         if taken_from % self.ep_size:
             divisors = [d for d in range(1, taken_from + 1) if taken_from % d == 0]
             raise ValueError(
@@ -399,12 +402,12 @@ class ParallelismConfig:
     def total_size(self) -> int:
         if any(s == -1 for s in self.sizes().values()):
             raise ValueError("total_size is unknown until a -1 size is resolved against the world size")
-        return math.prod(self.sizes().values())
+        return self.layout().world
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that see different samples: dp_replicate * dp_shard."""
-        return self.dp_replicate_size * self.dp_shard_size
+        """Ranks that see different samples: dp_replicate * dp_shard (the ``batch`` view)."""
+        return self.layout().size("batch")
 
     @property
     def non_data_parallel_size(self) -> int:
@@ -428,7 +431,7 @@ class ParallelismConfig:
     @property
     def dp_dim_names(self) -> list[str]:
         """Enabled dimensions across which data parallelism is applied (different samples)."""
-        return self._enabled("dp_replicate", "dp_shard")
+        return self._enabled(*VIEWS["dp"])
 
     @property
     def non_dp_dim_names(self) -> list[str]:
@@ -438,12 +441,12 @@ class ParallelismConfig:
     @property
     def dp_shard_cp_dim_names(self) -> list[str]:
         """Enabled dimensions of Accelerate's ``dp_shard_cp`` view."""
-        return self._enabled("dp_shard", "cp")
+        return self._enabled(*VIEWS["dp_shard_cp"])
 
     @property
     def dp_cp_dim_names(self) -> list[str]:
         """Enabled dimensions of Accelerate's ``dp_cp`` view."""
-        return self._enabled("dp_replicate", "dp_shard", "cp")
+        return self._enabled(*VIEWS["dp_cp"])
 
     @property
     def fsdp_dim_names(self) -> list[str]:

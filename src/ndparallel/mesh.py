@@ -1,25 +1,8 @@
-"""The one world `DeviceMesh` and the named views derived from it.
+"""The one world `DeviceMesh` and the process groups of the views `ndparallel.layout` declares.
 
-Axes, outermost first: ``pp, dp_replicate, dp_shard, cp, sp, tp`` (pipeline stages outermost: they span the
-slowest links with the least traffic; TP innermost). Code asks the mesh for a group *by purpose*, never
-by rank arithmetic:
-
-- ``batch`` = dp_replicate x dp_shard: ranks that receive different samples;
-- ``fsdp``  = dp_shard x cp x sp: ranks across which FSDP2 shards parameters (CP/SP ranks work on other
-  tokens of the same samples, so their gradients are reduced anyway and sharding across them is free);
-- ``loss``  = dp_replicate x dp_shard x cp x sp: ranks whose token losses add up to the global loss, and the
-  ranks over which the data-parallel wrapper averages gradients;
-- the single axes ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``sp``, ``tp``;
-
-- ``ep`` and ``expert_shard`` (expert parallelism, ``ep_size``): the ``fsdp`` ranks, in their order (sp fastest),
-  cut into consecutive groups of ep_size: ``ep`` is this rank's group -- ranks that hold different experts and
-  exchange tokens all-to-all (`ndparallel.parallel.experts`) -- and ``expert_shard`` the ranks at this rank's place
-  in the other groups: they hold the same experts, which FSDP2 shards over them (``fsdp`` = expert_shard x ep). ep is
-  carved out of ranks that already hold different tokens, so it does not multiply the world size; without expert
-  parallelism ``ep`` has one rank and ``expert_shard`` is ``fsdp``.
-
-Every view but ``pp`` lies inside one pipeline stage: its group holds the ranks of this rank's stage only.
-- Accelerate's flattened names, kept for compatibility: ``dp`` (= batch), ``dp_shard_cp``, ``dp_cp``.
+Code asks the mesh for a group *by purpose* (``batch``, ``fsdp``, ``loss``, ``ep``, a single axis...: the views and
+what each is for are declared in `ndparallel.layout`), never by rank arithmetic. Every view but ``pp`` lies inside one
+pipeline stage: its group holds the ranks of this rank's stage only.
 
 Process groups exist only where they are needed. The world mesh has a dimension for each axis of more than one
 rank (as Accelerate's has); a view spanning one such axis *is* that axis's group; a view spanning several is
@@ -34,32 +17,16 @@ models but shards over one rank (replication only, as under DDP x TP), ``dp_shar
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .layout import EXPERT_VIEWS, VIEWS, Layout, view_axes
+
 if TYPE_CHECKING:
     from .config import ParallelismConfig
-
-# Flattened views: name -> the axes they span (contiguous, outermost first).
-VIEWS: dict[str, tuple[str, ...]] = {
-    "batch": ("dp_replicate", "dp_shard"),
-    "fsdp": ("dp_shard", "cp", "sp"),
-    "loss": ("dp_replicate", "dp_shard", "cp", "sp"),
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
-# Views carved out of ``fsdp`` by ep_size (not whole axes): name -> its size given (fsdp size, ep_size).
-EXPERT_VIEWS: dict[str, Callable[[int, int], int]] = {
-    "ep": lambda fsdp, ep: ep,
-    "expert_shard": lambda fsdp, ep: fsdp // ep,
-}
-
 
 class ParallelMesh:
     """The world mesh of a resolved `ParallelismConfig` plus its named views.
@@ -76,7 +43,8 @@ class ParallelMesh:
         config = config.resolve(world_size)
         self.config = config
         self.device_type = device_type
-        self._sizes = config.sizes()  # every axis, outermost first (`ndparallel.config.AXES`)
+        self.layout: Layout = config.layout()  # every view's size (`ndparallel.layout`)
+        self._sizes = self.layout.sizes()  # every axis, outermost first
         axes = tuple(self._sizes)
         self._axes: dict[str, tuple[str, ...]] = {**{axis: (axis,) for axis in axes}, **VIEWS}
         dims = tuple(axis for axis in axes if self._sizes[axis] > 1) or axes
@@ -110,7 +78,6 @@ class ParallelMesh:
     def _carve_experts(self, ep: int) -> DeviceMesh | None:
         """The ``ep`` and ``expert_shard`` views (see the module docstring); returns the expert_shard dimension, kept
         even where it has one rank (FSDP2 wraps the experts over it), or None without expert parallelism."""
-        self._carved = {name: size(self.size("fsdp"), ep) for name, size in EXPERT_VIEWS.items()}
         if ep == 1:
             self._views["ep"], self._views["expert_shard"] = None, self._views["fsdp"]
             return None
@@ -119,9 +86,9 @@ class ParallelMesh:
 
             raise ValueError(f"ep_size={ep}: expert parallelism needs torch >= 2.9 (DeviceMesh._unflatten carves the "
                              f"ep ranks out of fsdp); installed: torch {torch.__version__}")
-        split = self._views["fsdp"]._unflatten(0, (self._carved["expert_shard"], ep), ("expert_shard", "ep"))
+        split = self._views["fsdp"]._unflatten(0, (self.size("expert_shard"), ep), ("expert_shard", "ep"))
         self._views["ep"] = split["ep"]
-        self._views["expert_shard"] = split["expert_shard"] if self._carved["expert_shard"] > 1 else None
+        self._views["expert_shard"] = split["expert_shard"] if self.size("expert_shard") > 1 else None
         return split["expert_shard"]
 
     @property
@@ -129,12 +96,7 @@ class ParallelMesh:
         return [*self._axes, *EXPERT_VIEWS]
 
     def _axes_of(self, name: str) -> tuple[str, ...]:
-        if name in EXPERT_VIEWS:
-            return self._axes["fsdp"]
-        try:
-            return self._axes[name]
-        except KeyError:
-            raise KeyError(f"no mesh view named {name!r}; valid names: {', '.join(self.names)}") from None
+        return view_axes(name)  # raises KeyError naming the valid views
 
     def __getitem__(self, name: str) -> DeviceMesh:
         axes = self._axes_of(name)
@@ -149,8 +111,7 @@ class ParallelMesh:
         return view
 
     def size(self, name: str) -> int:
-        axes = self._axes_of(name)
-        return self._carved[name] if name in EXPERT_VIEWS else math.prod(self._sizes[a] for a in axes)
+        return self.layout.size(name)
 
     def rank(self, name: str) -> int:
         """This rank's coordinate along view `name` (0 .. size-1)."""

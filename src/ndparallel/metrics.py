@@ -9,14 +9,7 @@
         bar.set_postfix(timer.postfix())       # or log timer.last: {"step_time_s", "tokens_per_s", "mfu"}
     timer.summary(skip=2)                      # medians after 2 warm-up steps
 
-FLOPs per token of a decoder-only transformer, training (forward + backward = 3 x forward):
-
-    6 * N_matmul + 12 * L * d_attn * S
-
-N_matmul: weights that take part in a matrix multiply per token (every linear layer of every block and the LM
-head; not the input embedding, a lookup; norms are negligible and left out). L layers, d_attn = heads x head_dim,
-S the sequence length: QK^T and AV cost 2 * S * d_attn multiply-adds each per token and layer, forward; the whole
-S x S score matrix is counted, causal masking is not subtracted (PaLM's convention, so figures are comparable).
+FLOPs per token: `ndparallel.flops` (6 x N_matmul + 6 x L x attention width x S, the whole S x S score matrix).
 
 MFU = tokens/s * FLOPs per token / (peak FLOP/s of one device * number of devices). Peak figures come from the
 caller, else from `PEAK_FLOPS` for known GPUs (dense, no sparsity), else -- on a CPU -- from a short measured
@@ -26,10 +19,7 @@ matmul, which is an *estimate* of the peak rather than a datasheet value; `peak_
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +27,7 @@ from typing import Any
 import torch
 
 from .config import compute_dtype
+from .flops import training_flops
 
 # Dense peak FLOP/s of one device, by (name fragment, dtype); bf16/fp16 tensor cores, tf32 for fp32.
 PEAK_FLOPS: dict[tuple[str, torch.dtype], float] = {
@@ -72,12 +63,13 @@ def matmul_params(config: Any) -> int:
 
 
 def flops_per_token(config: Any, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N_matmul + 12 * layers * heads * head_dim * seq_len.
+    """Training FLOPs per token of the model a Hugging Face decoder config describes, at `seq_len`
+    (`ndparallel.flops.training_flops`).
 
     A mixture of experts (a config with ``num_experts``, ``num_local_experts`` or ``n_routed_experts``) or a model with
     multi-head latent attention (``kv_lora_rank``) is counted by the planner's model of it
     (`ndparallel.planner.model.ModelSpec.flops_per_token`): only the top-k experts a token goes to, its shared experts
-    and dense layers, its own attention widths -- the dense formula would count the wrong MLP."""
+    and dense layers, its own attention widths -- the dense count would take the wrong MLP."""
     moe = any(isinstance(getattr(config, f, None), int) and getattr(config, f) > 1
               for f in ("num_experts", "num_local_experts", "n_routed_experts"))
     if moe or getattr(config, "kv_lora_rank", None):
@@ -89,7 +81,7 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     layers = _attr(config, "num_hidden_layers", "n_layer")
     heads = _attr(config, "num_attention_heads", "n_head")
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return 6.0 * matmul_params(config) + 12.0 * layers * heads * head_dim * seq_len
+    return training_flops(matmul_params(config), layers, 2 * heads * head_dim, seq_len)
 
 
 def peak_flops(device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
@@ -196,35 +188,3 @@ def timer_for(accelerator: Any, model: Any = None, seq_len: int | None = None,
         dtype = compute_dtype(accelerator.mixed_precision) or torch.float32
         peak = peak_flops(accelerator.device, dtype)[0]
     return StepTimer(fpt, peak, num_devices=accelerator.num_processes, device=accelerator.device)
-
-
-# ---- run metrics for `ndparallel plan --measure` ------------------------------------------------------------------
-METRICS_ENV = "NDPARALLEL_METRICS_FILE"  # set by `ndparallel plan --measure`: each rank writes <value>.rank<r>.json
-
-
-def peak_memory(device: torch.device) -> tuple[int, str]:
-    """This process's peak memory: allocated CUDA memory on a GPU, else the peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-    import resource  # Unix only
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return (rss if sys.platform == "darwin" else rss * 1024), "peak RSS"
-
-
-def write_run_metrics(timer: StepTimer | None, rank: int, world: int, device: torch.device,
-                      environ: Any = None) -> str | None:
-    """When ``$NDPARALLEL_METRICS_FILE`` is set, write this rank's peak memory and (if `timer` timed steps) its
-    step metrics, medians after up to 2 warm-up steps, to ``<file>.rank<rank>.json``; return the path."""
-    prefix = (os.environ if environ is None else environ).get(METRICS_ENV)
-    if not prefix:
-        return None
-    peak, kind = peak_memory(device)
-    steps = None
-    if timer is not None and timer.times:
-        steps = timer.summary(skip=min(2, len(timer.times) - 1))
-    path = f"{prefix}.rank{rank}.json"
-    with open(path, "w") as f:
-        json.dump({"rank": rank, "world": world, "peak_memory_bytes": peak, "peak_memory_kind": kind,
-                   "step_metrics": steps}, f)
-    return path

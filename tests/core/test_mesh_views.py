@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ndparallel.config import ParallelismConfig
-from ndparallel.mesh import VIEWS, ParallelMesh
+from ndparallel.layout import VIEWS, Layout
+from ndparallel.mesh import ParallelMesh
 
 # Mesh axes, outermost first (DESIGN.md), and what each flattened view spans, written out independently.
 AXES = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
@@ -110,6 +111,27 @@ def test_view_table_matches_design():
     assert dict(VIEWS) == EXPECTED_VIEWS
 
 
+def test_no_module_restates_the_axes_or_a_view():
+    """The axes and the views are written once, in ndparallel/layout.py: no other module of the package writes
+    their tuple of axis names out again (it imports it)."""
+    import ast
+    from pathlib import Path
+
+    import ndparallel.layout as layout
+
+    declared = {tuple(layout.AXES), *VIEWS.values()}
+    src = Path(layout.__file__).parent
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        if path.name == "layout.py" and path.parent == src:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List)) and all(isinstance(e, ast.Constant) for e in node.elts):
+                if tuple(e.value for e in node.elts) in declared:
+                    found.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert not found, f"axes or a view restated (import them from ndparallel.layout): {found}"
+
+
 # ---- every shape, every rank ----------------------------------------------------------------------
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_views(shape):
@@ -127,6 +149,8 @@ def test_views(shape):
                 assert mesh.ranks(name) == want, where
                 assert mesh.size(name) == len(want) == math.prod(sizes[a] for a in axes), where
                 assert mesh.rank(name) == want.index(rank), where
+                # the planner's groups (no mesh) come from the same declaration
+                assert Layout(**sizes).group(name, rank) == sorted(want), where
             # The mesh FSDP2 wraps over: HSDP's (dp_replicate, fsdp) when there are replicas, else the fsdp view.
             dp = mesh.data_parallel()
             if sizes["dp_replicate"] > 1:
@@ -225,6 +249,8 @@ def test_expert_views(shape, ep):
             shard = fsdp[place % ep::ep]
             assert (mesh.ranks("ep"), mesh.rank("ep"), mesh.size("ep")) == (block, block.index(rank), ep), (shape, rank)
             assert (mesh.ranks("expert_shard"), mesh.size("expert_shard")) == (shard, len(fsdp) // ep), (shape, rank)
+            layout = Layout(**sizes, ep=ep)
+            assert (layout.group("ep", rank), layout.group("expert_shard", rank)) == (block, shard), (shape, rank)
             replicas = [expected_ranks(r, shape, ("dp_replicate",)) for r in shard]
             want = [[row[i] for row in replicas] for i in range(sizes["dp_replicate"])]
             experts_dp = mesh.expert_data_parallel().mesh

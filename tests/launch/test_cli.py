@@ -27,11 +27,12 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(key)
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`timeout`: a guard against a hang, not a speed check (the machine may be busy with other work)."""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("NDPARALLEL_")}
     child_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "ndparallel.cli", *args], capture_output=True, text=True,
-                          env=child_env, timeout=120)
+                          env=child_env, timeout=timeout)
 
 
 def plan(*args: str):

@@ -29,7 +29,8 @@ def tiny_config(tmp_path_factory) -> str:
 @pytest.mark.slow
 def test_the_top_layouts_run_and_are_ranked_by_what_they_measure(tiny_config):
     done = run_cli(*PLAN, "--model", tiny_config, "--json", "--measure-top", "2", "--measure",
-                   str(ROOT / "examples" / "nd_parallel.py"), "--steps", "4", "--log-every", "2")
+                   str(ROOT / "examples" / "nd_parallel.py"), "--steps", "4", "--log-every", "2",
+                   timeout=600)  # two 2-rank launches: minutes when the machine is busy
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     measured = out["measured"]

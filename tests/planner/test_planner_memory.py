@@ -80,8 +80,9 @@ def test_max_seq_finds_the_longest_sequence_that_fits(capsys):
 
 
 def test_plan_tries_the_features_and_says_which_it_needs(capsys):
+    # The activation features alone (FSDP2's CPU offload, which lets AC off fit here, is test_planner_offload.py's)
     args = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--seq-len", "131072", "--global-batch-tokens",
-            "1048576", "--top", "3"]
+            "1048576", "--top", "3", "--offload-params", "off"]
     assert main(args + ["--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert all(r["chunked_loss"] for r in rows) and rows[0]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 8,

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from .. import agreement, checkpoint, failures, metrics, parallel
+from .. import agreement, checkpoint, failures, metrics, parallel, run_metrics
 from ..batch_size import release_memory
 from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
@@ -496,8 +496,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
     def end_training(self) -> None:
         """Close the trackers and release the process group (call once, at the end of the script). Under
         ``ndparallel plan --measure`` each rank first writes its step metrics and peak memory
-        (`metrics.write_run_metrics`)."""
-        metrics.write_run_metrics(getattr(self, "_step_timer", None), self.process_index, self.num_processes,
+        (`run_metrics.write_run_metrics`)."""
+        run_metrics.write_run_metrics(getattr(self, "_step_timer", None), self.process_index, self.num_processes,
                                   self.device)
         self.trackers.finish()
         try:

@@ -51,9 +51,15 @@ def add_parsers(sub: Any) -> None:
                            "(one per data-parallel rank), with every memory feature on and with plain FSDP2 + AC")
     for name, what in (("chunked-loss", "the LM head and loss over chunks of tokens (auto: on, as in the library)"),
                        ("tiled-mlp", "decoder MLPs over tiles of the sequence (auto: where it makes a layout fit)"),
-                       ("offload", "checkpointed layers' inputs in host memory (auto: where it makes a layout fit)")):
+                       ("offload", "checkpointed layers' inputs in host memory (auto: where it makes a layout fit)"),
+                       ("offload-params", "FSDP2's CPU offload, FullyShardedDataParallelPlugin(cpu_offload=True): "
+                                          "parameters, gradients and optimizer state in host memory, the optimizer "
+                                          "step on the host (auto: where it makes a layout fit or run faster)")):
         plan.add_argument(f"--{name}", dest=name.replace("-", "_"), choices=("auto", "on", "off"), default="auto",
                           help=what)
+    plan.add_argument(*spellings("host-memory-gib"), dest="host_memory_gib", type=float, default=None, metavar="H",
+                      help="host (CPU) memory per node for offloading, shared by its GPUs' processes (default: the "
+                           "profile's; 0: not checked)")
     plan.add_argument(*spellings("activation-checkpointing"), dest="activation_checkpointing",
                       choices=("auto", "on", "off"), default="auto",
                       help="auto: off where it fits, else on (default)")
@@ -99,6 +105,9 @@ def add_parsers(sub: Any) -> None:
                         help="the chunked loss (default on, as in the library)")
     memory.add_argument("--tiled-mlp", dest="tiled_mlp", action="store_true", help="tiled decoder MLPs")
     memory.add_argument("--offload", action="store_true", help="checkpointed layers' inputs in host memory")
+    memory.add_argument(*spellings("offload-params"), dest="offload_params", action="store_true",
+                        help="FSDP2's CPU offload (cpu_offload=True): parameters, gradients, optimizer state in host "
+                             "memory")
 
 
 # ---- plan, estimate-memory (ndparallel.planner) ---------------------------------------------------------------
@@ -121,7 +130,8 @@ def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
                    mixed_precision=args.mixed_precision, checkpointing=args.activation_checkpointing,
                    optimizer=args.optimizer, allow_cross_node_tp=args.allow_cross_node_tp,
                    sync_each_batch=args.sync_each_batch, chunked_loss=args.chunked_loss, tiled_mlp=args.tiled_mlp,
-                   offload=args.offload, ep_size=args.ep_size)
+                   offload=args.offload, offload_params=args.offload_params, host_memory_gib=args.host_memory_gib,
+                   ep_size=args.ep_size)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -198,6 +208,7 @@ def _plan_max_seq(args: argparse.Namespace) -> int:
     """``plan --max-seq``: the longest sequence per layout (`ndparallel.planner.longest`)."""
     from ndparallel.planner import get_hardware, load_model
     from ndparallel.planner.longest import longest, longest_text
+    from ndparallel.planner.offload import host_bytes
 
     try:
         hardware = get_hardware(args.gpu, args.hardware)
@@ -208,8 +219,10 @@ def _plan_max_seq(args: argparse.Namespace) -> int:
         return error("plan", exc)
     if args.json:
         print(json.dumps([{"layout": r.layout.sizes(), "name": r.layout.name, "tokens": r.tokens,
-                           "peak_bytes": {n: (m.peak if m else None) for n, m in r.memory.items()}} for r in rows],
-                         indent=1))
+                           "offload_params": r.offload_params, "tokens_without_offload_params": r.without_offload,
+                           "peak_bytes": {n: (m.peak if m else None) for n, m in r.memory.items()},
+                           "host_bytes": {n: (host_bytes(m) if m else None) for n, m in r.memory.items()}}
+                          for r in rows], indent=1))
     else:
         print(longest_text(rows, request, args.top))
     return 0 if rows and rows[0].tokens["all"] else error("plan", "no layout fits even 1024 tokens")
@@ -259,7 +272,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
             raise ValueError("--seq-len is required")
         setting = Setting(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
                           args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
-                          args.chunked_loss == "on", args.tiled_mlp, args.offload)
+                          args.chunked_loss == "on", args.tiled_mlp, args.offload, offload_params=args.offload_params)
         experts = _expert_figures(args, layout, setting)  # a mixture of experts: expert parallelism's figures
         model = load_model(args.model)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch

@@ -19,7 +19,7 @@ from .fp8 import apply_fp8, check_fp8
 from .data_parallel import apply_data_parallel, broadcast_module_states, uses_fsdp
 from .experts import apply_expert_parallel, check_expert_parallel
 from .interface import PreparedModel, interface, state_module, unwrap
-from .memory import apply_memory_features
+from .memory.apply import apply_memory_features
 from .moe import apply_global_load_balancing
 from .options import PrepareOptions
 from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline

@@ -1,8 +1,9 @@
 """``ndparallel plan``: predict memory, bytes and step time of every layout for a model and a cluster, and rank them.
 
-One module per concern: `hardware` (GPU profiles, data), `model` (a Hugging Face config.json), `moe` and `experts`
-(mixtures of experts, expert parallelism), `layouts`
-(enumeration and the library's refusals), `memory`, `comm`, `timing` (the cost model), `search` (the best
+One module per concern: `hardware` (GPU profiles, data), `model` (a Hugging Face config.json), `mixture` and
+`experts` (the mixture-of-experts part of a model, expert parallelism's figures), `layouts` (enumeration and the
+library's refusals; the sizes themselves are `ndparallel.layout.Layout`), `expert_costs` (what experts add per
+layout), `memory`, `offload` (FSDP2's CPU offload), `comm`, `timing` (the cost model), `search` (the best
 setting per layout, the ranking) and `report` (table, JSON, explanation). docs/planner.md has the formulas.
 """
 

@@ -47,11 +47,12 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .layouts import Layout, cross_node
-from .memory import local_shape, shard_numel, stage_layers, stage_root, state_elements
+from ..layout import Layout, view_axes
+from .layouts import cross_node
+from .memory import kv_width_local, local_shape, shard_numel, stage_layers, stage_root, state_elements
 from .model import ModelSpec
-from .moe import expert_elements, expert_groups, figures
-from .setting import FP32, Setting, kv_width_local, loss_chunk_rows
+from .expert_costs import expert_elements, figures
+from .setting import FP32, Setting, loss_chunk_rows
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
@@ -75,33 +76,32 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
     m, c, L, t = setting.accumulation, setting.compute_bytes, stage_layers(model, layout), layout.tp
     n = setting.tokens(layout)
 
-    def add(purpose: str, kind: str, axes: tuple[str, ...], value: float, calls: int, overlap: bool, how: str):
-        size = math.prod(layout.sizes()[a] for a in axes)
+    def add(purpose: str, kind: str, view: str, value: float, calls: int, overlap: bool, how: str):
+        size = layout.size(view)
         if size > 1:
-            link = "inter" if cross_node(layout, axes, gpus_per_node) else "intra"
-            out.append(Transfer(purpose, kind, axes, size, link, value, calls, overlap, how))
+            link = "inter" if cross_node(layout, view, gpus_per_node) else "intra"
+            out.append(Transfer(purpose, kind, view_axes(view), size, link, value, calls, overlap, how))
 
     held, per_tp, _ = state_elements(model, layout)
     e_held, _ = expert_elements(model, layout)
     if layout.ep == 1:  # the routed experts belong to their layer's FSDP2 unit
         held += e_held
     s, r = layout.fsdp, layout.dp_replicate
-    fsdp_axes = ("dp_shard", "cp", "sp")
     units = L + 1  # one FSDP2 unit per decoder layer, and the root
     if layout.pp == 1:
         # Forward and backward, but the root unit (embedding, final norm, head) once: it stays gathered from forward
         # into backward, which starts with it (torch's default for the root).
         root = sum(shard_numel(local_shape(shape, dim, t), s) for _, shape, dim in stage_root(model, layout))
-        add("FSDP2 parameter all-gather", "all_gather", fsdp_axes, m * (s - 1) * (2 * held - root) * c,
+        add("FSDP2 parameter all-gather", "all_gather", "fsdp", m * (s - 1) * (2 * held - root) * c,
             m * (2 * units - 1), True, f"{m} micro-steps x ({s}-1) x (2 x {held:,} - root {root:,}) x {c} B")
     else:
         gathers = layout.pp + 1  # per pipeline micro-batch forward, and once for the backward passes
-        add("FSDP2 parameter all-gather", "all_gather", fsdp_axes, gathers * m * (s - 1) * held * c,
+        add("FSDP2 parameter all-gather", "all_gather", "fsdp", gathers * m * (s - 1) * held * c,
             gathers * m * units, True, f"{gathers} x {m} micro-steps x ({s}-1) x {held:,} x {c} B")
     syncs = m if setting.sync_each_batch else 1
-    add("FSDP2 gradient reduce-scatter", "reduce_scatter", fsdp_axes, syncs * (s - 1) * held * FP32, syncs * units,
+    add("FSDP2 gradient reduce-scatter", "reduce_scatter", "fsdp", syncs * (s - 1) * held * FP32, syncs * units,
         True, f"{syncs} x ({s}-1) x {held:,} x 4 B")
-    add("HSDP gradient all-reduce", "all_reduce", ("dp_replicate",), 2 * (r - 1) / r * held * FP32, units, True,
+    add("HSDP gradient all-reduce", "all_reduce", "dp_replicate", 2 * (r - 1) / r * held * FP32, units, True,
         f"2 x ({r}-1)/{r} x {held:,} x 4 B")
     # With activation checkpointing each layer's forward runs again in backward, collectives included.
     forwards = 2 if setting.checkpointing else 1
@@ -113,11 +113,11 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
         attention = L if model.attention_split else 0
         reduces = (2 * attention + 2 * min(L, model.split_mlp_layers) + 1 + (attention if setting.checkpointing else 0)
                    + (1 if model.tied else 0))
-        add("TP activation all-reduce", "all_reduce", ("tp",), m * 2 * (t - 1) / t * act * reduces, m * reduces,
+        add("TP activation all-reduce", "all_reduce", "tp", m * 2 * (t - 1) / t * act * reduces, m * reduces,
             False, f"{m} x 2 x ({t}-1)/{t} x {n} tokens x {model.hidden} x {c} B x {reduces}")
         if model.qk_norm:
             norms = m * 2 * L * 2 * (t - 1) / t * model.head_dim * c
-            add("TP q/k norm gradient all-reduce", "all_reduce", ("tp",), norms, m * 2 * L, False,
+            add("TP q/k norm gradient all-reduce", "all_reduce", "tp", norms, m * 2 * L, False,
                 f"{m} x 2 norms x {L} layers x 2 x ({t}-1)/{t} x {model.head_dim} x {c} B")
         if setting.chunked_loss:
             # The vocabulary-parallel chunked loss: per chunk, the maximum (4 B per token) and the sum of
@@ -125,10 +125,10 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
             # predicts nothing.
             valid = n - setting.micro_batch if layout.seq_split == 1 else n
             chunks = math.ceil(valid / loss_chunk_rows(valid, model.vocab // t))
-            add("TP chunked-loss log-sum-exp all-reduce", "all_reduce", ("tp",), m * 2 * (t - 1) / t * valid * 12,
+            add("TP chunked-loss log-sum-exp all-reduce", "all_reduce", "tp", m * 2 * (t - 1) / t * valid * 12,
                 m * 2 * chunks, False, f"{m} x 2 x ({t}-1)/{t} x {valid} tokens x 12 B, 2 calls x {chunks} chunks")
         else:
-            add("TP logits all-gather", "all_gather", ("tp",), m * (t - 1) * n * model.vocab // t * c, m, False,
+            add("TP logits all-gather", "all_gather", "tp", m * (t - 1) * n * model.vocab // t * c, m, False,
                 f"{m} x ({t}-1) x {n} x {model.vocab // t} x {c} B")
     kw = kv_width_local(model, layout)
     vw = kw // model.head_dim * (model.v_head_dim or model.head_dim)
@@ -136,37 +136,37 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
         sp = layout.sp
         width = (model.q_width + model.o_width) // t + kw + vw
         passes = 1 + forwards  # forward (and its rerun), backward: q, k, v and the output each time
-        add("Ulysses all-to-all", "all_to_all", ("sp",), m * passes * L * (sp - 1) / sp * n * width * c,
+        add("Ulysses all-to-all", "all_to_all", "sp", m * passes * L * (sp - 1) / sp * n * width * c,
             m * 4 * passes * L, False, f"{m} x {passes} x {L} x ({sp}-1)/{sp} x {n} x {width} x {c} B")
     if layout.cp > 1:
         cp = layout.cp
         kv = n * (kw + vw)
         gathers = 1 + forwards  # forward (and its rerun), and again in backward
-        add("CP K/V all-gather (forward + backward)", "all_gather", ("cp",), m * gathers * L * (cp - 1) * kv * c,
+        add("CP K/V all-gather (forward + backward)", "all_gather", "cp", m * gathers * L * (cp - 1) * kv * c,
             m * gathers * L, False, f"{m} x {gathers} x {L} x ({cp}-1) x {n} x ({kw}+{vw}) x {c} B")
-        add("CP K/V gradient reduce-scatter", "reduce_scatter", ("cp",), m * L * (cp - 1) * kv * FP32, m * L, False,
+        add("CP K/V gradient reduce-scatter", "reduce_scatter", "cp", m * L * (cp - 1) * kv * FP32, m * L, False,
             f"{m} x {L} x ({cp}-1) x {n} x ({kw}+{vw}) x 4 B (accumulated in fp32)")
     if model.moe is not None and layout.ep > 1:
         out += expert_transfers(model, layout, setting, gpus_per_node)
     if layout.pp > 1:
         act = n * model.hidden * c
-        add("pipeline activations and their gradients", "send_recv", ("pp",), m * 2 * act, m * 2 * layout.pp, False,
+        add("pipeline activations and their gradients", "send_recv", "pp", m * 2 * act, m * 2 * layout.pp, False,
             f"{m} x 2 directions x {n} tokens x {model.hidden} x {c} B, in {layout.pp} micro-batches")
     b = layout.batch
-    add("loss token count", "all_reduce", ("dp_replicate", "dp_shard"), 2 * (b - 1) / b * 8, 1, False,
+    add("loss token count", "all_reduce", "batch", 2 * (b - 1) / b * 8, 1, False,
         f"2 x ({b}-1)/{b} x 8 B")
     return out
 
 
 def expert_transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node: int) -> list[Transfer]:
     """Expert parallelism's collectives (module docstring): the all-to-alls over ep and the experts' FSDP2 unit over
-    expert_shard (groups of the fsdp ranks, `moe.expert_groups`), HSDP over dp_replicate."""
+    expert_shard (groups of the fsdp ranks, `ndparallel.layout.EXPERT_VIEWS`), HSDP over dp_replicate."""
     assert model.moe is not None
     out: list[Transfer] = []
     fig, sparse, ep, es = figures(model, layout, setting), model.moe.sparse_layers, layout.ep, layout.expert_shard
     m, c = setting.accumulation, setting.compute_bytes
     held, _ = expert_elements(model, layout)
-    ep_ranks, shard_ranks = expert_groups(layout)
+    ep_ranks, shard_ranks = layout.group("ep"), layout.group("expert_shard")
     forwards = 2 if setting.checkpointing else 1
 
     def add(purpose: str, kind: str, axis: str, ranks: list[int], value: float, calls: int, overlap: bool, how: str):
@@ -187,7 +187,7 @@ def expert_transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_pe
         syncs * (es - 1) * held * FP32, syncs * sparse, True, f"{syncs} x ({es}-1) x {held:,} x 4 B")
     r = layout.dp_replicate
     if r > 1:
-        replicas = layout.group(("dp_replicate",))
+        replicas = layout.group("dp_replicate")
         add("HSDP expert gradient all-reduce", "all_reduce", "dp_replicate", replicas, 2 * (r - 1) / r * held * FP32,
             sparse, True, f"2 x ({r}-1)/{r} x {held:,} x 4 B")
     return out

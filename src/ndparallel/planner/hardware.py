@@ -38,11 +38,23 @@ class Hardware:
     memory_reserve_gib: float = 3.0  # free constant: what lives outside torch's allocator (CUDA context, NCCL)
     fragmentation: float = 0.0  # free constant: the caching allocator's reserve beyond the step's tensors (memory.py)
     host_bandwidth: float = 25e9  # bytes/s one GPU moves to or from host memory (activation offloading); assumption
+    # FSDP2's CPU offload (`planner.offload`): the node's host memory (0: unknown, not checked), what each training
+    # process holds there besides the offloaded tensors, and the memory traffic torch's AdamW reaches on the host
+    # per GPU (28 B per parameter, as on the GPU); assumptions, docs/planner.md.
+    host_memory_gib: float = 0.0
+    host_reserve_gib: float = 8.0
+    host_optimizer_bandwidth: float = 6e9
     description: str = ""
     aliases: tuple[str, ...] = field(default=())
 
     def peak_flops(self, mixed_precision: str) -> float:
         return self.peak_bf16_flops if mixed_precision == "bf16" else self.peak_fp32_flops
+
+    def host_budget_bytes(self, host_memory_gib: float | None, gpus_per_node: int) -> float | None:
+        """Host memory one GPU's process may offload to: the node's (`host_memory_gib`, default the profile's) split
+        evenly over its GPUs, less the process's own reserve; None where the node's memory is unknown."""
+        node = self.host_memory_gib if host_memory_gib is None else host_memory_gib
+        return (node / gpus_per_node - self.host_reserve_gib) * GiB if node else None
 
     @property
     def usable_bytes(self) -> float:

@@ -19,7 +19,7 @@ or at the first batch; the planner says it before anything runs):
   For a mixture of experts every such ep is a layout of its own (`expert_layouts`).
 
 What the planner does not model is refused too, saying so: pipeline stages of a mixture of experts, and tensor
-parallelism for the families whose plan `moe.TP_NOT_MODELLED` names.
+parallelism for the families whose plan `mixture.TP_NOT_MODELLED` names.
 """
 
 from __future__ import annotations
@@ -29,78 +29,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..config import AXES  # the mesh's order, outermost first
+from ..layout import AXES, Layout  # the axes, outermost first, and their sizes: declared there
 from .model import ModelSpec
-from .moe import EP_TYPES
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    sp: int = 1
-    tp: int = 1
-    pp: int = 1  # last, so that positional construction keeps its meaning; outermost in the mesh (AXES)
-    ep: int = 1  # experts split over ep of the fsdp ranks (no mesh axis: not in `sizes`, no factor of the world)
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.sp * self.tp
-
-    @property
-    def batch(self) -> int:
-        """Ranks that receive different samples (the ``batch`` view)."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp(self) -> int:
-        """Ranks FSDP2 shards parameters over (the ``fsdp`` view: dp_shard x cp x sp)."""
-        return self.dp_shard * self.cp * self.sp
-
-    @property
-    def seq_split(self) -> int:
-        return self.cp * self.sp
-
-    @property
-    def expert_shard(self) -> int:
-        """Ranks FSDP2 shards each expert over: what ep leaves of fsdp."""
-        return self.fsdp // self.ep
-
-    def sizes(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
-
-    def all_sizes(self) -> dict[str, int]:
-        """The mesh's sizes, and ep where it is used."""
-        return {**self.sizes(), **({"ep": self.ep} if self.ep > 1 else {})}
-
-    @property
-    def name(self) -> str:
-        """Compact name, the sizes other than 1: ``dp_shard=4,tp=2``, ``dp_shard=8,ep=4`` (``single`` for one GPU)."""
-        return ",".join(f"{a}={s}" for a, s in self.all_sizes().items() if s > 1) or "single"
-
-    def config_kwargs(self) -> dict[str, int]:
-        """``ParallelismConfig`` keyword arguments (every size, explicit)."""
-        return {f"{axis}_size": size for axis, size in {**self.sizes(), "ep": self.ep}.items()}
-
-    def config_line(self) -> str:
-        args = ", ".join(f"{axis}_size={size}" for axis, size in self.all_sizes().items() if size > 1)
-        return f"ParallelismConfig({args})"
-
-    def group(self, axes: tuple[str, ...], rank: int = 0) -> list[int]:
-        """Global ranks of the group over `axes` that contains `rank` (ranks laid out in mesh order)."""
-        sizes = self.sizes()
-        strides, stride = {}, 1
-        for axis in reversed(AXES):
-            strides[axis] = stride
-            stride *= sizes[axis]
-        base = rank
-        for axis in axes:
-            base -= ((rank // strides[axis]) % sizes[axis]) * strides[axis]
-        ranks = [base]
-        for axis in axes:
-            ranks = [r + i * strides[axis] for r in ranks for i in range(sizes[axis])]
-        return sorted(ranks)
+from .mixture import EP_TYPES
 
 
 def parse_layout(text: str, world: int | None = None) -> Layout:
@@ -284,9 +215,9 @@ def valid_layouts(world: int, c: Constraints) -> tuple[list[Layout], dict[Layout
 
 
 @functools.lru_cache(maxsize=65536)
-def cross_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    """Whether the groups over `axes` span nodes (ranks fill nodes in order; every group of a view is alike)."""
-    if math.prod(layout.sizes()[a] for a in axes) == 1:
+def cross_node(layout: Layout, view: str, gpus_per_node: int) -> bool:
+    """Whether the groups of `view` span nodes (ranks fill nodes in order; every group of a view is alike)."""
+    if layout.size(view) == 1:
         return False
-    ranks = layout.group(axes)
+    ranks = layout.group(view)
     return ranks[0] // gpus_per_node != ranks[-1] // gpus_per_node

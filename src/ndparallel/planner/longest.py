@@ -3,10 +3,13 @@
 For every layout of the world (pipeline stages left out: one micro-batch of one sequence per data-parallel rank;
 each ep of a mixture of experts apart),
 the longest sequence -- a multiple of ``QUANTUM`` tokens that the layout can split -- whose predicted peak
-(`memory.estimate`, the allocator's fragmentation included) fits the budget, found by bisection (memory grows with
+(`memory.estimate`, the allocator's fragmentation included) fits the budget, and whose host memory (offloaded layer
+inputs and states, `offload.host_bytes`) fits each GPU's share of the node's, found by bisection (memory grows with
 the length). Two settings side by side: every memory feature on (activation checkpointing with offloading, the
-chunked loss, tiled MLPs) and plain FSDP2 with activation checkpointing (the model's own loss). Memory only: at these
-lengths the step time is what the rows of ``ndparallel plan --seq-len S`` predict.
+chunked loss, tiled MLPs; and FSDP2's CPU offload of the parameters, gradients and optimizer state as
+``--offload-params`` allows it: with ``auto`` the longer of with and without, and the row says whether it needs it)
+and plain FSDP2 with activation checkpointing (the model's own loss). Memory only: at these lengths the step time is
+what the rows of ``ndparallel plan --seq-len S`` predict.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 
 from .layouts import Constraints, Layout, all_layouts, expert_layouts, reasons
 from .memory import Memory, estimate
-from .search import Request
+from .offload import host_bytes
+from .search import OPTIONS, Request
 from .setting import Setting
 
 QUANTUM = 1024
@@ -31,11 +35,13 @@ class Longest:
     layout: Layout
     tokens: dict[str, int]  # setting name -> longest sequence (0: not even QUANTUM tokens fit)
     memory: dict[str, Memory | None]  # at that length
+    offload_params: bool = False  # whether "all" keeps the states in host memory (FSDP2's cpu_offload) for it
+    without_offload: int | None = None  # "all" without that offload (None: not tried, --offload-params on)
 
 
-def _setting(name: str, seq: int, precision: str, optimizer: str) -> Setting:
+def _setting(name: str, seq: int, precision: str, optimizer: str, params: bool = False) -> Setting:
     ac, loss, tiled, offload = SETTINGS[name]
-    return Setting(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload)
+    return Setting(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload, offload_params=params)
 
 
 def _constraints(layout: Layout, seq: int, request: Request) -> Constraints:
@@ -47,29 +53,43 @@ def _accepts(layout: Layout, seq: int, request: Request) -> bool:
     return not reasons(layout, _constraints(layout, seq, request))
 
 
-def _fits(layout: Layout, seq: int, name: str, request: Request) -> Memory | None:
-    memory = estimate(request.model, layout, _setting(name, seq, request.mixed_precision, request.optimizer),
+def _fits(layout: Layout, seq: int, name: str, request: Request, params: bool = False) -> Memory | None:
+    memory = estimate(request.model, layout, _setting(name, seq, request.mixed_precision, request.optimizer, params),
                       request.hardware.fragmentation)
-    return memory if memory.peak <= request.budget_bytes else None
+    return memory if request.fits(memory) else None
 
 
-def longest_for(layout: Layout, name: str, request: Request) -> tuple[int, Memory | None]:
-    """The longest multiple of the layout's step (QUANTUM x 2 cp x sp) that fits, and its memory."""
+def longest_for(layout: Layout, name: str, request: Request, params: bool = False) -> tuple[int, Memory | None]:
+    """The longest multiple of the layout's step (QUANTUM x 2 cp x sp) that fits, and its memory; `params`: with
+    FSDP2's CPU offload."""
     step = QUANTUM * 2 * layout.cp * layout.sp
-    if not _accepts(layout, step, request) or _fits(layout, step, name, request) is None:
+
+    def fits(k: int) -> Memory | None:
+        return _fits(layout, k * step, name, request, params)
+
+    if not _accepts(layout, step, request) or fits(1) is None:
         return 0, None
     lo, hi = 1, 2
-    while hi * step <= LIMIT and _fits(layout, hi * step, name, request) is not None:
+    while hi * step <= LIMIT and fits(hi) is not None:
         lo, hi = hi, 2 * hi
     if hi * step > LIMIT:
-        return lo * step, _fits(layout, lo * step, name, request)
+        return lo * step, fits(lo)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _fits(layout, mid * step, name, request) is not None:
+        if fits(mid) is not None:
             lo = mid
         else:
             hi = mid
-    return lo * step, _fits(layout, lo * step, name, request)
+    return lo * step, fits(lo)
+
+
+def longest_all(layout: Layout, request: Request) -> tuple[int, Memory | None, bool, int | None]:
+    """(tokens, memory, whether with FSDP2's CPU offload, tokens without it) of every feature on, the offload as
+    ``--offload-params`` allows: "auto" takes it only where it makes the sequence longer."""
+    found = {params: longest_for(layout, "all", request, params) for params in OPTIONS[request.offload_params]}
+    without = found[False][0] if False in found else None
+    params = max(found, key=lambda p: (found[p][0], not p))
+    return *found[params], params, without
 
 
 def longest(request: Request) -> list[Longest]:
@@ -79,35 +99,78 @@ def longest(request: Request) -> list[Longest]:
     for layout in (x for mesh in meshes for x in expert_layouts(mesh, _constraints(mesh, QUANTUM, request))):
         if not _accepts(layout, QUANTUM * 2 * layout.cp * layout.sp, request):
             continue
-        found = {name: longest_for(layout, name, request) for name in SETTINGS}
-        out.append(Longest(layout, {n: f[0] for n, f in found.items()}, {n: f[1] for n, f in found.items()}))
+        tokens, memory, params, without = longest_all(layout, request)
+        plain = longest_for(layout, "plain", request)
+        out.append(Longest(layout, {"all": tokens, "plain": plain[0]}, {"all": memory, "plain": plain[1]}, params,
+                           without))
     out.sort(key=lambda row: (-row.tokens["all"], -row.tokens["plain"], row.layout.name))
     return out
 
 
 def longest_text(rows: list[Longest], request: Request, top: int) -> str:
     gib = 2**30
+    host = request.host_budget_bytes
     lines = [f"{request.model.name} on {request.world} x {request.hardware.name} ({request.budget_bytes / gib:.1f} GiB "
-             f"per GPU), {request.mixed_precision}, {request.optimizer}: the longest sequence per layout, one "
-             "sequence per data-parallel rank",
-             "all: activation checkpointing with offloading, chunked loss, tiled MLP; plain: FSDP2 with activation "
-             "checkpointing and the model's own loss", ""]
-    header = f"{'#':>3}  {'layout':<34} {'all: tokens':>12} {'peak GiB':>9} {'host GiB':>9} {'plain: tokens':>14} " \
-             f"{'ratio':>7}"
+             f"per GPU; host " + (f"{host / gib:.1f} GiB per GPU" if host is not None else "memory not checked")
+             + f"), {request.mixed_precision}, {request.optimizer}: the longest sequence per layout, one sequence per "
+             "data-parallel rank",
+             "all: activation checkpointing with offloading, chunked loss, tiled MLP (P: and FSDP2's CPU offload of "
+             "parameters, gradients and optimizer state); plain: FSDP2 with activation checkpointing and the model's "
+             "own loss", ""]
+    header = f"{'#':>3}  {'layout':<34} {'all: tokens':>12} {'P':>2} {'without P':>10} {'peak GiB':>9} " \
+             f"{'host GiB':>9} {'plain: tokens':>14} {'ratio':>7}"
     lines += [header, "-" * len(header)]
     for i, row in enumerate(rows[:top]):
         mem = row.memory["all"]
         peak = f"{mem.peak / gib:.1f}" if mem else "-"
-        host = f"{mem['host_offload'] / gib:.1f}" if mem else "-"
+        host_gib = f"{host_bytes(mem) / gib:.1f}" if mem else "-"
         ratio = f"{row.tokens['all'] / row.tokens['plain']:.1f}x" if row.tokens["plain"] else "-"
-        lines.append(f"{i + 1:>3}  {row.layout.name:<34} {row.tokens['all']:>12,} {peak:>9} {host:>9} "
-                     f"{row.tokens['plain']:>14,} {ratio:>7}")
+        lines.append(f"{i + 1:>3}  {row.layout.name:<34} {row.tokens['all']:>12,} {'P' if row.offload_params else '-':>2} "
+                     f"{'-' if row.without_offload is None else f'{row.without_offload:,}':>10} {peak:>9} {host_gib:>9} {row.tokens['plain']:>14,} {ratio:>7}")
     if len(rows) > top:
         lines.append(f"... {len(rows) - top} more (--top N)")
     fsdp = next((r for r in rows if r.layout == Layout(dp_shard=request.world)), None)
     best_plain = max(rows, key=lambda r: r.tokens["plain"]) if rows else None
     if rows:
-        lines += ["", f"longest with every feature: {rows[0].tokens['all']:,} tokens ({rows[0].layout.name}); without "
-                  f"them (plain FSDP2 + AC): {best_plain.tokens['plain']:,} ({best_plain.layout.name})"
+        best = rows[0]
+        lines += ["", f"longest with every feature: {best.tokens['all']:,} tokens ({best.layout.name}"
+                  + (", with FSDP2's CPU offload: FullyShardedDataParallelPlugin(cpu_offload=True)" if best.offload_params
+                     else "")
+                  + (f"; without it {best.without_offload:,}" if best.offload_params and best.without_offload
+                     is not None else "")
+                  + f"); without them (plain FSDP2 + AC): {best_plain.tokens['plain']:,} ({best_plain.layout.name})"
                   + (f"; plain FSDP2 over all {request.world} GPUs: {fsdp.tokens['plain']:,}" if fsdp else "")]
+        lines += missing_features(best, request)
     return "\n".join(lines)
+
+
+def missing_features(row: Longest, request: Request) -> list[str]:
+    """What bounds the longest row on the GPU that the library has no feature for, with the bytes at that length:
+    said, never planned with (the search uses only what the library runs)."""
+    mem, model = row.memory["all"], request.model
+    if mem is None:
+        return []
+    gib, out = 2**30, []
+    step = QUANTUM * 2 * row.layout.cp * row.layout.sp
+    longer = estimate(model, row.layout, _setting("all", row.tokens["all"] + step, request.mixed_precision,
+                                                  request.optimizer, row.offload_params),
+                      request.hardware.fragmentation)
+    if longer.peak <= request.budget_bytes and row.tokens["all"] + step <= LIMIT:
+        out.append(f"  - bounded by host memory, not the GPU's: {row.tokens['all'] + step:,} tokens would need "
+                   f"{host_bytes(longer) / gib:.1f} GiB per GPU of the host's {request.host_budget_bytes / gib:.1f} "
+                   "(pinned blocks are rounded up to powers of two by torch's host allocator)")
+    if row.layout.fsdp == 1 and mem["unsharded_params"]:
+        out.append(f"  - {mem['unsharded_params'] / gib:.1f} GiB of gathered parameters: the library does not "
+                   "reshard a one-rank shard group after forward (parallel/data_parallel.py), also under cpu_offload, "
+                   "where resharding would leave them in host memory between their forward and backward")
+    tokens = _setting("all", row.tokens["all"], request.mixed_precision, request.optimizer).tokens(row.layout)
+    c = 2 if request.mixed_precision == "bf16" else 4
+    norms = tokens * 2 * model.hidden * (4 + c)  # the rebuilt layer's RMSNorms: fp32 input copies and normalised
+    out.append(f"  - {norms / gib:.1f} GiB of the rebuilt layer's two RMSNorms beyond their inputs (an fp32 copy and "
+               "the normalised value per token): the library has no fused RMSNorm that saves only its input and "
+               "1/rms (as Liger-Kernel's)")
+    if mem["fragmentation"]:
+        out.append(f"  - {mem['fragmentation'] / gib:.1f} GiB of the caching allocator's reserve (the profile's "
+                   f"fragmentation {request.hardware.fragmentation}, tuned on torchtitan's runs): "
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may hold less; not modelled")
+    return ["", "what bounds it at that length, and what the library lacks to go further:", *out]

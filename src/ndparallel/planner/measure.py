@@ -3,7 +3,7 @@ measure next to what was predicted.
 
 Each layout runs ``ndparallel launch --nproc-per-node G --<axis>-size N ... SCRIPT ARGS`` (one node: the machines
 at hand) with ``NDPARALLEL_METRICS_FILE`` set; the script's Accelerator writes, per rank at ``end_training``, the
-step metrics of its ``accelerator.step_timer(...)`` and its peak memory (`ndparallel.metrics.write_run_metrics`).
+step metrics of its ``accelerator.step_timer(...)`` and its peak memory (`ndparallel.run_metrics`).
 Measured tokens/s per GPU is the timer's median tokens/s over the world; measured peak memory is the largest
 rank's (CUDA allocated memory on GPUs, peak RSS on CPUs). The script's own batch size and sequence length are what
 run: the planner's micro-batch and accumulation are not passed to it, mixed precision is (``--mixed-precision``).
@@ -11,19 +11,18 @@ run: the planner's micro-batch and accumulation are not passed to it, mixed prec
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from ..config import SIZE_FIELDS
+from ..run_metrics import METRICS_ENV, read_rank_files
 from .search import Row
 
-SIZE_FLAGS = {"pp": "--pp-size", "dp_replicate": "--dp-replicate-size", "dp_shard": "--dp-shard-size",
-              "cp": "--cp-size", "sp": "--sp-size", "tp": "--tp-size", "ep": "--ep-size"}
+SIZE_FLAGS = {field.removesuffix("_size"): "--" + field.replace("_", "-") for field in SIZE_FIELDS}  # --tp-size...
 
 
 def launch_command(row: Row, gpus_per_node: int, script: list[str], mixed_precision: str) -> list[str]:
@@ -36,13 +35,7 @@ def launch_command(row: Row, gpus_per_node: int, script: list[str], mixed_precis
 
 def read_metrics(prefix: str, world: int) -> dict[str, Any]:
     """Tokens/s per GPU and the largest peak memory from the ranks' files (raises when the script wrote none)."""
-    ranks = []
-    for rank in range(world):
-        path = Path(f"{prefix}.rank{rank}.json")
-        if not path.exists():
-            raise ValueError(f"rank {rank} wrote no metrics ({path}): the script must end with "
-                             "accelerator.end_training()")
-        ranks.append(json.loads(path.read_text()))
+    ranks = read_rank_files(prefix, world)
     steps = ranks[0]["step_metrics"]
     if steps is None:
         raise ValueError("the script timed no steps: wrap each training step in `with timer.step(tokens=...)` of "
@@ -60,7 +53,7 @@ def measure(rows: list[Row], gpus_per_node: int, script: list[str], mixed_precis
         for i, row in enumerate(rows, 1):
             progress(f"measuring {i}/{len(rows)}: {row.layout.name} ...")
             prefix = os.path.join(tmp, f"layout{i}")
-            env = {**os.environ, "NDPARALLEL_METRICS_FILE": prefix}
+            env = {**os.environ, METRICS_ENV: prefix}
             result: dict[str, Any] = {"layout": row.layout.name, "row": row}
             try:
                 done = subprocess.run(launch_command(row, gpus_per_node, script, mixed_precision), env=env,

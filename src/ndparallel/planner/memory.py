@@ -24,6 +24,9 @@ README's does), tensor by tensor:
   states' gradient, and saves no log-softmax.
 - **tiled MLPs** keep no MLP intermediate for backward and rebuild one tile's in it; **activation offloading** keeps
   two layers' inputs on the GPU (the others in pinned host memory: the ``host_offload`` term, not GPU memory).
+- **FSDP2's CPU offload** (``cpu_offload=True``, `offload`): the parameters, gradients and optimizer state in host
+  memory (the ``host_*`` terms), none on the GPU, which keeps the staging of the copies and what a one-rank shard
+  group keeps gathered.
 - **allocated** = states + accumulation + saved activations + root unit + max(loss working set, head gradient +
   layer buffers + one rebuilt layer); **peak** = allocated + the profile's ``fragmentation`` x (allocated - model
   states): the caching allocator's blocks reserved and not in use at the peak, so the peak is the predicted
@@ -41,11 +44,21 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from .layouts import Layout
+from ..layout import Layout
+from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
-from .moe import block_activations, expert_elements, gathered_expert_elements
-from .setting import (FP32, OPTIMIZER_STATES, Setting, kv_width_local, local_shape, loss_chunk_rows, mlp_tile_tokens,
+from .offload import host_states, pinned, staging
+from .setting import (FP32, OPTIMIZER_STATES, Setting, local_shape, loss_chunk_rows, mlp_tile_tokens,
                       shard_numel)
+
+
+def kv_width_local(model: ModelSpec, layout: Layout) -> int:
+    """Key/value width one tensor-parallel rank attends with, after Ulysses repeats K/V heads so that sp splits them
+    (`parallel.sequence.ulysses.kv_repeats`)."""
+    kv_heads = model.kv_heads // layout.tp
+    if layout.sp > 1:
+        kv_heads *= layout.sp // math.gcd(kv_heads, layout.sp)
+    return kv_heads * model.head_dim
 
 
 @dataclass(frozen=True)
@@ -228,10 +241,11 @@ def loss_buffers(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[fl
                    f"({FP32}{f' + 2x{c}' if c != FP32 else ''}) B + hidden-state gradient {n}x{h}x{c} B")
 
 
-def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: float = 0.0) -> Memory:
-    """Every memory term of one GPU for `layout` running `setting` (module docstring). `fragmentation`: the
-    allocator's reserve beyond what tensors hold, as a fraction of the step's activations and transients (the
-    hardware profile's; 0 where nothing caches, as on the CPU)."""
+def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: float = 0.0, pin: bool = True) -> Memory:
+    """Every memory term of one GPU for `layout` running `setting` (module docstring), and the host memory terms
+    (``host_*``) of its offloading. `fragmentation`: the allocator's reserve beyond what tensors hold, as a fraction
+    of the step's activations and transients (the hardware profile's; 0 where nothing caches, as on the CPU);
+    `pin`: whether host memory is pinned (on CUDA; blocks rounded up to powers of two, `offload.pinned`)."""
     mem = Memory()
     s, t, c, L = layout.fsdp, layout.tp, setting.compute_bytes, stage_layers(model, layout)
     held, per_tp, layer_elems = state_elements(model, layout)
@@ -242,19 +256,28 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: 
     total = held + e_held
     experts = (f" ({held:,} + {e_held:,} of the routed experts: E/ep with ep={layout.ep}, sharded over "
                f"{e_group})" if model.moe else "")
-    mem.add("params", total * FP32, f"{total:,} parameters (after tp={t}, fsdp={s}, padding){experts} x 4 B (fp32)")
-    mem.add("grads", total * FP32, f"{total:,} x 4 B (fp32)")
     states = OPTIMIZER_STATES[setting.optimizer]
-    mem.add("optimizer", total * FP32 * states, f"{total:,} x {states} states x 4 B ({setting.optimizer})")
+    off = setting.offload_params  # FSDP2's cpu_offload: the states live in host memory (`offload`)
+    if off:
+        groups = [(g.count, g.params) for g in stage_groups(model, layout)] + [(1, stage_root(model, layout))]
+        for name, value, how in host_states(groups, layout, setting, e_held, pin):
+            mem.add(name, value, how)
+    where = " in host memory (cpu_offload): none on the GPU" if off else ""
+    mem.add("params", 0 if off else total * FP32,
+            f"{total:,} parameters (after tp={t}, fsdp={s}, padding){experts} x 4 B (fp32){where}")
+    mem.add("grads", 0 if off else total * FP32, f"{total:,} x 4 B (fp32){where}")
+    mem.add("optimizer", 0 if off else total * FP32 * states,
+            f"{total:,} x {states} states x 4 B ({setting.optimizer}){where}")
     if setting.accumulation > 1 and not setting.sync_each_batch:
-        kept = (per_tp if s > 1 else 0) + (e_local if e_group > 1 else 0)
+        kept = (per_tp if s > 1 or off else 0) + (e_local if e_group > 1 or off else 0)
         if kept:
             mem.add("grad_accumulation", kept * FP32, f"{kept:,} unsharded gradients x 4 B kept between "
                     f"{setting.accumulation} micro-steps (FSDP2 without sync_each_batch)")
     copies = (per_tp if s == 1 else 0) + (e_local if e_group == 1 else 0)
-    if copies and c != FP32:
-        mem.add("unsharded_params", copies * c, f"{copies:,} x {c} B: bf16 copies kept through the step (one-rank "
-                "shard group: no resharding)")
+    if copies and (c != FP32 or off):
+        mem.add("unsharded_params", copies * c, f"{copies:,} x {c} B: {'bf16 ' if c != FP32 else ''}copies kept "
+                "through the step (one-rank shard group: no resharding)"
+                + (", gathered from host memory" if off else ""))
 
     layers, layers_how, layer, layer_how = layers_activations(model, layout, setting)
     outside, outside_how = outside_activations(model, layout, setting)
@@ -272,14 +295,25 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: 
         mem.add("recompute", layer + tile, f"one layer rebuilt in backward (the largest): {layer_how}"
                 + (f" + {tile_how}" if tile else ""))
         if setting.offload:
-            mem.add("host_offload", inputs, f"{L} layers' inputs in pinned host memory: {L} x {n} x {model.hidden} x "
-                    f"{c} B (not GPU memory)")
+            block = pinned(n * model.hidden * c, pin)
+            mem.add("host_offload", L * block, f"{L} layers' inputs in pinned host memory: {L} x {n} x {model.hidden} x "
+                    f"{c} B" + (f" (blocks rounded up to {block:,} B)" if block != n * model.hidden * c else "")
+                    + " (not GPU memory)")
     else:
         mem.add("activations", mem.activations_without_checkpointing,
                 f"{layers_how} + outside the layers: {outside_how}")
         if tile:
             mem.add("recompute", tile, f"a tiled MLP rebuilt in backward: {tile_how}")
 
+    if s == 1 and off:  # gathered from the host and kept; the gradients pass through FSDP2's buffers to the host
+        rs_copy = layer_elems * FP32 if c != FP32 else 0
+        mem.add("layer_buffers", 2 * layer_elems * c + rs_copy, f"2 layers' unsharded gradients: 2 x {layer_elems:,} x "
+                f"{c} B" + (f" + one layer's fp32 gradients for the reduce ({layer_elems:,} x 4 B)" if rs_copy else ""))
+        head = model.vocab // t * model.hidden
+        mem.add("head_grad", head * c, f"the head's gradient, held through backward until the root unit reduces: "
+                f"{head:,} x {c} B")
+    if off:
+        mem.add("offload_staging", *staging(layer_elems, layout))
     if s > 1:
         root = root_elements(model, layout)
         mem.add("root_unsharded", root * c, f"embedding, norm and head unsharded: {root:,} x {c} B")
@@ -298,7 +332,8 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: 
 
     base = (mem.states + mem["grad_accumulation"] + mem["unsharded_params"] + mem["activations"]
             + mem["root_unsharded"])
-    working = max(mem["loss_buffers"], mem["head_grad"] + mem["layer_buffers"] + mem["recompute"])
+    working = max(mem["loss_buffers"], mem["head_grad"] + mem["layer_buffers"] + mem["recompute"]
+                  + mem["offload_staging"])
     allocated = base + working
     mem.add("allocated", allocated, "states + accumulation + unsharded copies + activations + root unit + "
             "max(loss buffers, head gradient + layer buffers + rebuilt layer)")

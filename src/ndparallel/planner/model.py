@@ -6,7 +6,7 @@ row-wise, the LM head column-wise with its logits gathered; the input embedding 
 head). `ModelSpec.parameters` lists every weight with the dimension tensor parallelism splits, so that memory and
 bytes can be counted tensor by tensor, FSDP2's padding included.
 
-Mixtures of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss) carry their sparse part in ``moe`` (`moe.MoESpec`:
+Mixtures of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss) carry their sparse part in ``moe`` (`mixture.MoESpec`:
 the routed experts of `experts.ExpertSpec`, routers, shared experts, which layers stay dense) and the attention
 variants of their families: Qwen3's per-head q/k norms, gpt-oss's attention sinks and biases, DeepSeek-V3's
 multi-head latent attention (`MLA`: low-rank q and kv projections with their norms; queries and keys of
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import NamedTuple
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from .moe import EP_TYPES, TP_NOT_MODELLED, MoESpec, active_matmul, moe_spec
+from ..flops import training_flops
+from .mixture import EP_TYPES, TP_NOT_MODELLED, MoESpec, moe_spec
 
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 # Families whose plan is the Megatron split above (`ndparallel.parallel.tensor.families`, transformers' own plans).
-KNOWN_TYPES = ("llama", "mistral", "qwen2")  # and the mixtures of experts of `moe.EP_TYPES`
+KNOWN_TYPES = ("llama", "mistral", "qwen2")  # and the mixtures of experts of `mixture.EP_TYPES`
 BUILTIN_ALIASES = {"mistral-7b": "mistral-7b-v0.3", "llama-3-8b": "llama-3.1-8b", "llama-3-70b": "llama-3.1-70b"}
 
 
@@ -88,7 +88,7 @@ class ModelSpec:
     sinks: bool = False  # a learned logit per head (gpt-oss)
     mla: MLA | None = None
     attention_split: bool = True  # the family's tp plan splits attention (Megatron); else it stays whole per rank
-    moe: MoESpec | None = None  # the mixture-of-experts part (`moe.MoESpec`); None: every layer dense
+    moe: MoESpec | None = None  # the mixture-of-experts part (`mixture.MoESpec`); None: every layer dense
 
     @property
     def q_width(self) -> int:
@@ -228,26 +228,15 @@ class ModelSpec:
                     else:
                         split += count * math.prod(shape)
         if self.moe is not None:
-            whole += active_matmul(self)
+            whole += self.moe.active_matmul
         return split + self.hidden * self.vocab, whole
 
-    def metrics_config(self) -> SimpleNamespace:
-        """The fields `ndparallel.metrics.flops_per_token` reads, so MFU is counted as the library's step timer does."""
-        return SimpleNamespace(hidden_size=self.hidden, num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                               num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                               intermediate_size=self.intermediate, vocab_size=self.vocab,
-                               hidden_act="silu" if self.gated else "gelu")
-
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, the convention of `ndparallel.metrics` (whole S x S score matrix). A mixture
-        of experts counts the weights a token multiplies with (`matmul_parameters`: its top-k experts, not all),
-        and its own attention widths, with the same formula: 6 N_active + 6 L heads (head_dim + v_head_dim) S."""
-        if self.moe is None and self.mla is None:
-            from ..metrics import flops_per_token
-
-            return flops_per_token(self.metrics_config(), seq_len)
+        """Training FLOPs per token at `seq_len` (`ndparallel.flops.training_flops`, MFU's convention: the whole
+        S x S score matrix): the weights a token multiplies with (`matmul_parameters`; of a mixture of experts its
+        top-k experts, not all) and its own attention widths."""
         split, whole = self.matmul_parameters()
-        return 6.0 * (split + whole) + 6.0 * self.layers * (self.q_width + self.o_width) * seq_len
+        return training_flops(split + whole, self.layers, self.q_width + self.o_width, seq_len)
 
 
 # ---- reading configs -------------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ from typing import IO, Any
 
 from .comm import KINDS, by_kind, by_link
 from .hardware import GiB
-from .layouts import Layout
+from ..layout import Layout
 from .memory import Memory
 from .model import ModelSpec
-from .moe import figures
+from .expert_costs import figures
+from .offload import host_bytes
 from .search import Plan, Request, Row
 from .setting import Setting, human_bytes
 
@@ -50,7 +51,9 @@ def header(plan: Plan) -> str:
             f"tokens ({r.samples} samples) per step, {r.mixed_precision}, {r.optimizer}, budget "
             f"{r.budget_bytes / GiB:.1f} GiB per GPU\n{len(plan.rows)} layouts accepted ({len(plan.refused)} refused), "
             f"{fitting} fit; evaluated in {plan.seconds * 1e3:.0f} ms; mem: C chunked loss, T tiled MLP, O activation "
-            "offload; peak: predicted torch.cuda.max_memory_reserved")
+            "offload, P parameters, gradients and optimizer state in host memory (cpu_offload); peak: predicted "
+            "torch.cuda.max_memory_reserved; host memory per GPU "
+            + (f"{r.host_budget_bytes / GiB:.1f} GiB" if r.host_budget_bytes is not None else "not checked"))
 
 
 def table_text(plan: Plan, top: int) -> str:
@@ -92,7 +95,8 @@ def script_settings(setting: Setting) -> list[str]:
     """What the script passes for `setting`: the plugin, the memory features, the loader's batch size."""
     checkpointing = '{"every": 1, "offload": True}' if setting.offload else "True"
     script = ["FullyShardedDataParallelPlugin(fsdp_version=2" + (f", activation_checkpointing={checkpointing}"
-                                                               if setting.checkpointing else "") + ")"]
+                                                               if setting.checkpointing else "")
+              + (", cpu_offload=True" if setting.offload_params else "") + ")"]
     memory = ([] if setting.chunked_loss else ["chunked_loss=False"]) + (["tiled_mlp=True"] if setting.tiled_mlp else [])
     if memory:
         script.append(f"kwargs_handlers=[MemoryKwargs({', '.join(memory)})]")
@@ -116,7 +120,7 @@ def memory_text(layout: Layout, setting: Setting, memory: Memory, budget: float 
     """The memory columns of one layout (``ndparallel estimate-memory``)."""
     lines = [f"{layout.name}: micro-batch {setting.micro_batch} x {setting.seq_len} tokens, {setting.mixed_precision}, "
              f"activation checkpointing {'on' if setting.checkpointing else 'off'}, memory features "
-             f"{setting.features} (C chunked loss, T tiled MLP, O offload)"]
+             f"{setting.features} (C chunked loss, T tiled MLP, O activation offload, P cpu_offload)"]
     lines += [f"  {name:<26} {value / GiB:9.2f} GiB" for name, value, _ in memory_terms(memory) if name != "peak"]
     lines.append(f"  {'(activations AC off / on)':<26} {memory.activations_without_checkpointing / GiB:9.2f} / "
                  f"{memory.activations_with_checkpointing / GiB:.2f} GiB")
@@ -133,8 +137,13 @@ def explain_text(row: Row, request: Request) -> str:
              f"  micro-batch {s.micro_batch} samples x {s.accumulation} accumulation steps per data-parallel rank; "
              f"{s.tokens(row.layout):,} tokens per rank per micro-step", "", "memory per GPU"]
     lines += [f"  {name:<18} {value / GiB:9.3f} GiB   {how}" for name, value, how in memory_terms(row.memory)]
-    lines.append(f"  {'budget':<18} {row.budget / GiB:9.3f} GiB   " + ("fits" if row.fits else
+    lines.append(f"  {'budget':<18} {row.budget / GiB:9.3f} GiB   " + ("fits" if row.memory.peak <= row.budget else
                                                                        f"misses by {human_bytes(row.miss)}"))
+    host = host_bytes(row.memory)
+    if host:
+        lines.append(f"  {'host memory':<18} {host / GiB:9.3f} GiB   the host_* terms and the offloaded layer inputs, "
+                     + ("budget not known (--host-memory-gib)" if row.host_budget is None else
+                        f"of {row.host_budget / GiB:.1f} GiB per GPU: " + ("fits" if row.fits_host else "does not fit")))
     if request.model.moe is not None:  # the figures `estimate-memory --ep-size` prints (planner/experts.py)
         lines += ["", *figures(request.model, row.layout, s).lines()]
     lines += ["", "communication per GPU per step"]
@@ -165,7 +174,8 @@ def row_json(row: Row, model: ModelSpec | None = None) -> dict[str, Any]:
         "parallelism_config": row.layout.config_line(),
         "micro_batch": s.micro_batch, "gradient_accumulation_steps": s.accumulation,
         "activation_checkpointing": s.checkpointing, "chunked_loss": s.chunked_loss, "tiled_mlp": s.tiled_mlp,
-        "offload": s.offload, "fits": row.fits, "miss_bytes": row.miss,
+        "offload": s.offload, "offload_params": s.offload_params, "fits": row.fits, "miss_bytes": row.miss,
+        "host_bytes": host_bytes(row.memory), "host_budget_bytes": row.host_budget,
         "memory_bytes": {name: term.bytes for name, term in row.memory.terms.items()},
         "activations_bytes": {"checkpointing_off": row.memory.activations_without_checkpointing,
                               "checkpointing_on": row.memory.activations_with_checkpointing},

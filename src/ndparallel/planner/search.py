@@ -20,6 +20,7 @@ from .comm import Transfer, transfers
 from .hardware import GiB, Hardware
 from .layouts import Constraints, Layout, explain_no_layout, reasons, valid_layouts
 from .memory import Memory, estimate
+from .offload import host_bytes
 from .model import ModelSpec
 from .setting import Setting, human_bytes
 from .timing import Timing, step_time
@@ -46,6 +47,8 @@ class Request:
     chunked_loss: str = "auto"
     tiled_mlp: str = "auto"
     offload: str = "auto"
+    offload_params: str = "auto"  # FSDP2's cpu_offload: parameters, gradients, optimizer state in host memory
+    host_memory_gib: float | None = None  # per node; None: the profile's
     ep_size: int | None = None  # expert parallelism pinned; None: every ep that splits the experts
 
     def __post_init__(self) -> None:
@@ -57,13 +60,21 @@ class Request:
             raise ValueError(f"--global-batch-tokens {self.global_batch_tokens} is not a multiple of --seq-len "
                              f"{self.seq_len}: a step holds whole sequences (e.g. "
                              f"{max(1, self.global_batch_tokens // self.seq_len) * self.seq_len})")
-        for name in ("checkpointing", "sync_each_batch", "chunked_loss", "tiled_mlp", "offload"):
+        for name in ("checkpointing", "sync_each_batch", "chunked_loss", "tiled_mlp", "offload", "offload_params"):
             if getattr(self, name) not in CHECKPOINTING:
                 raise ValueError(f"{name} {getattr(self, name)!r}: use one of {list(CHECKPOINTING)}")
         if self.memory_gib is not None and self.memory_gib <= self.hardware.memory_reserve_gib:
             raise ValueError(f"--memory-gib {self.memory_gib} leaves nothing once the profile's reserve of "
                              f"{self.hardware.memory_reserve_gib} GiB (CUDA context, NCCL, fragmentation) is set "
                              "aside")
+        if self.host_memory_gib is not None and (isinstance(self.host_memory_gib, bool) or self.host_memory_gib < 0):
+            raise ValueError(f"--host-memory-gib must be a number >= 0 (0: not checked), got {self.host_memory_gib!r}")
+        if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
+            node = self.hardware.host_memory_gib if self.host_memory_gib is None else self.host_memory_gib
+            raise ValueError(f"host memory of {node} GiB per node leaves nothing per GPU once each of the "
+                             f"{min(self.gpus_per_node, self.world)} processes' reserve of "
+                             f"{self.hardware.host_reserve_gib} GiB is set aside: raise --host-memory-gib (0: not "
+                             "checked)")
         Setting(self.seq_len, 1, mixed_precision=self.mixed_precision, optimizer=self.optimizer)  # checks both
         ep, moe = self.ep_size, self.model.moe
         if ep is not None:
@@ -91,6 +102,16 @@ class Request:
         memory = self.hardware.memory_gib if self.memory_gib is None else self.memory_gib
         return (memory - self.hardware.memory_reserve_gib) * GiB
 
+    @property
+    def host_budget_bytes(self) -> float | None:
+        """Host memory per GPU (`Hardware.host_budget_bytes`); None: unknown, not checked."""
+        return self.hardware.host_budget_bytes(self.host_memory_gib, min(self.gpus_per_node, self.world))
+
+    def fits(self, memory: Memory) -> bool:
+        """Whether one GPU's `memory` fits its budget, and its host memory the host's share (where known)."""
+        host = self.host_budget_bytes
+        return memory.peak <= self.budget_bytes and (host is None or host_bytes(memory) <= host)
+
     def constraints(self) -> Constraints:
         return Constraints(self.model, self.seq_len, self.samples, self.gpus_per_node, self.allow_cross_node_tp,
                            self.ep_size)
@@ -104,10 +125,20 @@ class Row:
     transfers: list[Transfer]
     timing: Timing
     budget: float
+    host_budget: float | None = None  # host memory per GPU; None: not checked
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_budget is None or host_bytes(self.memory) <= self.host_budget
 
     @property
     def fits(self) -> bool:
-        return self.memory.peak <= self.budget
+        return self.memory.peak <= self.budget and self.fits_host
+
+    @property
+    def shortfall(self) -> tuple[bool, float]:
+        """How far from fitting, for ranking rows that do not: the host first, then the GPU's peak."""
+        return not self.fits_host, self.memory.peak
 
     @property
     def miss(self) -> float:
@@ -127,8 +158,13 @@ class Plan:
         return self.rows[0] if self.rows and self.rows[0].fits else None
 
     def no_fit_message(self) -> str:
-        smallest = min(self.rows, key=lambda row: row.memory.peak)
+        smallest = min(self.rows, key=lambda row: row.shortfall)
         r, s = self.request, smallest.setting
+        if smallest.memory.peak <= smallest.budget:  # the GPU's memory would do: the host's is what is short
+            return (f"no layout fits: the smallest GPU peak ({smallest.layout.name}) needs "
+                    f"{human_bytes(host_bytes(smallest.memory))} of host memory per GPU, more than the "
+                    f"{human_bytes(smallest.host_budget or 0)} each GPU's process has of the node's; raise "
+                    "--host-memory-gib or turn offloading off")
         return (f"no layout fits in {r.budget_bytes / GiB:.1f} GiB per GPU ({r.hardware.name}, "
                 f"{(r.memory_gib or r.hardware.memory_gib)} GiB less a {r.hardware.memory_reserve_gib} GiB reserve): "
                 f"the smallest peak is {human_bytes(smallest.memory.peak)} ({smallest.layout.name}, micro-batch "
@@ -141,7 +177,7 @@ def evaluate(request: Request, layout: Layout, setting: Setting) -> Row:
     memory = estimate(request.model, layout, setting, request.hardware.fragmentation)
     items = transfers(request.model, layout, setting, request.gpus_per_node)
     timing = step_time(request.model, layout, setting, items, request.hardware, request.global_batch_tokens)
-    return Row(layout, setting, memory, items, timing, request.budget_bytes)
+    return Row(layout, setting, memory, items, timing, request.budget_bytes, request.host_budget_bytes)
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -151,18 +187,20 @@ def _divisors_desc(n: int) -> list[int]:
 OPTIONS = {"auto": (False, True), "on": (True,), "off": (False,)}
 
 
-def memory_options(request: Request) -> list[tuple[bool, bool, bool, bool]]:
-    """(checkpointing, chunked loss, tiled MLP, offload) combinations the request allows; offloading only with
-    checkpointing, and "auto" for the chunked loss is on (never slower in the model, on by default in the library)."""
+def memory_options(request: Request) -> list[tuple[bool, bool, bool, bool, bool]]:
+    """(checkpointing, chunked loss, tiled MLP, activation offload, parameter offload) combinations the request
+    allows; activation offloading only with checkpointing, and "auto" for the chunked loss is on (never slower in
+    the model, on by default in the library)."""
     chunked = (True,) if request.chunked_loss == "auto" else OPTIONS[request.chunked_loss]
     out = []
-    for ac, loss, tiled, offload in itertools.product(OPTIONS[request.checkpointing], chunked,
-                                                      OPTIONS[request.tiled_mlp], OPTIONS[request.offload]):
+    for ac, loss, tiled, offload, params in itertools.product(
+            OPTIONS[request.checkpointing], chunked, OPTIONS[request.tiled_mlp], OPTIONS[request.offload],
+            OPTIONS[request.offload_params]):
         if offload and not ac:
             if request.offload == "on":
                 raise ValueError("--offload on needs activation checkpointing (--activation-checkpointing on|auto)")
             continue
-        out.append((ac, loss, tiled, offload))
+        out.append((ac, loss, tiled, offload, params))
     return out
 
 
@@ -173,19 +211,19 @@ def best_row(request: Request, layout: Layout) -> Row:
     smallest: Row | None = None
     # Reduce-scattering every micro-step only changes anything with accumulation over a sharded group.
     syncs = OPTIONS[request.sync_each_batch] if layout.fsdp > 1 and per_rank > 1 else (False,)
-    for (checkpointing, loss, tiled, offload), sync in itertools.product(memory_options(request), syncs):
+    for (checkpointing, loss, tiled, offload, params), sync in itertools.product(memory_options(request), syncs):
         for micro in _divisors_desc(per_rank):
             if micro % layout.pp:  # pipeline stages cut each micro-step into pp micro-batches
                 continue
             if sync and micro == per_rank and len(syncs) > 1:
                 continue  # no accumulation: the same as without sync_each_batch
             setting = Setting(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
-                              request.optimizer, sync, loss, tiled, offload)
+                              request.optimizer, sync, loss, tiled, offload, offload_params=params)
             row = evaluate(request, layout, setting)
             if row.fits:
                 fitting.append(row)
                 break
-            if smallest is None or row.memory.peak < smallest.memory.peak:
+            if smallest is None or row.shortfall < smallest.shortfall:
                 smallest = row
     if fitting:
         return max(fitting, key=lambda row: row.timing.tokens_per_s_per_gpu)
@@ -200,7 +238,7 @@ def plan(request: Request) -> Plan:
     if not ok:
         raise ValueError(explain_no_layout(request.world, request.constraints()))
     rows = [best_row(request, layout) for layout in ok]
-    rows.sort(key=lambda row: (not row.fits, -row.timing.tokens_per_s_per_gpu if row.fits else row.memory.peak))
+    rows.sort(key=lambda row: (not row.fits, (-row.timing.tokens_per_s_per_gpu,) if row.fits else row.shortfall))
     return Plan(request, rows, refused, time.perf_counter() - start)
 
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: model.py imports moe.py, which imports experts.py, which imports this
-    from .layouts import Layout
-    from .model import ModelSpec
+from ..layout import Layout
 
 MIXED_PRECISIONS = ("bf16", "fp32")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors the optimizer keeps per parameter
@@ -35,6 +32,9 @@ class Setting:
     tiled_mlp: bool = False  # MemoryKwargs(tiled_mlp=True)
     offload: bool = False  # activation_checkpointing={"offload": True}: checkpointed layers' inputs in host memory
     mlp_tile: int | None = None  # MemoryKwargs(mlp_tile_size=...); None: the library's default
+    # FullyShardedDataParallelPlugin(cpu_offload=True): FSDP2 keeps the sharded parameters, their gradients and the
+    # optimizer's state in host memory and steps the optimizer there (`planner.offload`)
+    offload_params: bool = False
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in MIXED_PRECISIONS:
@@ -49,9 +49,10 @@ class Setting:
 
     @property
     def features(self) -> str:
-        """The memory features on, as letters: C chunked loss, T tiled MLP, O offload ("-": none)."""
-        return "".join(k for k, on in (("C", self.chunked_loss), ("T", self.tiled_mlp), ("O", self.offload))
-                       if on) or "-"
+        """The memory features on, as letters: C chunked loss, T tiled MLP, O activation offload, P parameters,
+        gradients and optimizer state offloaded (FSDP2's cpu_offload) ("-": none)."""
+        return "".join(k for k, on in (("C", self.chunked_loss), ("T", self.tiled_mlp), ("O", self.offload),
+                                       ("P", self.offload_params)) if on) or "-"
 
     @property
     def compute_bytes(self) -> int:
@@ -87,15 +88,6 @@ def shard_numel(shape: tuple[int, ...], shards: int) -> int:
     """Elements one rank holds of a tensor FSDP2 shards over `shards` ranks: dim 0 padded to a multiple of it."""
     rest = math.prod(shape[1:])
     return math.ceil(shape[0] / shards) * rest
-
-
-def kv_width_local(model: ModelSpec, layout: Layout) -> int:
-    """Key/value width one tensor-parallel rank attends with, after Ulysses repeats K/V heads so that sp splits them
-    (`parallel.sequence.ulysses.kv_repeats`)."""
-    kv_heads = model.kv_heads // layout.tp
-    if layout.sp > 1:
-        kv_heads *= layout.sp // math.gcd(kv_heads, layout.sp)
-    return kv_heads * model.head_dim
 
 
 def human_bytes(n: float) -> str:

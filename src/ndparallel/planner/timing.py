@@ -2,10 +2,10 @@
 how much of the communication hides behind the compute.
 
 - compute = global tokens x FLOPs per token / world / (peak x compute_efficiency). FLOPs per token as the GPU
-  performs them: 6 N_matmul + 12 L d_attn K, with K the keys a query attends to on average -- S/2 under the causal
-  mask (the MFU convention of `ndparallel.metrics` counts the whole score matrix, K = S), w - w^2/2S under a
-  sliding window w < S -- plus one forward of the layers again (2 N_layers + 4 L d_attn K) with activation
-  checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
+  performs them (`ndparallel.flops`): 6 N_matmul + 6 L (q_width + v_width) K, with K the keys a query attends to on
+  average -- S/2 under the causal mask (the MFU convention counts the whole score matrix, K = S), w - w^2/2S under
+  a sliding window w < S -- plus one forward of the layers again (2 N_layers + 2 L (q_width + v_width) K) with
+  activation checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
 - mixtures of experts (`moe`): N_matmul counts the k routed experts a token goes to (not all E), the shared
   experts and the router; weights tensor parallelism leaves whole (the experts, the router) are multiplied on every
   tp rank, so a GPU performs 6 (N_split + t N_whole) per token of its tp group's. MLA attends with queries and keys
@@ -13,6 +13,9 @@ how much of the communication hides behind the compute.
   sliding and full attention (gpt-oss) average K over the layers.
 - activation offloading: each layer's input goes to host memory and back (2 x L x n x h x c bytes per micro-step)
   at the profile's host_bandwidth, on the copy engines: exposed only beyond overlap x compute.
+- FSDP2's CPU offload (`offload`): every unit's fp32 shard to the GPU at each all-gather and the gradient shards
+  back, on the same copy engines and link as activation offloading (their time added, hidden up to overlap x
+  compute); the optimizer steps on the host, 28 B per parameter at host_optimizer_bandwidth.
 - each collective: bytes / bandwidth of its link class + calls x latency.
 - data-parallel traffic (FSDP2 all-gathers and reduce-scatters, HSDP all-reduces) runs while other layers compute:
   exposed = max(0, its time - overlap x compute). Tensor-, context- and sequence-parallel collectives sit on the
@@ -28,13 +31,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..flops import forward_flops, training_flops
 from .comm import Transfer
 from .hardware import Hardware
-from .layouts import Layout
-from .memory import state_elements
-from .moe import expert_elements
+from ..layout import Layout
+from .expert_costs import expert_elements
+from .memory import stage_root, state_elements
 from .model import ModelSpec
-from .setting import FP32, OPTIMIZER_STATES, Setting
+from .offload import host_traffic
+from .setting import FP32, OPTIMIZER_STATES, Setting, local_shape, shard_numel
 
 
 @dataclass(frozen=True)
@@ -65,17 +70,17 @@ def attended_keys(model: ModelSpec, seq_len: int) -> float:
 
 
 def hardware_flops_per_token(model: ModelSpec, setting: Setting, tp: int = 1) -> float:
-    """FLOPs the GPUs perform per token of training (module docstring), per GPU of a tp group of `tp` for weights
-    tensor parallelism leaves whole (a mixture's experts and routers)."""
+    """FLOPs the GPUs perform per token of training (module docstring; `ndparallel.flops`), per GPU of a tp group of
+    `tp` for weights tensor parallelism leaves whole (a mixture's experts and routers)."""
     split, whole = model.matmul_parameters()
     head = model.hidden * model.vocab
     layer_matmul = split - head + tp * whole
-    attention = 2 * model.layers * (model.q_width + model.o_width) * attended_keys(model, setting.seq_len)  # fwd
-    flops = 6 * (layer_matmul + head) + 3 * attention
-    if setting.checkpointing:
-        flops += 2 * layer_matmul + attention
+    width, keys = model.q_width + model.o_width, attended_keys(model, setting.seq_len)
+    flops = training_flops(layer_matmul + head, model.layers, width, keys)
+    if setting.checkpointing:  # each layer's forward once more in backward
+        flops += forward_flops(layer_matmul, model.layers, width, keys)
     if setting.tiled_mlp:  # each tile's checkpoint runs the (dense) MLP's forward once more in backward
-        flops += 2 * model.dense_layers * (3 if model.gated else 2) * model.hidden * model.intermediate
+        flops += forward_flops(model.dense_layers * (3 if model.gated else 2) * model.hidden * model.intermediate)
     return flops
 
 
@@ -105,15 +110,20 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
             critical += seconds
     hidden = min(overlappable, hw.overlap * compute)
     exposed = critical + overlappable - hidden
-    offload = 0.0
-    if setting.offload:  # every layer's input to host memory and back, per micro-step, on the copy engines
-        moved = 2 * model.layers // layout.pp * setting.tokens(layout) * model.hidden * setting.compute_bytes
-        offload = setting.accumulation * moved / hw.host_bandwidth
-        exposed += max(0.0, offload - hw.overlap * compute)
     held, _, _ = state_elements(model, layout)
     held += expert_elements(model, layout)[0]
+    host = 0.0  # bytes over the host link per step, on the copy engines
+    if setting.offload:  # every layer's input to host memory and back, per micro-step
+        host += setting.accumulation * 2 * model.layers // layout.pp * setting.tokens(layout) * model.hidden \
+            * setting.compute_bytes
+    if setting.offload_params:  # FSDP2's cpu_offload: shards in for every all-gather, gradients out (`offload`)
+        root = sum(shard_numel(local_shape(shape, dim, layout.tp), layout.fsdp)
+                   for _, shape, dim in stage_root(model, layout))
+        host += sum(host_traffic(held - root, root, layout, setting)[:2])
+    offload = host / hw.host_bandwidth
+    exposed += max(0.0, offload - hw.overlap * compute)
     moved = (2 * (1 + OPTIMIZER_STATES[setting.optimizer]) + 1) * FP32
-    optimizer = held * moved / hw.hbm_bandwidth
+    optimizer = held * moved / (hw.host_optimizer_bandwidth if setting.offload_params else hw.hbm_bandwidth)
     step = compute + exposed + optimizer
     tps = global_tokens / step / world
     mfu = tps * model.flops_per_token(setting.seq_len) / peak
@@ -124,7 +134,9 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
         "exposed": f"critical {critical * 1e3:.2f} ms + data-parallel {overlappable * 1e3:.2f} ms - hidden "
                    f"min(that, {hw.overlap} x compute) = {hidden * 1e3:.2f} ms"
                    + (f"; offload {offload * 1e3:.2f} ms to and from host memory at {hw.host_bandwidth / 1e9:.0f} GB/s, "
-                      f"exposed beyond {hw.overlap} x compute" if setting.offload else ""),
-        "optimizer": f"{held:,} parameters x {moved} B / {hw.hbm_bandwidth / 1e12:.2f} TB/s",
+                      f"exposed beyond {hw.overlap} x compute" if host else ""),
+        "optimizer": f"{held:,} parameters x {moved} B / " + (
+            f"{hw.host_optimizer_bandwidth / 1e9:.0f} GB/s (on the host: cpu_offload)" if setting.offload_params
+            else f"{hw.hbm_bandwidth / 1e12:.2f} TB/s"),
     }
     return Timing(compute, comm, overlappable, critical, exposed, optimizer, step, tps, mfu, flops, how)

@@ -8,9 +8,8 @@
 - `config`: `MemoryKwargs`, the switches; `apply`: the step of `ndparallel.parallel.parallelize`.
 """
 
-from .apply import apply_memory_features
 from .config import MemoryKwargs
 from .cross_entropy import linear_cross_entropy
 from .loss_head import chunked_loss_of, chunked_loss_status
 
-__all__ = ["MemoryKwargs", "apply_memory_features", "chunked_loss_of", "chunked_loss_status", "linear_cross_entropy"]
+__all__ = ["MemoryKwargs", "chunked_loss_of", "chunked_loss_status", "linear_cross_entropy"]

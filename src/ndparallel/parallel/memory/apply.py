@@ -3,16 +3,12 @@ input as their hooks lay it out), before activation checkpointing and FSDP2."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
+from ...mesh import ParallelMesh
+from ..options import PrepareOptions
 from .loss_head import install
 from .tiled_mlp import apply_tiled_mlp
-
-if TYPE_CHECKING:  # options.py imports this package (for MemoryKwargs)
-    from ...mesh import ParallelMesh
-    from ..options import PrepareOptions
 
 
 def apply_memory_features(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
