@@ -18,7 +18,8 @@ tiled MLPs -- and **plain** -- FSDP2 with activation checkpointing and the model
     for each setting (doubling, then --bisect halvings).
 
 Each measurement runs in a fresh process (tests/harness.py, one rank), so an out-of-memory error or the allocator's
-cache of one run does not reach the next. ``--device cpu`` runs a tiny model only to check that the program runs
+cache of one run does not reach the next; this process never touches CUDA (a forked child tells it the GPU's name),
+since a parent that initialised CUDA cannot fork children that use it. ``--device cpu`` runs a tiny model only to check that the program runs
 (no memory figures there). Prints a Markdown table and writes it (long_context_gpu.md) and the raw figures
 (long_context_gpu.json) to --out.
 """
@@ -27,12 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# This process forks the ranks that measure (tests/harness.py) and must not initialise CUDA before it does; asked how
+# many GPUs there are, torch then asks NVML rather than the CUDA driver.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
 
@@ -127,14 +132,31 @@ def predicted(model: str, setting: str, seq: int, vocab: int, gpu: str) -> tuple
     return memory.peak, memory["allocated"]
 
 
-def profile_name() -> str:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+def profile_name(name: str, total_memory: int) -> str:
+    """The planner's hardware profile for a GPU of this name and memory (the H100's for one it does not know)."""
     for key, profile in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g")):
         if key in name:
-            if profile == "a100-80g" and torch.cuda.get_device_properties(0).total_memory < 60 * GiB:
+            if profile == "a100-80g" and total_memory < 60 * GiB:
                 return "a100-40g"
             return profile
     return "h100"  # an unknown GPU is compared with the H100's constants (said in the table's title)
+
+
+def _gpu_facts(device: str) -> dict:
+    """In a forked child (`gpu_facts`): whether the device is there, its name and its planner profile."""
+    if device != "cuda":
+        return {"available": True, "name": "CPU", "profile": "h100"}
+    if not torch.cuda.is_available():
+        return {"available": False, "name": "", "profile": "h100"}
+    name = torch.cuda.get_device_name()
+    return {"available": True, "name": name,
+            "profile": profile_name(name, torch.cuda.get_device_properties(0).total_memory)}
+
+
+def gpu_facts(device: str) -> dict:
+    """What `_gpu_facts` finds, asked in a child process: a parent that initialised CUDA could not fork the ranks
+    that use it ("Cannot re-initialize CUDA in forked subprocess"), so this process never touches torch.cuda."""
+    return run_ranks(_gpu_facts, 1, device, timeout=600)[0]
 
 
 def longest(model: str, setting: str, args: argparse.Namespace) -> int:
@@ -163,13 +185,13 @@ def gpu_rows(argv: list[str] | None = None) -> dict:
     p.add_argument("--timed", type=int, default=3)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a tiny model, no memory figures")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    facts = gpu_facts(args.device)  # in a child: this process forks the measuring ranks, so it never touches CUDA
+    if not facts["available"]:
         raise SystemExit("long_context_gpu: no CUDA GPU (--device cpu checks that the program runs)")
     if args.device == "cpu":
         args.models, args.seqs, args.vocab, args.max_seq, args.bisect, args.timed = ["tiny"], [256], 512, 8192, 1, 1
-    gpu = profile_name()
-    rows, lines = [], [f"### Long sequences on one {torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}"
-                       f" (planner profile {gpu})", "",
+    gpu = facts["profile"]
+    rows, lines = [], [f"### Long sequences on one {facts['name']} (planner profile {gpu})", "",
                        "| model | setting | seq | reserved GiB, measured / predicted | allocated GiB, measured / "
                        "predicted | tokens/s |", "|---|---|---|---|---|---|"]
     for model in args.models:

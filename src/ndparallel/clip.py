@@ -41,21 +41,27 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float,
     inf = math.isinf(norm_type)
     parts = []
     for (mesh, sharded), locals_ in groups.items():
-        # Half-precision gradients are summed in fp32; fp32 and fp64 keep their own precision. A rank may hold
-        # an empty shard: its part is 0 (the inf norm of an empty tensor is undefined, so it is skipped).
-        wide = [t if t.element_size() >= 4 else t.float() for t in locals_]
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in wide) else torch.float32
-        norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=dtype) if t.numel() else
-                             t.new_zeros((), dtype=dtype) for t in wide])
-        part = norms.max() if inf else (norms ** norm_type).sum()
+        # One multi-tensor norm per group (one kernel launch on a GPU, as torch's own clipping). Half-precision
+        # gradients are normed in fp32; fp32 and fp64 keep their own precision. A rank may hold an empty shard: its
+        # part is 0 (the inf norm of an empty tensor is undefined, so it is left out).
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
+        nonempty = [t for t in locals_ if t.numel()]
+        if nonempty:
+            norms = torch.stack(torch._foreach_norm(nonempty, norm_type, dtype=dtype))
+            part = norms.max() if inf else (norms ** norm_type).sum()
+        else:
+            part = torch.zeros((), dtype=dtype, device=locals_[0].device)
         for dim in sharded:
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
         parts.append(part)
     if not parts:
         parts = [torch.zeros((), device=grads[0].device if grads else "cpu")]
     device, dtype = parts[0].device, max((p.dtype for p in parts), key=lambda d: torch.finfo(d).bits)
-    stacked = torch.stack([p.to(device, dtype) for p in parts])
-    total = stacked.max() if inf else stacked.sum()
+    if len(parts) == 1:
+        total = parts[0]
+    else:
+        stacked = torch.stack([p.to(device, dtype) for p in parts])
+        total = stacked.max() if inf else stacked.sum()
     if across is not None:
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=across)
     return total if inf else total ** (1.0 / norm_type)
@@ -78,7 +84,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     counted = [p.grad for p in parameters if id(p) not in (counted_elsewhere or ())]
     norm = total_grad_norm(counted, float(norm_type), across)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    # One multi-tensor multiply per device and dtype (torch's own clipping does the same).
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(coef.to(local.device, local.dtype))
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), locals_ in by_kind.items():
+        torch._foreach_mul_(locals_, coef.to(device, dtype))
     return norm

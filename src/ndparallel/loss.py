@@ -35,7 +35,8 @@ and the gradient that results is (1/W) * sum_r sum_a f_{a,r} * grad(l_{a,r}) = (
 The prepared data loader supplies the counts: it reads one accumulation window of batches ahead, counts each
 batch's tokens, and all-reduces the window's total over ``batch`` (ranks with distinct samples; context- and
 sequence-parallel peers share samples, so summing over them would count tokens twice). The all-reduce starts when
-the window is drawn and is waited for at the first `loss_factor` (`TokenTotal`), so it overlaps the first forward.
+the window is drawn and is waited for at the first `loss_factor` (`TokenTotal`), so it overlaps the first forward;
+the factor is then computed on the device from N (the host never reads N: no host-device sync).
 When the counts are unknown (no labels in the batch, or a data loader that was not prepared), the factor falls back
 to Accelerate's 1 / gradient_accumulation_steps -- also in a short last window, as Accelerate divides -- which is
 exact when every micro-batch has the same number of tokens and the window is whole.
@@ -115,16 +116,29 @@ def count_loss_tokens(batch: Any,
 
 class TokenTotal:
     """N of a window, summed over the batch view by an all-reduce that the data loader starts when it draws the
-    window's batches and that is waited for the first time N is needed (`loss_factor`, at the first backward): the
-    round trip overlaps the forward (and on a GPU the host waits for the device there, after the forward is queued,
-    not before it)."""
+    window's batches. The factor is computed from it on its device (`factor`): the host never reads N, so a GPU's
+    queue never drains for it; waiting for the all-reduce (at the first backward) makes the device's stream wait
+    for it on NCCL, and the round trip overlaps the forward. `value` reads N on the host (a sync on a GPU)."""
 
     def __init__(self, total: torch.Tensor, work: Any) -> None:
-        self._total, self._work, self._value = total, work, None
+        self._total, self._work, self._inverse, self._value = total, work, None, None
+
+    def _wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def factor(self, numerator: int) -> torch.Tensor:
+        """``numerator / N`` as a 0-dim fp64 tensor on N's device (the loss rounds it once to its own dtype), 0 when
+        N is 0 (then every numerator is 0 too)."""
+        if self._inverse is None:
+            self._wait()
+            self._inverse = self._total.reshape(()).clamp(min=1).double().reciprocal()
+        return self._inverse * numerator
 
     def value(self) -> int:
         if self._value is None:
-            self._work.wait()
+            self._wait()
             self._value = int(self._total.item())
         return self._value
 
@@ -146,17 +160,19 @@ class BatchInfo:
 
 
 def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps: int,
-                token_weighted: bool = True) -> float:
+                token_weighted: bool = True) -> float | torch.Tensor:
     """f = n * W / N for the micro-batch `info` describes (see the module docstring), else Accelerate's
-    1 / accumulation steps."""
+    1 / accumulation steps. A 0-dim tensor on the device when N is summed over ranks (`TokenTotal.factor`: nothing
+    is read on the host), else a float."""
     if info is None:
         return 1.0 / accumulation_steps
     if not token_weighted or info.local_tokens is None or info.window_tokens is None:
         return 1.0 / accumulation_steps
-    total = info.window_tokens.value() if isinstance(info.window_tokens, TokenTotal) else info.window_tokens
-    if total == 0:
+    if isinstance(info.window_tokens, TokenTotal):
+        return info.window_tokens.factor(info.local_tokens * loss_world_size)
+    if info.window_tokens == 0:
         return 0.0
-    return info.local_tokens * loss_world_size / total
+    return info.local_tokens * loss_world_size / info.window_tokens
 
 
 class GradientState:
@@ -266,7 +282,7 @@ class GradientState:
         self.sync_gradients = bool(sync_gradients)
         self.optimizer_steps += self.sync_gradients
 
-    def loss_factor(self) -> float:
+    def loss_factor(self) -> float | torch.Tensor:
         """The factor `backward` scales the current micro-batch's loss by (`loss_factor`)."""
         return loss_factor(self.batch, self.loss_world_size, self.accumulation_steps, self.token_weighted)
 

@@ -75,12 +75,14 @@ def test_benchmark_command_on_a_tiny_model(tmp_path):
     # Library and plain PyTorch apply the same TP plan: each block's attention and MLP all-reduce their activations
     # once forward and once backward (Megatron's minimum). Plain PyTorch gathers the vocabulary-split logits once for
     # its loss; the library's chunked loss is vocabulary-parallel (parallel/memory/cross_entropy.py): no gather, and
-    # per predicted token two all-reduces of fp32 terms (the max; the sum of exponentials with the target's logit).
+    # per position two all-reduces of fp32 terms (the max; the sum of exponentials with the target's logit). Every
+    # position goes through the head, as in the unchunked logits; the ones without a label (each row's last, after
+    # the shift) are masked by `where`, not selected, which would read the labels on the host (issue 38).
     assert tp["bytes"]["plain"]["all_gather"] == pytest.approx(tp["bytes_minimum"]["all_gather"])
     assert "all_gather" not in tp["bytes"]["library"]
-    predicted = 2 * (32 - 1)  # --batch 2 rows of --seq 32 tokens, shifted labels
+    positions = 2 * 32  # --batch 2 rows of --seq 32 tokens
     assert tp["bytes"]["plain"]["all_reduce"] == pytest.approx(tp["bytes_minimum"]["all_reduce"])
-    assert tp["bytes"]["library"]["all_reduce"] == tp["bytes"]["plain"]["all_reduce"] + 3 * 4 * predicted
+    assert tp["bytes"]["library"]["all_reduce"] == tp["bytes"]["plain"]["all_reduce"] + 3 * 4 * positions
     assert tp["calls"]["library"]["all_reduce"] == tp["calls"]["plain"]["all_reduce"] + 2 == 4 * 2 + 1 + 2  # + the loss's two
 
 
@@ -206,3 +208,44 @@ def test_pipeline_benchmark_counts_what_the_stages_send_and_trains_as_plain_pipe
         assert r["sent_plain"] == r["sent"]
         assert r["bubble_formula"] == pytest.approx(1 / 3) and r["ratio"] > 0
         assert r["layers"] == [[0], [1]]
+
+
+# ---- GPU scripts fork their ranks from a parent that never initialised CUDA ---------------------------------------
+CUDA_ENTRY_POINTS = ("_lazy_init", "init", "is_available", "device_count", "get_device_name", "get_device_properties",
+                     "get_device_capability", "current_device", "set_device", "synchronize", "memory_allocated",
+                     "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats", "mem_get_info")
+NVML_SAFE = ("is_available", "device_count")  # driver-free when PYTORCH_NVML_BASED_CUDA_CHECK=1
+
+
+def _forbid_cuda_in_this_process(monkeypatch) -> None:
+    """Every torch.cuda call that initialises CUDA, or asks the CUDA driver about devices (after which a forked child
+    cannot use CUDA: "Cannot re-initialize CUDA in forked subprocess"), raises in this process; forked children call
+    the real ones. Asking NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1) how many GPUs there are is allowed."""
+    import os
+
+    parent = os.getpid()
+    for name in CUDA_ENTRY_POINTS:
+        original = getattr(torch.cuda, name)
+
+        def guarded(*args, _name=name, _original=original, **kwargs):
+            nvml = _name in NVML_SAFE and os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
+            if os.getpid() == parent and not nvml:
+                raise AssertionError(f"torch.cuda.{_name}() called in the parent process before it forks its ranks")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, name, guarded)
+
+
+@pytest.mark.slow
+def test_long_context_gpu_benchmark_forks_its_ranks_from_a_parent_without_cuda(tmp_path, monkeypatch):
+    """benchmarks/long_context_gpu.py (scripts/gpu_check.sh runs it) forks a rank per measurement: its parent asked
+    torch.cuda for the GPU's name first and every rank then failed on a GPU ("Cannot re-initialize CUDA in forked
+    subprocess", issue 38). Here its whole parent path runs with torch.cuda forbidden in the parent (the program on
+    a tiny model, `--device cpu`: the same parent path as on a GPU)."""
+    import long_context_gpu
+
+    _forbid_cuda_in_this_process(monkeypatch)
+    result = long_context_gpu.gpu_rows(["--device", "cpu", "--out", str(tmp_path)])
+    assert [(r["model"], r["setting"]) for r in result["rows"]] == [("tiny", "all"), ("tiny", "plain")]
+    assert all(r["measured"] is not None for r in result["rows"]) and result["longest"]["tiny"]["all"] > 0
+    assert "on one CPU" in (tmp_path / "long_context_gpu.md").read_text()

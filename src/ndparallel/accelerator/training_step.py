@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
@@ -72,7 +73,7 @@ class TrainingStepMixin:
                 "`with accelerator.accumulate(model):`, so gradients synchronise and optimizer.step() updates on every "
                 "micro-batch (as in Accelerate); wrap each micro-step in accelerator.accumulate(model) to accumulate",
                 stacklevel=2)
-        loss = loss * self.gradient_state.loss_factor()
+        loss = loss * _factor_like(loss, self.gradient_state.loss_factor())
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         with self.loss_parallel(), failures.explained("backward", self.state.runtime.timeout):
@@ -209,3 +210,15 @@ class TrainingStepMixin:
         parameters = self._settled(parameters)
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+
+def _factor_like(loss: torch.Tensor, factor: float | torch.Tensor) -> float | torch.Tensor:
+    """The loss factor as `loss` can be multiplied by it: a float as it is; a 0-dim tensor (computed on the device,
+    `ndparallel.loss.TokenTotal`) in the loss's dtype, and replicated over the loss's mesh when the loss is a
+    DTensor (tensor parallelism's loss_parallel)."""
+    if not isinstance(factor, torch.Tensor):
+        return factor
+    factor = factor.to(loss.device, loss.dtype)
+    if isinstance(loss, DTensor):
+        return DTensor.from_local(factor, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return factor

@@ -121,12 +121,11 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
                 f"{m} x 2 norms x {L} layers x 2 x ({t}-1)/{t} x {model.head_dim} x {c} B")
         if setting.chunked_loss:
             # The vocabulary-parallel chunked loss: per chunk, the maximum (4 B per token) and the sum of
-            # exponentials with the label's logit (8 B) all-reduced over tp; the last position of each sequence
-            # predicts nothing.
-            valid = n - setting.micro_batch if layout.seq_split == 1 else n
-            chunks = math.ceil(valid / loss_chunk_rows(valid, model.vocab // t))
-            add("TP chunked-loss log-sum-exp all-reduce", "all_reduce", "tp", m * 2 * (t - 1) / t * valid * 12,
-                m * 2 * chunks, False, f"{m} x 2 x ({t}-1)/{t} x {valid} tokens x 12 B, 2 calls x {chunks} chunks")
+            # exponentials with the label's logit (8 B) all-reduced over tp, for every position (those that predict
+            # nothing are masked, not left out: the unchunked logits' rows, and no host sync to select them).
+            chunks = math.ceil(n / loss_chunk_rows(n, model.vocab // t))
+            add("TP chunked-loss log-sum-exp all-reduce", "all_reduce", "tp", m * 2 * (t - 1) / t * n * 12,
+                m * 2 * chunks, False, f"{m} x 2 x ({t}-1)/{t} x {n} tokens x 12 B, 2 calls x {chunks} chunks")
         else:
             add("TP logits all-gather", "all_gather", "tp", m * (t - 1) * n * model.vocab // t * c, m, False,
                 f"{m} x ({t}-1) x {n} x {model.vocab // t} x {c} B")

@@ -222,10 +222,11 @@ def loss_buffers(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[fl
     Hugging Face's loss: the logits in the compute dtype, their fp32 copy, the log-softmax (saved), then in backward
     its gradient and the logits' (8 B per logit beyond the saved 4), plus under tp the local logits before they are
     gathered. The chunked loss (`ndparallel.parallel.memory.cross_entropy`): one chunk's logits (fp32: built and turned
-    into their gradient in place, 4 B; bf16: the logits, their fp32 copy and the gradient, 2c + 4 B), the head's
-    gradient summed over chunks in fp32 (4 x its rows x h, plus its compute-dtype copy and, in bf16, one chunk's
-    product before it is added) and the hidden states' gradient (c x n x h), computed in forward and held until
-    backward takes them."""
+    into their gradient in place, 4 B; bf16: their fp32 copy and the gradient, c + 4 B -- the compute-dtype logits
+    are let go once copied), the head's gradient in fp32 (4 x its rows x h, plus, in bf16, a chunk's product in the
+    compute dtype before it is added or converted) and the hidden states' gradient (c x n x h), computed in forward
+    and held until backward takes them. As few chunks as keep each chunk's fp32 logits within 128 MiB: one
+    (the whole loss at once) when all of them fit."""
     n, c, t, h, v = setting.tokens(layout) // layout.pp, setting.compute_bytes, layout.tp, model.hidden, model.vocab
     if not setting.chunked_loss:
         gathered = n * v // t * c if t > 1 else 0
@@ -234,11 +235,11 @@ def loss_buffers(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[fl
                                                       if gathered else ""))
     v_local = v // t
     rows = loss_chunk_rows(n, v_local)
-    per_logit = FP32 if c == FP32 else 2 * c + FP32
-    head = v_local * h * (FP32 + (2 * c if c != FP32 else 0))  # fp32 sum; in bf16 its copy and one chunk's product
+    per_logit = FP32 if c == FP32 else c + FP32
+    head = v_local * h * (FP32 + (c if c != FP32 else 0))  # fp32 result; in bf16 also a chunk's product
     value = rows * v_local * per_logit + head + n * h * c
     return value, (f"chunk {rows} tokens x {v_local} logits x {per_logit} B + head gradient {v_local}x{h}x"
-                   f"({FP32}{f' + 2x{c}' if c != FP32 else ''}) B + hidden-state gradient {n}x{h}x{c} B")
+                   f"({FP32}{f' + {c}' if c != FP32 else ''}) B + hidden-state gradient {n}x{h}x{c} B")
 
 
 def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: float = 0.0, pin: bool = True) -> Memory:

@@ -6,15 +6,12 @@ import math
 from dataclasses import dataclass
 
 from ..layout import Layout
+from ..parallel.memory.cross_entropy import chunk_rows as loss_chunk_rows  # the library's own, not a copy
+from ..parallel.memory.tiled_mlp import default_tile
 
 MIXED_PRECISIONS = ("bf16", "fp32")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors the optimizer keeps per parameter
 FP32 = 4
-# The library's defaults for the chunked loss and tiled MLPs (`ndparallel.parallel.memory`: cross_entropy.chunk_rows,
-# tiled_mlp.MIN_TILE), restated here so the planner imports no torch; tests/planner/test_planner_memory.py checks that
-# they agree.
-LOSS_MIN_CHUNKS, LOSS_CHUNK_BYTES, LOSS_MIN_ROWS = 16, 256 * 2**20, 64
-MLP_MIN_TILE = 1024
 
 
 @dataclass(frozen=True)
@@ -64,16 +61,10 @@ class Setting:
         return self.micro_batch * self.seq_len // layout.seq_split
 
 
-def loss_chunk_rows(tokens: int, vocab_local: int) -> int:
-    """Rows per chunk of the chunked loss by default (`ndparallel.parallel.memory.cross_entropy.chunk_rows`)."""
-    by_bytes = max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab_local)))
-    return min(tokens, max(LOSS_MIN_ROWS, min(math.ceil(tokens / LOSS_MIN_CHUNKS), by_bytes)))
-
-
 def mlp_tile_tokens(hidden: int, tokens: int, tile: int | None = None) -> int:
-    """Tokens per tile of a tiled MLP (`ndparallel.parallel.memory.tiled_mlp`: `tile`, by default the hidden size
-    and at least 1024), at most the sequence: the sequence cut into ceil(tokens / tile) equal tiles."""
-    tile = tile or max(MLP_MIN_TILE, hidden)
+    """Tokens per tile of a tiled MLP (`ndparallel.parallel.memory.tiled_mlp`: `tile`, by default the library's
+    `default_tile`), at most the sequence: the sequence cut into ceil(tokens / tile) equal tiles."""
+    tile = tile or default_tile(hidden)
     return math.ceil(tokens / math.ceil(tokens / tile))
 
 

@@ -11,6 +11,7 @@ loss), with the status and call count of the chunked loss checked on every rank.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ndparallel import MemoryKwargs
 from ndparallel.parallel.memory import chunked_loss_status
-from ndparallel.parallel.memory.cross_entropy import chunk_rows, linear_cross_entropy
+from ndparallel.parallel.memory.cross_entropy import CHUNK_BYTES, chunk_rows, linear_cross_entropy
 from ndparallel.parallel.memory.head_source import Ineligible, head_transforms
 from ndparallel.parallel.memory.loss_head import chunked_loss_of, install
 from test_parity import max_param_diff, reference, run_layout
@@ -184,7 +185,14 @@ def test_no_tensor_of_tokens_by_vocabulary_is_built():
     with _LargestTensor() as whole:
         F.cross_entropy(F.linear(hidden, weight).float(), labels).backward()
     assert whole.largest == 512 * 1000 and chunked.largest == 16 * 1000, (chunked.largest, whole.largest)
-    assert chunk_rows(32768, 128256) == 523 and chunk_rows(4096, 32000) == 256 and chunk_rows(100, 10) == 64
+    # By default as few chunks as the memory needs: one while all the fp32 logits fit in CHUNK_BYTES, else the
+    # fewest equal chunks that each fit (one fewer would not).
+    assert chunk_rows(100, 10) == 100 and chunk_rows(1024, 32000) == 1024  # 4 KiB, 125 MiB: one chunk
+    for tokens, vocab in ((4096, 32000), (32768, 128256), (10**6, 256000)):
+        rows = chunk_rows(tokens, vocab)
+        chunks = math.ceil(tokens / rows)
+        assert chunks > 1 and rows * vocab * 4 <= CHUNK_BYTES < math.ceil(tokens / (chunks - 1)) * vocab * 4
+    assert chunk_rows(4096, 32000) == 1024 and chunk_rows(32768, 128256) == 261  # 4 and 126 chunks
 
 
 # ---- layouts (forked gloo ranks), against the single-process reference -------------------------------------------

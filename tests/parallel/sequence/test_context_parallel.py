@@ -288,6 +288,17 @@ def _refusals() -> dict[str, tuple[str, str]]:
         batch.update(shift_labels=labels, position_ids=torch.arange(16).repeat(2, 1))
         _forward_sharded(acc, llama(), batch)
 
+    def mismatched_counts_later():  # after a first training forward whose counts agree: checked on the device
+        model = llama()
+        batches = iter(acc.prepare(torch.utils.data.DataLoader(
+            [{"input_ids": torch.arange(16), "labels": torch.arange(16)}] * 4, batch_size=2)))
+        for mask in (0, 6):
+            batch = next(batches)
+            labels = F.pad(batch.pop("labels")[:, 1:], (0, 1), value=-100)
+            labels[:, :mask] = -100
+            batch.update(shift_labels=labels, position_ids=torch.arange(16).repeat(2, 1))
+            _forward_sharded(acc, model, batch)
+
     def recompute_outside():
         ac = _cp_accelerator(activation_checkpointing=True)
         model, batch = ac.prepare(build_model("llama")), _batch()
@@ -312,6 +323,7 @@ def _refusals() -> dict[str, tuple[str, str]]:
         "nested": nested,
         "custom-attention-bypassed": bypassed,
         "shift_labels-differ-from-loader-count": mismatched_counts,
+        "shift_labels-differ-from-loader-count-later": mismatched_counts_later,
         "backward-recompute-outside": recompute_outside,  # last: leaves that model's backward half done
     }
     return outcomes(cases)
@@ -340,6 +352,8 @@ REFUSALS = {
     "custom-attention-bypassed": ("RuntimeError", r"none of its attention went through ndparallel's"),
     "shift_labels-differ-from-loader-count": ("ValueError", r"shift_labels hold (6|12) loss tokens, but the "
                                                             r"prepared data loader counted (14|16) for this shard"),
+    "shift_labels-differ-from-loader-count-later": ("RuntimeError", r"shift_labels hold another number of loss tokens, "
+                                                                    r"but the prepared data loader counted (14|16)"),
     "backward-recompute-outside": ("RuntimeError", r"activation checkpointing recomputes attention during backward"),
 }
 

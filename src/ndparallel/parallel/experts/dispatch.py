@@ -60,7 +60,9 @@ def expert_parallel_forward(module: nn.Module, shard: ExpertShard, hidden_states
     tokens, k = top_k_index.shape
     experts = top_k_index.reshape(-1)
     order = torch.argsort(experts, stable=True)  # 1. pairs by expert, hence by destination rank
-    counts = torch.bincount(experts, minlength=shard.experts).view(shard.ranks, shard.local)
+    # Pairs per expert, counted without reading the ids on the host (bincount would, to size its output).
+    counts = experts.new_zeros(shard.experts).scatter_add_(0, experts, torch.ones_like(experts)).view(
+        shard.ranks, shard.local)
     received = exchange_counts(counts, shard.group)  # 2. [q, j]: rows from rank q for local expert j
     sent_table, received_table = torch.stack([counts, received]).tolist()
     send, receive = [sum(row) for row in sent_table], [sum(row) for row in received_table]

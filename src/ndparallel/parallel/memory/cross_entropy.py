@@ -2,13 +2,20 @@
 
 ``linear_cross_entropy(hidden, weight, bias, labels, ...)`` computes what ``ForCausalLMLoss(hidden @ weight.T + bias,
 ...)`` -- transformers' causal-LM loss -- computes, with the same meaning of ``labels`` / ``shift_labels``,
-``num_items_in_batch`` and ``ignore_index``, without the ``tokens x vocabulary`` logits: the tokens whose label counts
-are gathered, then taken ``chunk`` rows at a time through the head, an fp32 log-sum-exp and the loss. The gradient is
-computed in the same pass (as Liger's fused linear cross-entropy does): for each chunk, softmax minus one-hot, scaled
-by 1 / denominator, then the two matrix multiplies that backward would run -- the gradient of the hidden states and
-the chunk's share of the head's gradient, summed over chunks in fp32. Backward then only scales them by the incoming
-gradient. So the head costs the three matrix multiplies the unchunked loss costs, and what lives at once is one
-chunk's logits (compute dtype), their fp32 copy and their gradient, plus the head's gradient and the hidden states'.
+``num_items_in_batch`` and ``ignore_index``, without the ``tokens x vocabulary`` logits: the tokens are taken
+``chunk`` rows at a time through the head, an fp32 log-sum-exp and the loss. The gradient is computed in the same
+pass (as Liger's fused linear cross-entropy does): for each chunk, softmax minus one-hot, scaled by 1 / denominator,
+then the two matrix multiplies that backward would run -- the gradient of the hidden states and the chunk's share of
+the head's gradient (summed over chunks in fp32). Backward then only scales them by the incoming gradient. So the
+head costs the three matrix multiplies the unchunked loss costs, on every row as the unchunked logits are, and what
+lives at once is one chunk's logits in fp32 and their gradient, plus the head's gradient and the hidden states'.
+
+How many chunks (`chunk_rows`): as many as the memory needs, no more -- the fewest equal chunks whose fp32 logits fit
+in `CHUNK_BYTES` (128 MiB), so one chunk, one matrix multiply, wherever all the logits fit (1,024 tokens of a
+32,000-token vocabulary: 1 chunk; 4,096: 4; 32,768 of 128,256: 126). Nothing is read on the host (on a GPU the host would wait
+for the device's queue to drain): the chunks come from shapes, the tokens whose label does not count
+(``ignore_index``) get a scale of 0 by ``where``, and a label's column is found by index arithmetic; a counted label
+outside the vocabulary stops the step as the unchunked loss does, by an assertion on the device.
 
 The arithmetic follows the unchunked loss: the logits in the compute dtype (autocast's when it is on), then the
 family's transform of them in that dtype (`Transform`: Gemma's soft-capping, a scale), then fp32; loss_i = lse_i -
@@ -36,10 +43,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 IGNORE_INDEX = -100
-# Auto chunk size: at least MIN_CHUNKS chunks, at most CHUNK_BYTES of fp32 logits per chunk, never under MIN_ROWS rows.
-MIN_CHUNKS = 16
-CHUNK_BYTES = 256 * 2**20
-MIN_ROWS = 64
+# Auto chunk size: as few equal chunks as keep each chunk's fp32 logits within CHUNK_BYTES (one where they all fit).
+CHUNK_BYTES = 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -68,12 +73,13 @@ def softcap(cap: float) -> tuple[Transform, ...]:
 
 
 def chunk_rows(tokens: int, vocab_local: int, requested: int | None = None) -> int:
-    """Rows per chunk: `requested`, else at least `MIN_CHUNKS` chunks of at most `CHUNK_BYTES` fp32 logits, and not
-    fewer than `MIN_ROWS` rows."""
+    """Rows per chunk: `requested`, else as few equal chunks as keep each chunk's fp32 logits within `CHUNK_BYTES` --
+    one chunk (one matrix multiply, as the unchunked loss) when all the logits fit."""
     if requested is not None:
         return max(1, int(requested))
-    by_bytes = max(1, CHUNK_BYTES // (4 * max(1, vocab_local)))
-    return max(MIN_ROWS, min(math.ceil(tokens / MIN_CHUNKS), by_bytes))
+    fit = max(1, CHUNK_BYTES // (4 * max(1, vocab_local)))  # the most rows whose fp32 logits fit
+    chunks = max(1, math.ceil(tokens / fit))
+    return max(1, math.ceil(tokens / chunks))  # the rows spread evenly over those chunks
 
 
 def aligned_labels(labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
@@ -147,7 +153,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype = _compute_dtype(hidden, weight)
         with torch.autocast(hidden.device.type, enabled=False):
             loss, grads = _forward_and_gradients(hidden, weight, bias, labels, ignore_index, denominator, transforms,
-                                                 chunk, group, vocab_start, dtype, ctx.needs_input_grad[:3])
+                                                 chunk, group, vocab_start, vocab, dtype, ctx.needs_input_grad[:3])
         # Saved as tensors of the graph: autograd frees them once this node has run, unless the graph is retained
         # (a zero-bubble pipeline schedule runs the backward twice, for the inputs' then the weights' gradients).
         # Marked, so that measurements of saved activations can tell them apart (the planner counts them as the
@@ -160,62 +166,87 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        out = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        # A 0-dim factor keeps each gradient's dtype (the product is computed in fp32 and rounded once).
+        out = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
         return (*out, None, None, None, None, None, None, None, None)
 
 
 def _forward_and_gradients(hidden, weight, bias, labels, ignore_index, denominator, transforms, chunk, group,
-                           vocab_start, dtype, needs):
+                           vocab_start, vocab, dtype, needs):
+    # Nothing here reads a tensor's value on the host (a GPU would stall until its queue drained): the chunks come
+    # from shapes, every row goes through the head (as the unchunked loss's logits hold every row), and the rows
+    # whose label does not count get a scale of 0 in the loss and the gradient.
     shape = hidden.shape
     h = hidden.reshape(-1, shape[-1])
     y = labels.reshape(-1).to(h.device)
     valid = y != ignore_index
-    count = int(valid.sum())
-    # Only the counted tokens go through the head: all of them as row ranges (no copy), else gathered.
-    rows = None if count == y.numel() else valid.nonzero().squeeze(1)
+    # A counted label outside the vocabulary fails as the unchunked loss fails (on a GPU: asynchronously, no sync).
+    low_high = torch.where(valid, y, 0).aminmax()
+    torch._assert_async((low_high.min >= 0) & (low_high.max < vocab),
+                        f"chunked loss: a label is outside the vocabulary [0, {vocab}) (and not ignore_index "
+                        f"{ignore_index})")
     if denominator is None:
-        denominator = torch.tensor(float(count), device=h.device)  # the mean over counted tokens (0: NaN)
-    scale = 1.0 / torch.as_tensor(denominator, dtype=torch.float32, device=h.device)
+        denominator = valid.sum()  # the mean over counted tokens (0: NaN, as the unchunked loss)
+    denominator = torch.as_tensor(denominator, device=h.device).to(torch.float32)
+    # Each row's share of the gradient: 1 / denominator where its label counts, else 0 (also with no counted token).
+    row_scale = torch.where(valid, denominator.reciprocal(), 0.0)
     w = weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None
-    vocab_local = w.shape[0]
+    vocab_local, rows = w.shape[0], y.numel()
     need_h, need_w, need_b = needs
-    grad_h = torch.zeros(h.shape, dtype=dtype, device=h.device) if need_h else None
-    # The head's gradient sums over chunks: in fp32 (in place when the head computes in fp32).
-    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_w else None
-    grad_b = torch.zeros(vocab_local, dtype=torch.float32, device=h.device) if need_b and b is not None else None
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
-    step = chunk_rows(count, vocab_local, chunk)
-    for start in range(0, count, step):
-        end = min(start + step, count)
-        idx = rows[start:end] if rows is not None else None
-        h_c = (h[start:end] if idx is None else h.index_select(0, idx)).to(dtype)
-        target = (y[start:end] if idx is None else y.index_select(0, idx)) - vocab_start
-        loss_c, grad_x = _chunk(h_c, w, b, target, transforms, group, scale, vocab_local)
-        total += loss_c
-        if grad_h is not None:
-            if idx is None:
-                torch.mm(grad_x, w, out=grad_h[start:end])
+    step = chunk_rows(rows, vocab_local, chunk)
+    single = step >= rows
+    # One chunk: the hidden states' gradient is its product; more: each chunk's product written into its rows.
+    grad_h = None if single or not need_h else torch.empty(h.shape, dtype=dtype, device=h.device)
+    target = y if vocab_start == 0 else y - vocab_start
+    total = grad_w = grad_b = None
+    for start in range(0, rows, step):
+        end = min(start + step, rows)
+        def part(t: torch.Tensor) -> torch.Tensor:
+            return t if single else t[start:end]
+
+        h_c = part(h).to(dtype)
+        loss_c, grad_x = _chunk(h_c, w, b, part(target), part(valid), part(row_scale), transforms, group,
+                                vocab_local)
+        total = loss_c if total is None else total + loss_c
+        if need_h:
+            if single:
+                grad_h = grad_x @ w
             else:
-                grad_h.index_copy_(0, idx, grad_x @ w)
-        if grad_w is not None:
-            if grad_x.dtype == torch.float32:
+                torch.mm(grad_x, w, out=grad_h[start:end])
+        if need_w:
+            # Summed over chunks in fp32 (in place when the head computes in fp32); one chunk's is its product.
+            if grad_w is None:
+                grad_w = grad_x.t() @ h_c
+                if not single:
+                    grad_w = grad_w.float()
+            elif grad_x.dtype == torch.float32:
                 grad_w.addmm_(grad_x.t(), h_c)
             else:
                 grad_w += grad_x.t() @ h_c
-        if grad_b is not None:
-            grad_b += grad_x.sum(0, dtype=torch.float32)
+        if need_b and b is not None:
+            summed = grad_x.sum(0, dtype=torch.float32)
+            grad_b = summed if grad_b is None else grad_b + summed
         del grad_x, h_c  # before the next chunk's logits: one chunk at a time
-    loss = total / torch.as_tensor(denominator, device=h.device)  # as the unchunked loss divides
+    if total is None:  # no rows at all
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.zeros(h.shape, dtype=dtype, device=h.device) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=dtype, device=h.device) if need_w else None
+        grad_b = torch.zeros(vocab_local, dtype=torch.float32, device=h.device) if need_b and b is not None else None
+    loss = total / denominator  # as the unchunked loss divides
     grads = (grad_h.reshape(shape).to(hidden.dtype) if grad_h is not None else None,
              grad_w.to(weight.dtype) if grad_w is not None else None,
              grad_b.to(bias.dtype) if grad_b is not None else None)
     return loss, grads
 
 
-def _chunk(h_c, w, b, target, transforms, group, scale, vocab_local):
-    """One chunk: (the sum of its token losses, the gradient of its logits (compute dtype) scaled by `scale`)."""
+def _chunk(h_c, w, b, target, valid, row_scale, transforms, group, vocab_local):
+    """One chunk: (the sum of its counted tokens' losses, the gradient of its logits (compute dtype), each row's
+    scaled by `row_scale`, 0 where the label does not count). `target`: the labels less this rank's first vocabulary
+    row. Index arithmetic, no selection: the label's column is `target` clamped into this rank's rows, and under a
+    split vocabulary (`group`) a row whose label another rank holds takes nothing from it (`owned`)."""
     x = F.linear(h_c, w, b)
+    dtype = x.dtype
     if transforms:
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
@@ -225,27 +256,28 @@ def _chunk(h_c, w, b, target, transforms, group, scale, vocab_local):
             zf = z.float()
     else:
         zf = x.float()  # x itself in fp32
-    owned = (target >= 0) & (target < vocab_local)
-    local_target = torch.where(owned, target, torch.zeros_like(target))
+        x = None  # the compute-dtype logits are not needed again: one copy of them at a time
+    column = target.clamp(0, vocab_local - 1).unsqueeze(1)
+    owned = None if group is None else target == column.squeeze(1)
     with torch.no_grad():
         m = zf.amax(dim=1)
         if group is not None:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z_t = zf.gather(1, local_target.unsqueeze(1)).squeeze(1) * owned
+        z_t = zf.gather(1, column).squeeze(1)
         # The softmax is built in place where nothing else needs the logits (no transform to differentiate).
         p = zf.detach().clone() if transforms else zf
         p.sub_(m.unsqueeze(1)).exp_()
-        sums = torch.stack([p.sum(dim=1), z_t])
-        if group is not None:
+        s = p.sum(dim=1)
+        if group is not None:  # the sum of exponentials and the label's logit, over the ranks' vocabulary rows
+            sums = torch.stack([s, z_t * owned])
             dist.all_reduce(sums, group=group)
-        s, z_t = sums[0], sums[1]
-        loss = (m + torch.log(s) - z_t).sum()
-        p.div_(s.unsqueeze(1))  # softmax
-        hit = owned.nonzero().squeeze(1)
-        p[hit, local_target[hit]] -= 1.0
-        p.mul_(scale)
+            s, z_t = sums[0], sums[1]
+        loss = torch.where(valid, m + torch.log(s) - z_t, 0.0).sum()
+        # (softmax - one-hot of the label) x the row's scale: the softmax scaled in place, then -scale at the label.
+        p.mul_((row_scale / s).unsqueeze(1))
+        p.scatter_add_(1, column, (row_scale.neg() if owned is None else row_scale.neg() * owned).unsqueeze(1))
     if transforms:
         grad_x, = torch.autograd.grad(zf, x, grad_outputs=p)
     else:
-        grad_x = p.to(x.dtype) if p.dtype != x.dtype else p
+        grad_x = p.to(dtype) if p.dtype != dtype else p
     return loss, grad_x

@@ -1,4 +1,4 @@
-"""The chunked loss installed on a Hugging Face causal LM: its training forward never holds the whole logits.
+"""The chunked loss installed on a Hugging Face causal LM: its training forward holds at most one chunk of logits.
 
 Three hooks, nothing in the model's code changes:
 

@@ -121,12 +121,17 @@ class TiledMLP:
         return tile(whole, index)
 
 
+def default_tile(hidden: int | None) -> int:
+    """Tokens per tile when none is asked for: the hidden size, at least `MIN_TILE`."""
+    return max(MIN_TILE, int(hidden or 0))
+
+
 def apply_tiled_mlp(model: nn.Module, tile: int | None, block_names: list[str] | None = None) -> list[TiledMLP]:
     """Tile the dense MLP of every transformer block of `model` (tiles of `tile` tokens; None: the hidden size, at
     least `MIN_TILE`). Raises ValueError when there is none."""
     inner = adapter_free(model)
     hidden = getattr(getattr(inner, "config", None), "hidden_size", None)
-    tile = tile or max(MIN_TILE, int(hidden or 0))
+    tile = tile or default_tile(hidden)
     tiled: list[TiledMLP] = []
     skipped: dict[str, int] = {}
     for block in blocks_of(model, block_classes(inner, block_names)):

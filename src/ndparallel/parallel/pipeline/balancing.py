@@ -130,7 +130,7 @@ class BalancingTerm:
 
     # ---- the term ---------------------------------------------------------------------------------------------
     def value(self, records: dict[int, list[torch.Tensor]], microbatches: int, mask: torch.Tensor | None,
-              group: dist.ProcessGroup | None = None, factor: float | None = None) -> torch.Tensor:
+              group: dist.ProcessGroup | None = None, factor: float | torch.Tensor | None = None) -> torch.Tensor:
         """G over this rank's tokens (gathered over `group`'s ranks too); with `factor` (this rank's loss factor),
         also prepares the gradient the training schedule adds to each router call."""
         per_layer = [torch.cat(records[id(r)][-microbatches:]) for r in self.routers]  # (tokens, E) each
@@ -149,11 +149,12 @@ class BalancingTerm:
             total = self.function(tuple(leaf[:, i] for i in range(leaf.shape[1])), self.num_experts, self.top_k,
                                   mask)
         if factor is not None:
-            factors = torch.tensor([factor], dtype=torch.float64, device=rows.device)
+            # The factor may be a tensor on the device (`ndparallel.loss.TokenTotal`): summed there, never read.
+            factors = torch.as_tensor(factor).to(rows.device, torch.float64).reshape(1)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(factors, group=group)
             (grad,) = torch.autograd.grad(total, leaf)
-            grad = grad[start:start + tokens, offset:offset + count] * (self.coef * factors.item())
+            grad = grad[start:start + tokens, offset:offset + count] * (self.coef * factors).to(grad.dtype)
             self._extra = {id(r): list(grad[:, i].chunk(microbatches)) for i, r in enumerate(self.routers)}
         return total.detach()
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from ...config import PP_SCHEDULES, PipelineParallelConfig
-from ...loss import count_loss_tokens
+from ...loss import IGNORE_INDEX, count_loss_tokens, loss_labels
 from ..adapted import adapter_free
 from ..gathered import release_gathered
 from ..interface import PreparedModel
@@ -161,7 +161,7 @@ class PipelineModel(nn.Module, PreparedModel):
                              "(or shift_labels)")
         if items is not None and not decoder:
             raise ValueError("pipeline stages: num_items_in_batch is for models with a token loss of their own")
-        items = float(items) if items is not None else None
+        items = float(items) if items is not None and not torch.is_tensor(items) else items
         if train:
             return self._train(input_ids, inputs, target, shifted=shift_labels is not None, items=items)
         return self._evaluate(input_ids, inputs, target, shifted=shift_labels is not None, items=items)
@@ -179,20 +179,25 @@ class PipelineModel(nn.Module, PreparedModel):
         return checked.pop("input_ids"), checked.pop("labels", None), checked
 
     def _train(self, input_ids: torch.Tensor, inputs: dict, target: torch.Tensor, shifted: bool,
-               items: float | None = None) -> Any:
+               items: float | torch.Tensor | None = None) -> Any:
         sums: list[torch.Tensor] = []
         chunked = chunked_loss_of(self.module) if self.plan.kind == "decoder" else None
         if chunked is not None:  # the last stage returns each micro-batch's summed token loss (`DecoderStage`)
             inputs = {**inputs, _LOSS_LABELS: target if shifted else aligned_labels(target, None)}
         if self.plan.kind == "decoder":
+            # The rank's loss tokens, counted on the device (nothing read on the host); a micro-batch without any
+            # sums to 0 whatever it is scaled by.
             tokens = items if items is not None else \
-                count_loss_tokens({"shift_labels" if shifted else "labels": target})
-            scale = self.loss_factor() / tokens if tokens else 0.0
+                (loss_labels({"shift_labels" if shifted else "labels": target}) != IGNORE_INDEX).sum()
+            if torch.is_tensor(tokens):
+                scale = self.loss_factor() / tokens.clamp(min=1)
+            else:
+                scale = self.loss_factor() / tokens if tokens else 0.0
 
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                 total = logits if chunked is not None else self._token_loss_sum(logits, labels, shifted)
                 sums.append(total.detach())
-                return total * scale
+                return total * (scale.to(total.dtype) if torch.is_tensor(scale) else scale)
         else:
             user_loss, scale = self._user_loss(), self.loss_factor() / self.microbatches
 

@@ -15,12 +15,14 @@ rank's parameters under their own names.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from ..adapted import adapter_free
 from ..memory import chunked_loss_of
+from ..sequence.packed import install as install_packed_check, known_positions
 from .split import StageLayers, StagePlan
 
 
@@ -62,12 +64,16 @@ class DecoderStage(nn.Module):
         self._no_split_modules = getattr(model, "_no_split_modules", None)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.chunked = chunked_loss_of(model) if last else None  # the head and loss over chunks of tokens
+        install_packed_check()
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, loss_labels: torch.Tensor | None = None) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        hidden = self.model(**inputs, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state
+        # Without position_ids the model numbers each row 0..n-1 itself: transformers need not read them to find
+        # packed documents (`sequence.packed`).
+        with known_positions() if position_ids is None else nullcontext():
+            hidden = self.model(**inputs, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False).last_hidden_state
         out = hidden
         if self.last and loss_labels is not None and self.chunked is not None:
             # Training with the chunked loss (`memory.loss_head`): the micro-batch's summed token loss, no logits;

@@ -2,7 +2,7 @@
 
 Each local query chunk ``[start, end)`` attends to the keys it may see: under a causal mask the keys before the
 chunk in full and the chunk itself causally; otherwise the whole sequence. The partial results are merged by
-log-sum-exp (`kernels.merge`). K/V are gathered again in backward rather than kept, so a layer saves only this
+log-sum-exp (`kernels.accumulate`). K/V are gathered again in backward rather than kept, so a layer saves only this
 rank's shard; the full K/V exist transiently, once per layer and pass.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .communication import gather_pair, reduce_scatter_pair
-from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish
+from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish, fused_gradients
 from .layout import SequenceLayout
 from .masking import DocumentMask, plan_block
 
@@ -43,7 +43,8 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
                 group: dist.ProcessGroup, causal: bool, scale: float, doc: DocumentMask | None) -> torch.Tensor:
         full_k, full_v = gather_pair(key, value, layout, group)
-        n, outs, lses = layout.chunk_len, [], []
+        n, lses = layout.chunk_len, []
+        result = query.new_empty((*query.shape[:3], value.shape[-1]))  # each chunk written here once merged
         for j, blocks in enumerate(_key_blocks(layout, causal, doc, query.device)):
             state = None
             qj = query[:, :, j * n:(j + 1) * n]
@@ -52,11 +53,13 @@ class _AllGatherAttention(torch.autograd.Function):
                 for rows, qs, ks, diagonal, mask in pieces:
                     o, l = block_forward(qj[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], scale, diagonal, mask)
                     state = accumulate(state, rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
+                    del o, l
             # a chunk whose queries see no key at all (padding only): output 0, lse -inf
             out, lse = finish(state, (*qj.shape[:3], value.shape[-1]), query)
-            outs.append(out)
+            result[:, :, j * n:(j + 1) * n].copy_(out)
             lses.append(lse)
-        result, lse_all = torch.cat([o.to(query.dtype) for o in outs], dim=2), torch.cat(lses, dim=2)
+            del state, out
+        lse_all = torch.cat(lses, dim=2)
         # The output is kept as returned (the inputs' dtype, as SDPA keeps its own); the lse in fp32.
         ctx.save_for_backward(query, key, value, result, lse_all)
         ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
@@ -66,11 +69,17 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):
         query, key, value, out, lse = ctx.saved_tensors
         layout: SequenceLayout = ctx.layout
-        n, acc = layout.chunk_len, acc_dtype(query)
+        n = layout.chunk_len
         full_k, full_v = gather_pair(key, value, layout, ctx.group)
-        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
-        dk = torch.zeros(full_k.shape, dtype=acc, device=query.device)
-        dv = torch.zeros(full_v.shape, dtype=acc, device=query.device)
+        # A query chunk gets at most two blocks' gradients (the keys before it, and its diagonal); so do the keys on
+        # one rank. Such sums of the fused kernels' gradients run in the inputs' dtype -- computed in fp32, rounded
+        # once, as an fp32 accumulator would round them -- in buffers of the gradients' own size; the keys' sums over
+        # several ranks' chunks, and the math kernel's fp32 gradients, in fp32.
+        fused, acc = fused_gradients(query, value, ctx.doc), acc_dtype(query)
+        dq = torch.zeros(query.shape, dtype=query.dtype if fused else acc, device=query.device)
+        kv_dtype = query.dtype if fused and layout.size == 1 else acc
+        dk = torch.zeros(full_k.shape, dtype=kv_dtype, device=query.device)
+        dv = torch.zeros(full_v.shape, dtype=kv_dtype, device=query.device)
         for j, blocks in enumerate(_key_blocks(layout, ctx.causal, ctx.doc, query.device)):
             chunk = slice(j * n, (j + 1) * n)
             for s, e, pieces in blocks:
@@ -82,6 +91,7 @@ class _AllGatherAttention(torch.autograd.Function):
                     dq[:, :, chunk][rows, :, qs] += g[0]
                     dk[:, :, s:e][rows, :, ks] += g[1]
                     dv[:, :, s:e][rows, :, ks] += g[2]
+                    del g  # before the next block's: one block's gradients at a time
         dk, dv = reduce_scatter_pair(dk, dv, layout, ctx.group)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None, None
 

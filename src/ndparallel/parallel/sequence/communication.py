@@ -41,7 +41,9 @@ def reduce_scatter_sequence(x: torch.Tensor, layout: SequenceLayout, group: dist
 def gather_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
                 group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """`gather_sequence` of two tensors (K and V) with one collective when their shapes allow: one rendezvous per
-    layer instead of two, the same bytes."""
+    layer instead of two, the same bytes. On one rank: the tensors themselves (nothing to gather or copy)."""
+    if layout.size == 1:
+        return a, b
     if a.shape != b.shape or a.dtype != b.dtype:
         return gather_sequence(a, layout, group), gather_sequence(b, layout, group)
     return gather_sequence(torch.cat([a, b], dim=1), layout, group).chunk(2, dim=1)
@@ -49,7 +51,10 @@ def gather_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
 
 def reduce_scatter_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
                         group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reduce_scatter_sequence` of two tensors (the K and V gradients), with one collective when shapes allow."""
+    """`reduce_scatter_sequence` of two tensors (the K and V gradients), with one collective when shapes allow. On one
+    rank: the tensors themselves."""
+    if layout.size == 1:
+        return a, b
     if a.shape != b.shape or a.dtype != b.dtype:
         return reduce_scatter_sequence(a, layout, group), reduce_scatter_sequence(b, layout, group)
     return reduce_scatter_sequence(torch.cat([a, b], dim=1), layout, group).chunk(2, dim=1)

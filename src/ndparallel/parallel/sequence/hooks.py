@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...loss import count_loss_tokens
+from ...loss import IGNORE_INDEX, count_loss_tokens
 from ..adapted import adapter_free
+from . import packed
 from .masking import DocumentMask, attention_work, check_document_lengths, document_ids
 from .sharding import ShardedSequence, active, context_parallel_attention
 
@@ -162,6 +163,7 @@ def prepare_model(model: nn.Module, sizes: str) -> None:
         for cfg in configs.values():
             _ORIGINAL[id(cfg)] = (weakref.ref(cfg), getattr(cfg, "_attn_implementation", None) or impl)
         _register()
+        packed.install()  # transformers' packed-sequence detection skipped while sharded (nothing read for it)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(
@@ -184,6 +186,7 @@ class _InputCheck:
         self.accepts = set(inspect.signature(adapter_free(hf_model).forward).parameters) if hf_model is not None \
             else set()
         self.sizes = sizes  # e.g. "cp_size=2 x sp_size=2", for messages
+        self.counted_on_host = False  # whether a training forward's loss tokens were checked on the host yet
 
     @torch.compiler.disable
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -204,14 +207,14 @@ class _InputCheck:
             raise TypeError("under context parallelism, call the model with keyword arguments (input_ids=..., ...)")
         if args:
             kwargs = {"input_ids": args[0], **kwargs}
-        return (), _check_hf_inputs(kwargs, state, self.config, self.accepts)
+        return (), _check_hf_inputs(kwargs, state, self.config, self.accepts, self)
 
 
 def _full(state: ShardedSequence, t: torch.Tensor) -> torch.Tensor | None:
     return state.full.get(id(t))
 
 
-def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts: set[str]) -> dict:
+def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts: set[str], checks: Any) -> dict:
     """Refuse inputs CP would silently get wrong; describe the batch's padding and packed documents for attention;
     give the model global position_ids. Checks use the full-sequence copies of sharded buffers, so every rank of
     ``cp`` decides alike."""
@@ -256,20 +259,40 @@ def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts:
         kwargs["position_ids"] = layout.positions(device).unsqueeze(0)
     _check_config(config, total)
     shift = kwargs.get("shift_labels")
-    got = count_loss_tokens(kwargs) if isinstance(shift, torch.Tensor) else None
-    if got == 0 and kwargs.get("num_items_in_batch") is None:
+    expected = state.expected_tokens if torch.is_grad_enabled() else None
+    if isinstance(shift, torch.Tensor) and expected is not None:
+        # The data loader counted this shard's loss tokens on the host batch: nothing is read here (a GPU would
+        # stall for it), except on a prepared model's first training forward, whose count is checked on the host so
+        # a mismatch gets a clear error; later ones are checked on the device (`_check_count`).
+        got = count_loss_tokens(kwargs) if not checks.counted_on_host else None
+        checks.counted_on_host = True
+        _check_count(kwargs, got, expected)
+    else:
+        got = count_loss_tokens(kwargs) if isinstance(shift, torch.Tensor) else None
+    if (expected if expected is not None else got) == 0 and kwargs.get("num_items_in_batch") is None:
         # A shard without loss tokens (say, all prompt): a mean over zero tokens is NaN and would poison every
         # gradient. Summed over no tokens the loss is 0; backward still runs, and `backward` weights it by 0.
         kwargs["num_items_in_batch"] = 1
-    if state.expected_tokens is not None and got is not None and torch.is_grad_enabled():
-        if got != state.expected_tokens:
-            raise ValueError(
-                f"context parallelism: this rank's shift_labels hold {got} loss tokens, but the prepared data loader "
-                f"counted {state.expected_tokens} for this shard (from the batch's shift_labels, or its labels shifted "
-                "by one), so the loss would be weighted wrongly; build shift_labels in the data loader's collate_fn, "
-                "or exactly as labels[:, 1:] padded with -100"
-            )
     return kwargs
+
+
+COUNT_MISMATCH = ("context parallelism: this rank's shift_labels hold {got} loss tokens, but the prepared data loader "
+                  "counted {expected} for this shard (from the batch's shift_labels, or its labels shifted by one), so "
+                  "the loss would be weighted wrongly; build shift_labels in the data loader's collate_fn, or exactly "
+                  "as labels[:, 1:] padded with -100")
+
+
+def _check_count(kwargs: dict, got: int | None, expected: int) -> None:
+    """Raise when the shard's ``shift_labels`` hold another number of loss tokens than the data loader counted: with
+    `got` (read on the host) a ValueError; without, an assertion on the device, which stops the step without the
+    host waiting for the device (on a GPU: a device-side assertion with this message)."""
+    if got is not None:
+        if got != expected:
+            raise ValueError(COUNT_MISMATCH.format(got=got, expected=expected))
+        return
+    labels = kwargs["shift_labels"]
+    counted = (labels != IGNORE_INDEX).sum()
+    torch._assert_async(counted == expected, COUNT_MISMATCH.format(got="another number of", expected=expected))
 
 
 IMBALANCE_WARNING = 1.3  # the busiest cp rank's attention work over the mean, above which the first batch warns

@@ -310,12 +310,20 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return _KERNELS[backend][1](dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(acc), scale, causal)
 
 
-class Accumulated:
-    """A chunk's running (output, lse) over the key blocks merged so far (`accumulate`), in the accumulator dtype.
+def fused_gradients(q: torch.Tensor, v: torch.Tensor, doc: Any = None) -> bool:
+    """Whether `block_backward` returns every block's gradients in the inputs' dtype -- a fused kernel, each block's
+    sums rounded once -- for queries like `q`, values like `v` and the document mask `doc`: no mask to apply, values
+    of the queries' head size, a fused kernel for the device. (The math kernel's gradients come in fp32.)"""
+    return (doc is None or doc.trivial) and v.shape[-1] == q.shape[-1] and _backend(q) != "math"
 
-    Blocks covering the whole chunk merge out of place (`merge`); pieces covering some rows and queries (padded and
-    packed rows) merge in place into buffers of its own -- never into a kernel's output, which selective activation
-    checkpointing may have kept for recomputation."""
+
+class Accumulated:
+    """A chunk's running (output, lse) over the key blocks merged so far (`accumulate`).
+
+    The first block covering the whole chunk is kept as its kernel returned it (nothing copied); a second merges into
+    an fp32 copy of it (the accumulator dtype), in place, as do later ones. Pieces covering some rows and queries
+    (padded and packed rows) merge into buffers of its own. Never into a kernel's output, which selective activation
+    checkpointing may have kept for recomputation (`owned`: the buffers are this state's)."""
 
     __slots__ = ("out", "lse", "owned")
 
@@ -326,16 +334,17 @@ class Accumulated:
 def accumulate(state: Accumulated | None, rows: slice, queries: slice, block_out: torch.Tensor,
                block_lse: torch.Tensor, shape: tuple[int, ...]) -> Accumulated:
     """Merge a block covering `rows` x `queries` of a chunk whose output has `shape` ([B, H, n, D])."""
+    acc = acc_dtype(block_out)
     if rows == slice(None) and queries == slice(0, shape[2]):
-        out, lse = merge(None if state is None else state.out, None if state is None else state.lse, block_out,
-                         block_lse)
-        return Accumulated(out, lse, owned=out is not block_out)
+        if state is None:
+            return Accumulated(block_out, block_lse.to(acc), owned=False)
+        out = state.out if state.owned else state.out.to(acc, copy=True)
+        return Accumulated(out, merge_into(out, state.lse, block_out, block_lse), owned=True)
     if state is None:  # queries no block reached yet: output 0, lse -inf (merge's identity)
-        acc = acc_dtype(block_out)
         state = Accumulated(block_out.new_zeros(shape, dtype=acc),
                             block_out.new_full(shape[:3], float("-inf"), dtype=acc), owned=True)
     elif not state.owned:
-        state = Accumulated(state.out.clone(), state.lse.clone(), owned=True)
+        state = Accumulated(state.out.to(acc, copy=True), state.lse.clone(), owned=True)
     region_out, region_lse = merge(state.out[rows, :, queries], state.lse[rows, :, queries], block_out, block_lse)
     state.out[rows, :, queries], state.lse[rows, :, queries] = region_out, region_lse
     return state
@@ -350,9 +359,20 @@ def finish(state: Accumulated | None, shape: tuple[int, ...], like: torch.Tensor
     return state.out, state.lse
 
 
+def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+               block_lse: torch.Tensor) -> torch.Tensor:
+    """Merge one more key block into a running (output, lse): `out` (accumulator dtype) rescaled and added to in
+    place, no temporary of its size; returns the new lse."""
+    new = torch.logaddexp(lse, block_lse.to(lse.dtype))  # -inf only for a query that has seen no key yet (padding)
+    safe = _finite(new)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.addcmul_(block_out, torch.exp(block_lse.to(lse.dtype) - safe).unsqueeze(-1))
+    return new
+
+
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine a running (output, lse) with one more key block's; both in the accumulator dtype."""
+    """Combine a running (output, lse) with one more key block's, out of place; both in the accumulator dtype."""
     acc = acc_dtype(block_out)
     block_out, block_lse = block_out.to(acc), block_lse.to(acc)
     if out is None or lse is None:

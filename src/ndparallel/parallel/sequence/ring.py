@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .communication import Ring
-from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish
+from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish, fused_gradients
 from .layout import SequenceLayout
 from .masking import DocumentMask, plan_block
 
@@ -66,9 +66,17 @@ class _RingAttention(torch.autograd.Function):
                     out[j] = accumulate(out[j], rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
             if pending is not None:
                 block, owner = Ring.finish(pending), (owner - 1) % layout.size
-        # A chunk whose queries saw no key at all (padding only) gets output 0, lse -inf.
-        out, lse = zip(*(finish(o, (*query.shape[:2], n, value.shape[-1]), query) for o in out))
-        result, lse_all = torch.cat([o.to(query.dtype) for o in out], dim=2), torch.cat(lse, dim=2)
+        # A chunk whose queries saw no key at all (padding only) gets output 0, lse -inf. Each chunk is written
+        # into the one output buffer (rounded to the inputs' dtype there) and let go.
+        result = query.new_empty((*query.shape[:3], value.shape[-1]))
+        lses = []
+        for j in range(chunks):
+            o, lse = finish(out[j], (*query.shape[:2], n, value.shape[-1]), query)
+            out[j] = None
+            _chunk(result, j, n).copy_(o)
+            lses.append(lse)
+            del o
+        lse_all = torch.cat(lses, dim=2)
         # The output is kept as returned (the inputs' dtype, as SDPA keeps its own); the lse in fp32.
         ctx.save_for_backward(query, key, value, result, lse_all)
         ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
@@ -78,8 +86,13 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):
         query, key, value, out, lse = ctx.saved_tensors
         layout: SequenceLayout = ctx.layout
-        n, acc = layout.chunk_len, acc_dtype(query)
+        n = layout.chunk_len
         ring = Ring(ctx.group, layout.size, layout.rank) if layout.size > 1 else None
+        # On one rank no element gets more than two blocks' gradients (a causal chunk pair: the diagonal block and
+        # the one before it), so the fused kernels' gradients add up in the inputs' dtype -- their sum computed in
+        # fp32 and rounded once, as an fp32 accumulator would round it -- in buffers of the gradients' own size.
+        # Otherwise (blocks of many ranks, the math kernel's fp32 gradients) the sums run in fp32.
+        acc = query.dtype if layout.size == 1 and fused_gradients(query, value, ctx.doc) else acc_dtype(query)
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
         block, owner = [key.contiguous(), value.contiguous()], layout.rank
         grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in block]
@@ -94,6 +107,7 @@ class _RingAttention(torch.autograd.Function):
                     _chunk(dq, j, n)[rows, :, qs] += g[0]
                     _chunk(dk, i, n)[rows, :, ks] += g[1]
                     _chunk(dv, i, n)[rows, :, ks] += g[2]
+                    del g  # before the next block's: one block's gradients at a time
             # The accumulators follow their block: after `size` hops they are back with the block's owner (on a
             # one-rank group, where they never left).
             if ring is not None:
