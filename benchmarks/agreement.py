@@ -13,8 +13,9 @@ slowest rank.
   `monitored_barrier` carrying it; next to the check as it was before (the same digest, one all-gather of the
   backend, ``check_agreement(..., group=WORLD)``, after a monitored barrier at prepare), a bare monitored barrier,
   gloo's own barrier, and one request to the store;
-- ``reduce`` and ``gather`` through the Accelerator (inside `ndparallel.agreement.watched`) and the same through
-  `ndparallel.gather_reduce` directly, and the local cost of ``watched`` alone (over 10,000 entries);
+- ``reduce`` and ``gather`` through the Accelerator (inside `ndparallel.distributed.agreement.watched`) and the same
+through
+  `ndparallel.distributed.gather_reduce` directly, and the local cost of ``watched`` alone (over 10,000 entries);
 - then ``prepare(model, optimizer, data loader, scheduler)`` of fresh objects, `--prepare-repeats` times with the
   checks and as often with ``check_agreement`` replaced by a no-op, alternating: both medians, the paired
   differences (prepare() itself varies by +-10 ms here, more than the check costs), and the check's own time inside.
@@ -50,14 +51,9 @@ def _rank(repeats: int, prepare_repeats: int) -> dict[str, list[float]]:
     from nd_parallel import build_dataset, build_model
     from torch.utils.data import DataLoader
 
-    from ndparallel import (
-        Accelerator,
-        FullyShardedDataParallelPlugin,
-        ParallelismConfig,
-        agreement,
-        set_seed,
-    )
-    from ndparallel import gather_reduce as operations
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, set_seed
+    from ndparallel.distributed import agreement
+    from ndparallel.distributed import gather_reduce as operations
 
     accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
                               fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))

@@ -172,7 +172,7 @@ def training_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.
     """Plain and library runs alternate `rounds` times (a fresh model each): step times on a GPU whose host CPU is
     the bottleneck (activation checkpointing's Python hooks, seen on an H100 host) vary by +-15% from run to run, so
     one run of each can differ by that much with no cause in the code. Tokens/s: seq / the median pooled step."""
-    from ndparallel.metrics import flops_per_token
+    from ndparallel.training.metrics import flops_per_token
 
     per_token = flops_per_token(llama_1b(layers, hidden, seq).config, seq)
     rows = []
@@ -203,7 +203,7 @@ def fp8_rows(layers: int, hidden: int, seq: int, steps: int, device: torch.devic
     model, data and optimizer)."""
     import importlib.util
 
-    from ndparallel.metrics import flops_per_token
+    from ndparallel.training.metrics import flops_per_token
 
     if importlib.util.find_spec("torchao") is None:
         print("fp8: skipped (torchao is not installed)", flush=True)

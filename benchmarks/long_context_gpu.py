@@ -123,11 +123,11 @@ def run(model: str, setting: str, seq: int, args: argparse.Namespace, timed: int
 
 def predicted(model: str, setting: str, seq: int, vocab: int, gpu: str) -> tuple[float, float]:
     """(predicted peak, allocated) bytes of one step on one GPU (the planner's `estimate`)."""
-    from ndparallel.planner import Layout, Setting, get_hardware, spec_from_config
+    from ndparallel.planner import Layout, Recipe, get_hardware, spec_from_config
     from ndparallel.planner.memory import estimate
 
     spec = spec_from_config(config(model, seq, vocab).to_dict(), model)
-    memory = estimate(spec, Layout(), Setting(seq, 1, 1, "bf16", True, **FEATURES[setting]),
+    memory = estimate(spec, Layout(), Recipe(seq, 1, 1, "bf16", True, **FEATURES[setting]),
                       get_hardware(gpu).fragmentation)
     return memory.peak, memory["allocated"]
 

@@ -29,8 +29,8 @@ import ndparallel  # noqa: E402, F401
 import workloads  # noqa: E402
 from comm_count import CollectiveCounter, model_state_bytes  # noqa: E402
 from harness import run_ranks  # noqa: E402
-from ndparallel.config import ParallelismConfig  # noqa: E402
-from ndparallel.planner import Layout, Setting, spec_from_config  # noqa: E402
+from ndparallel.configuration.parallelism import ParallelismConfig  # noqa: E402
+from ndparallel.planner import Layout, Recipe, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import by_kind, transfers  # noqa: E402
 from ndparallel.planner.memory import estimate  # noqa: E402
 
@@ -156,9 +156,9 @@ def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int,
     spec = spec_from_config(workloads.llama_config(args).to_dict(), "tiny")
     w = workloads.LAYOUTS[name]
     layout = Layout(dp_replicate=w.dp_replicate, dp_shard=w.dp_shard, cp=w.cp, sp=w.sp, tp=w.tp)
-    setting = Setting(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing,
+    recipe = Recipe(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing,
                       chunked_loss=features[0], tiled_mlp=features[1], offload=features[2], mlp_tile=getattr(args, "tile", None))
-    return estimate(spec, layout, setting), transfers(spec, layout, setting, gpus_per_node=8)
+    return estimate(spec, layout, recipe), transfers(spec, layout, recipe, gpus_per_node=8)
 
 
 def predicted_step_peak(memory) -> float:

@@ -28,7 +28,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402, F401
 
 import workloads  # noqa: E402
 from harness import run_ranks  # noqa: E402
-from ndparallel.planner import Layout, Setting, spec_from_config  # noqa: E402
+from ndparallel.planner import Layout, Recipe, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import transfers  # noqa: E402
 from ndparallel.planner.memory import estimate  # noqa: E402
 from planner_check import TABLE_HEADER, measure, table_row  # noqa: E402
@@ -73,8 +73,8 @@ def predict(args: SimpleNamespace, case: tuple):
     _, w, ep, precision, accumulation, checkpointing = case
     spec = spec_from_config(moe_config(args).to_dict(), "tiny-moe")
     layout = Layout(dp_replicate=w.dp_replicate, dp_shard=w.dp_shard, cp=w.cp, sp=w.sp, tp=w.tp, ep=ep)
-    setting = Setting(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing)
-    return estimate(spec, layout, setting), transfers(spec, layout, setting, gpus_per_node=8)
+    recipe = Recipe(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing)
+    return estimate(spec, layout, recipe), transfers(spec, layout, recipe, gpus_per_node=8)
 
 
 def run_case(args: SimpleNamespace, case: tuple) -> list[dict]:

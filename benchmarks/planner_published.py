@@ -26,7 +26,7 @@ import argparse
 import dataclasses
 import statistics
 
-from ndparallel.planner import Layout, ModelSpec, Request, Setting, evaluate, get_hardware, load_model
+from ndparallel.planner import Layout, ModelSpec, Request, Recipe, evaluate, get_hardware, load_model
 from ndparallel.planner.memory import Memory, estimate, layer_activations, stage_layers
 
 
@@ -69,13 +69,13 @@ def predict(row: tuple, efficiency: dict[str, float]) -> tuple[float, str, float
     candidates = [micro] if micro else [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
     for m in candidates:  # the publication's micro-batch, else the largest that fits
         # Their losses hold the full logits (not the chunked loss), as the planner's rows did before it had one.
-        result = evaluate(request, layout, Setting(seq, m, per_rank // m, "bf16", ac, chunked_loss=False))
+        result = evaluate(request, layout, Recipe(seq, m, per_rank // m, "bf16", ac, chunked_loss=False))
         if result.fits or m == candidates[-1]:
             break
     t = result.timing
     value = t.tokens_per_s_per_gpu if metric == "tokens/s/GPU" else megatron_tflops(model, samples, seq, t.step_s,
                                                                                      layout.world)
-    note = (f"micro-batch {result.setting.micro_batch} x {result.setting.accumulation}, peak "
+    note = (f"micro-batch {result.recipe.micro_batch} x {result.recipe.accumulation}, peak "
             f"{result.memory.peak / 2**30:.1f} GiB, MFU {t.mfu:.1%}")
     return value, note, value / published - 1
 
@@ -92,13 +92,13 @@ MEMORY_ROWS = [
 ]
 
 
-def titan_selective(model: ModelSpec, layout: Layout, setting: Setting, memory: Memory, fragmentation: float) -> float:
+def titan_selective(model: ModelSpec, layout: Layout, recipe: Recipe, memory: Memory, fragmentation: float) -> float:
     """The predicted peak under torchtitan's per-op selective checkpointing, from the planner's full-checkpointing
     `memory`: each layer also keeps, per token, c x (q_width [wq] + kv_width [wv] + I [w1] + h [w2] + q_width
     [attention output]) + 4 x heads (the log-sum-exp), and rebuilds in backward only the rest of its activations."""
-    n, c, L = setting.tokens(layout), setting.compute_bytes, stage_layers(model, layout)
+    n, c, L = recipe.tokens(layout), recipe.compute_bytes, stage_layers(model, layout)
     kept = n * (c * (2 * model.q_width + model.kv_width + model.intermediate + model.hidden) + 4 * model.heads)
-    layer, _ = layer_activations(model, layout, setting)
+    layer, _ = layer_activations(model, layout, recipe)
     allocated = (memory["allocated"] - max(memory["loss_buffers"], memory["head_grad"] + memory["layer_buffers"]
                                            + memory["recompute"]) + L * kept
                  + max(memory["loss_buffers"], memory["head_grad"] + memory["layer_buffers"] + layer - kept))
@@ -111,11 +111,11 @@ def predict_memory(row: tuple, fragmentation: float | None = None) -> tuple[floa
     hw = get_hardware("h100")
     f = hw.fragmentation if fragmentation is None else fragmentation
     model = load_model("llama-3.1-8b")
-    setting = Setting(seq, batch, 1, "bf16", True, chunked_loss=False)
-    memory = estimate(model, layout, setting, f)
+    recipe = Recipe(seq, batch, 1, "bf16", True, chunked_loss=False)
+    memory = estimate(model, layout, recipe, f)
     if checkpointing == "full":
         return memory.peak / 2**30, memory["allocated"] / 2**30
-    peak = titan_selective(model, layout, setting, memory, f)
+    peak = titan_selective(model, layout, recipe, memory, f)
     return peak / 2**30, (peak / (1 + f) + memory.states * f / (1 + f)) / 2**30
 
 

@@ -117,7 +117,7 @@ def summarise(layout: Layout, ranks: list[dict], args, sizes) -> dict:
     tokens_per_s = {k: r0["tokens_per_step"] / v for k, v in med.items()}
     mfu = None
     if r0["peak_flops"] is not None:
-        from ndparallel.metrics import flops_per_token
+        from ndparallel.training.metrics import flops_per_token
 
         # One device per rank; on a CPU each rank runs one thread and the peak is one thread's measured matmul
         # rate, so the ranks together can use at most as many as there are cores.

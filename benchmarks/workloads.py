@@ -314,7 +314,7 @@ def measure(layout: Layout, args: Any) -> dict[str, Any]:
     lib.accelerator.wait_for_everyone()
     peak = None
     if dist.get_rank() == 0:  # while the other ranks wait in the barrier below
-        from ndparallel.metrics import peak_flops
+        from ndparallel.training.metrics import peak_flops
 
         peak = peak_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     lib.accelerator.wait_for_everyone()

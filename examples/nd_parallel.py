@@ -36,7 +36,7 @@ from ndparallel import (  # noqa: E402
     TorchTensorParallelConfig,
     set_seed,
 )
-from ndparallel.run_metrics import peak_memory  # noqa: E402
+from ndparallel.training.run_metrics import peak_memory  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 MODEL_DEFAULTS = {"model": "llama", "hidden_size": 64, "layers": 2, "heads": 4, "kv_heads": 2, "seq_len": 128}

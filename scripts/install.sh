@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# Install ndparallel (editable) with the Hugging Face extra; `--test` adds the test dependencies and the docs site's
-# (tests/project/test_docs_site.py builds it).
-# A torch >= 2.6 that is already installed is kept as it is (a GPU build stays a GPU build); otherwise the
-# torch version we test on is installed. Pinning it matters: an unpinned `torch` may pull gigabytes of CUDA
-# packages onto a machine that has no GPU.
+# Install ndparallel (editable) with the Hugging Face extra (`hf`: transformers). Each option adds the extra of its
+# name from pyproject.toml: --trainer (the Trainer, TRL and PEFT at the versions tested), --fp8 (torchao),
+# --tracking (tensorboard), --bench (matplotlib for benchmark plots), --docs (the documentation site: mkdocs),
+# --test (the test dependencies, the docs site's included: tests/project/test_docs_site.py builds it); for example
+# `bash scripts/install.sh --trainer --fp8`.
+# A torch >= 2.12 (the oldest the suite passes on, pyproject.toml's floor) that is already installed is kept as it
+# is (a GPU build stays a GPU build); otherwise the torch version we test on is installed. Pinning it matters: an
+# unpinned `torch` may pull gigabytes of CUDA packages onto a machine that has no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 extras="hf"
-if [ "${1:-}" = "--test" ]; then extras="hf,test,docs"; fi
+for option in "$@"; do
+  case "$option" in
+    --trainer|--fp8|--tracking|--bench|--docs|--test) extras="$extras,${option#--}" ;;
+    *) echo "install.sh: unknown option '$option'; the options are --trainer --fp8 --tracking --bench --docs --test" >&2
+       exit 2 ;;
+  esac
+done
 if ! "$PY" - <<'PYEOF' 2>/dev/null
 import sys, torch
 major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-sys.exit(0 if (major, minor) >= (2, 6) else 1)
+sys.exit(0 if (major, minor) >= (2, 12) else 1)
 PYEOF
 then
   echo "install.sh: installing torch==2.13.0" >&2

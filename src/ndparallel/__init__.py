@@ -8,18 +8,14 @@ Accelerate's module paths work too: `ndparallel.accelerator`, `ndparallel.parall
 
 from ._version import __version__
 from .accelerator import Accelerator
-from .batch_size import find_executable_batch_size
+from .training.batch_size import find_executable_batch_size
 from .checkpoint import CheckpointError, ProjectConfiguration, init_empty_weights
-from .config import (
-    ParallelismConfig,
-    PipelineParallelConfig,
-    TorchContextParallelConfig,
-    TorchTensorParallelConfig,
-)
-from .mesh import ParallelMesh
+from .configuration.parallelism import ParallelismConfig
+from .configuration.handlers import PipelineParallelConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from .distributed.mesh import ParallelMesh
 from .parallel.memory import MemoryKwargs
 from .parallel.sequence import context_parallel_attention
-from .plugins import (
+from .configuration.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -29,8 +25,8 @@ from .plugins import (
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
 )
-from .seed import set_seed
-from .state import DistributedType, PartialState
+from .training.seed import set_seed
+from .distributed.state import DistributedType, PartialState
 from .integrations import enable as _enable_integrations
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""`ndparallel.parallelism_config`: Accelerate's module path of `ParallelismConfig` (home: `ndparallel.config`)."""
+"""`ndparallel.parallelism_config`: Accelerate's module path of `ParallelismConfig` (home:
+`ndparallel.configuration`)."""
 
-from .config import ParallelismConfig
+from .configuration.parallelism import ParallelismConfig
 
 __all__ = ["ParallelismConfig"]

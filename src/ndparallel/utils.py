@@ -1,15 +1,21 @@
 """`ndparallel.utils`: Accelerate's `accelerate.utils` names, so that changing ``accelerate`` to ``ndparallel`` on the
 import lines ports a script. Each name's real home is in the module it is imported from; nothing is defined here."""
 
-from .batch_size import find_executable_batch_size
+from .training.batch_size import find_executable_batch_size
 from .checkpoint import ProjectConfiguration
-from .config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
-from .data import move_to_device as send_to_device
-from .gather_reduce import broadcast, broadcast_object_list, pad_across_processes
-from .gather_reduce import gather_all as gather
-from .gather_reduce import gather_object_all as gather_object
-from .gather_reduce import reduce_all as reduce
-from .plugins import (
+from .configuration.parallelism import ParallelismConfig
+from .configuration.handlers import TorchContextParallelConfig, TorchTensorParallelConfig
+from .training.data import move_to_device as send_to_device
+from .distributed.gather_reduce import (
+    DistributedOperationException,
+    broadcast,
+    broadcast_object_list,
+    pad_across_processes,
+)
+from .distributed.gather_reduce import gather_all as gather
+from .distributed.gather_reduce import gather_object_all as gather_object
+from .distributed.gather_reduce import reduce_all as reduce
+from .configuration.plugins import (
     AORecipeKwargs,
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -22,8 +28,8 @@ from .plugins import (
     TERecipeKwargs,
     TorchDynamoPlugin,
 )
-from .seed import set_seed
-from .state import DistributedType
+from .training.seed import set_seed, synchronize_rng_state, synchronize_rng_states
+from .distributed.state import DistributedType
 from .tracking import GeneralTracker, LoggerType, progress_bar
 
 __all__ = [
@@ -31,6 +37,7 @@ __all__ = [
     "AutocastKwargs",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
+    "DistributedOperationException",
     "DistributedType",
     "FullyShardedDataParallelPlugin",
     "GeneralTracker",
@@ -55,4 +62,6 @@ __all__ = [
     "reduce",
     "send_to_device",
     "set_seed",
+    "synchronize_rng_state",
+    "synchronize_rng_states",
 ]

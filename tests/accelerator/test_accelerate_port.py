@@ -27,12 +27,14 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (
 )
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-from ndparallel.config import AXES, ParallelismConfig, TorchContextParallelConfig
-from ndparallel.loss import GradientState
-from ndparallel.optim import AcceleratedOptimizer, AcceleratedScheduler
+from ndparallel.distributed.layout import AXES
+from ndparallel.configuration.parallelism import ParallelismConfig
+from ndparallel.configuration.handlers import TorchContextParallelConfig
+from ndparallel.training.loss import GradientState
+from ndparallel.training.optim import AcceleratedOptimizer, AcceleratedScheduler
 from ndparallel.parallel.blocks import modules_to_wrap
-from ndparallel.plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin
-from ndparallel.runtime import resolve_group
+from ndparallel.configuration.plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin
+from ndparallel.distributed.runtime import resolve_group
 
 SIZES = ("DP_REPLICATE_SIZE", "DP_SHARD_SIZE", "TP_SIZE", "CP_SIZE", "SP_SIZE", "PP_SIZE")
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from harness import run_ranks
 from ndparallel import find_executable_batch_size
-from ndparallel.batch_size import should_reduce_batch_size
+from ndparallel.training.batch_size import should_reduce_batch_size
 from ndparallel.big_modeling import attach_layerwise_casting_hooks
 
 SIZES_FROM_128 = [128, 115, 103, 92, 82, 73, 65, 58, 52, 46]  # int(0.9 * previous), by hand

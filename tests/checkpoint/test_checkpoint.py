@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM  # noqa: F401 - likewise (transformers
 
 import checkpoint_train
 from harness import run_ranks
-from ndparallel.data import PreparedDataLoader
+from ndparallel.training.data import PreparedDataLoader
 from torch.utils.data import DataLoader
 
 SAVE_AT, STEPS = 2, 6

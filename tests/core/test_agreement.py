@@ -1,7 +1,8 @@
-"""Ranks that disagree, and collectives that must not wait forever (ndparallel.agreement, ndparallel.runtime): on
-forked gloo ranks, each disagreement of issue 20 raises the same error naming the field, the ranks and their values
-on every rank; a barrier that some rank reaches under another name fails at once, one that some rank never reaches
-fails after its (short) timeout naming who is missing; the process-group timeout comes from NDPARALLEL_TIMEOUT."""
+"""Ranks that disagree, and collectives that must not wait forever (ndparallel.distributed.agreement,
+ndparallel.distributed.runtime): on forked gloo ranks, each disagreement of issue 20 raises the same error naming the
+field, the ranks and their values on every rank; a barrier that some rank reaches under another name fails at once, one
+that some rank never reaches fails after its (short) timeout naming who is missing; the process-group timeout comes from
+NDPARALLEL_TIMEOUT."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from transformers import LlamaForCausalLM  # noqa: F401 - imported once here, no
 
 from harness import outcomes, run_ranks
 from ndparallel import FullyShardedDataParallelPlugin, ParallelismConfig
-from ndparallel.agreement import (
+from ndparallel.distributed.agreement import (
     accelerator_fingerprint,
     check_agreement,
     dataloader_fingerprint,
@@ -24,7 +25,7 @@ from ndparallel.agreement import (
     optimizer_fingerprint,
     prepare_fingerprint,
 )
-from ndparallel.runtime import DEFAULT_TIMEOUT, init_runtime, resolve_timeout
+from ndparallel.distributed.runtime import DEFAULT_TIMEOUT, init_runtime, resolve_timeout
 from tiny_models import build_model
 
 

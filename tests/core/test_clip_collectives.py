@@ -90,7 +90,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _tp_layout_ranks() -> dict:
     import torch.distributed as dist
 
-    from ndparallel import Accelerator, ParallelismConfig, clip
+    from ndparallel import Accelerator, ParallelismConfig
+    from ndparallel.training import clip
 
     acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2), cpu=True)
     rank = dist.get_rank()

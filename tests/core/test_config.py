@@ -12,16 +12,16 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, StateDictType
 
-from ndparallel.config import (
-    AXES,
+from ndparallel.distributed.layout import AXES
+from ndparallel.configuration.handlers import (
     CP_STRATEGIES,
-    ParallelismConfig,
     PipelineParallelConfig,
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
 )
+from ndparallel.configuration.parallelism import ParallelismConfig
 from ndparallel.parallel.sequence import CP_ATTENTION
-from ndparallel.plugins import FullyShardedDataParallelPlugin
+from ndparallel.configuration.plugins import FullyShardedDataParallelPlugin
 
 SIZE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size", "ep_size")
 

@@ -280,7 +280,7 @@ def _stateful(stateful: bool) -> dict:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from ndparallel import Accelerator, DataLoaderConfiguration, ParallelismConfig
-    from ndparallel.data import PreparedDataLoader
+    from ndparallel.training.data import PreparedDataLoader
 
     def prepared() -> DataLoader:
         acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2),

@@ -20,7 +20,8 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
-from ndparallel.data import PreparedDataLoader, prepared_loader_class
+from ndparallel.training.data import PreparedDataLoader
+from ndparallel.training.loader_types import prepared_loader_class
 
 N = 26  # samples: not a multiple of the global batch, so the last one is evened out (or dropped)
 MID = 2  # steps taken before the mid-epoch states

@@ -1,5 +1,5 @@
 """A collective call made on one rank only, while the other trains on: every rank's error says what the others were
-doing (`ndparallel.failures`), within the timeout plus the grace period.
+doing (`ndparallel.distributed.failures`), within the timeout plus the grace period.
 
 Rank `saver` calls ``save_state`` alone (under an ``if``, the classic mistake) before a forward or between a forward
 and its backward; the other rank goes on training, and its next collective is FSDP2's all-gather in the forward

@@ -132,7 +132,7 @@ GRAPH = {m: _imports(m) for m in MODULES}
 def test_the_graph_reader_sees_the_package():
     assert len(MODULES) > 30
     top, _, _ = GRAPH["ndparallel.accelerator.core"]
-    assert {"ndparallel.config", "ndparallel.parallel", "ndparallel.parallel.sequence", "ndparallel.mesh"} <= top
+    assert {"ndparallel.configuration", "ndparallel.parallel", "ndparallel.parallel.sequence", "ndparallel.distributed.mesh"} <= top
     # a relative import from a package's __init__ resolves inside that package
     assert "ndparallel.parallel.sequence.apply" in GRAPH["ndparallel.parallel.sequence"][0]
     def targets(module: str, statement: str) -> set[str]:

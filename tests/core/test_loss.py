@@ -1,5 +1,5 @@
-"""The loss: which tokens count (one rule, `ndparallel.loss`), which data loader a step follows, and the logged global
-loss (`Accelerator.reduce_loss`) against the single-process run.
+"""The loss: which tokens count (one rule, `ndparallel.training.loss`), which data loader a step follows, and the logged
+global loss (`Accelerator.reduce_loss`) against the single-process run.
 
 Tier 1 checks the rule and the bookkeeping directly. Tier 2 trains a float64 model with a float64 loss (transformers'
 own causal-LM loss computes in float32, which alone puts ~1e-6 between any two summation orders) on data whose -100
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from ndparallel.loss import IGNORE_INDEX, BatchInfo, GradientState, count_loss_tokens, loss_factor, loss_labels
+from ndparallel.training.loss import IGNORE_INDEX, BatchInfo, GradientState, count_loss_tokens, loss_factor, loss_labels
 from ndparallel.parallel.sequence import SequenceSharding
 from test_parity import max_param_diff, reference, run_layout
 
@@ -245,7 +245,7 @@ def test_causal_lms_are_recognised_under_the_class_fsdp2_gives_them():
     (FSDPGPT2LMHeadModel); the check goes through the class's bases, so token weighting stays on under FSDP2."""
     from tiny_models import build_model
 
-    from ndparallel.loss import is_causal_lm
+    from ndparallel.training.loss import is_causal_lm
 
     model = build_model("gpt2")
     assert getattr(model, "loss_type", None) is None and is_causal_lm(model)

@@ -24,9 +24,9 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ndparallel.config import ParallelismConfig
-from ndparallel.layout import VIEWS, Layout
-from ndparallel.mesh import ParallelMesh
+from ndparallel.configuration.parallelism import ParallelismConfig
+from ndparallel.distributed.layout import VIEWS, Layout
+from ndparallel.distributed.mesh import ParallelMesh
 
 # Mesh axes, outermost first (DESIGN.md), and what each flattened view spans, written out independently.
 AXES = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
@@ -112,12 +112,12 @@ def test_view_table_matches_design():
 
 
 def test_no_module_restates_the_axes_or_a_view():
-    """The axes and the views are written once, in ndparallel/layout.py: no other module of the package writes
-    their tuple of axis names out again (it imports it)."""
+    """The axes and the views are written once, in ndparallel/distributed/layout.py: no other module of the package
+    writes their tuple of axis names out again (it imports it)."""
     import ast
     from pathlib import Path
 
-    import ndparallel.layout as layout
+    import ndparallel.distributed.layout as layout
 
     declared = {tuple(layout.AXES), *VIEWS.values()}
     src = Path(layout.__file__).parent
@@ -129,7 +129,7 @@ def test_no_module_restates_the_axes_or_a_view():
             if isinstance(node, (ast.Tuple, ast.List)) and all(isinstance(e, ast.Constant) for e in node.elts):
                 if tuple(e.value for e in node.elts) in declared:
                     found.append(f"{path.relative_to(src)}:{node.lineno}")
-    assert not found, f"axes or a view restated (import them from ndparallel.layout): {found}"
+    assert not found, f"axes or a view restated (import them from ndparallel.distributed.layout): {found}"
 
 
 # ---- every shape, every rank ----------------------------------------------------------------------

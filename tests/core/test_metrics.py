@@ -1,11 +1,12 @@
-"""ndparallel.metrics: the FLOPs formula against a hand count, StepTimer's arithmetic, the CPU peak estimate."""
+"""ndparallel.training.metrics: the FLOPs formula against a hand count, StepTimer's arithmetic, the CPU peak
+estimate."""
 
 import pytest
 import torch
 import transformers
 
 from ndparallel import Accelerator
-from ndparallel.metrics import StepTimer, flops_per_token, matmul_params, peak_flops, timer_for
+from ndparallel.training.metrics import StepTimer, flops_per_token, matmul_params, peak_flops, timer_for
 
 TINY = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, tie_word_embeddings=False)

@@ -1,5 +1,5 @@
-"""Starting and releasing torch.distributed (`ndparallel.runtime`): a process can end one world and start another
-(a notebook, a test suite, Accelerate's own tests create Accelerators one after another)."""
+"""Starting and releasing torch.distributed (`ndparallel.distributed.runtime`): a process can end one world and start
+another (a notebook, a test suite, Accelerate's own tests create Accelerators one after another)."""
 
 from __future__ import annotations
 

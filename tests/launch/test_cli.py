@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from ndparallel.launch.cli import build_parser, main
-from ndparallel.config import ParallelismConfig
+from ndparallel.configuration.parallelism import ParallelismConfig
 from ndparallel.launch.launcher import WORKER, plan_launch
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "print_env_launch.py")

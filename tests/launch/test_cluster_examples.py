@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ndparallel.config import SIZE_FIELDS, ParallelismConfig
+from ndparallel.configuration.parallelism import SIZE_FIELDS, ParallelismConfig
 from ndparallel.launch.cli import build_parser
 from ndparallel.launch.schedulers import place, read_environment
 

@@ -8,7 +8,7 @@ import torch
 
 from harness import run_ranks
 from ndparallel import FullyShardedDataParallelPlugin
-from ndparallel.plugins import ActivationCheckpointing, parse_activation_checkpointing
+from ndparallel.configuration.plugins import ActivationCheckpointing, parse_activation_checkpointing
 from test_parity import reference, run_layout
 
 

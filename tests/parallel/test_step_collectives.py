@@ -2,9 +2,9 @@
 benchmarks/hsdp_overhead.py, counted with benchmarks/comm_count.py.
 
 The library's step may do exactly one thing plain FSDP2 does not: one all-reduce of the window's loss-token count
-over the ``batch`` ranks per optimizer step (the loss is normalised by the global token count, `ndparallel.loss`).
-Nothing per micro-step, no store operation, and a logged `reduce` costs what plain ``dist.all_reduce`` does. The
-counts are deterministic (no timing here)."""
+over the ``batch`` ranks per optimizer step (the loss is normalised by the global token count,
+`ndparallel.training.loss`). Nothing per micro-step, no store operation, and a logged `reduce` costs what plain
+``dist.all_reduce`` does. The counts are deterministic (no timing here)."""
 
 import sys
 from pathlib import Path

@@ -23,9 +23,9 @@ sys.path.insert(0, str(BENCH))
 
 from planner_check import CASES, predict, run_case  # noqa: E402  (measures the library on forked ranks)
 from ndparallel.cli import main  # noqa: E402
-from ndparallel.config import ParallelismConfig  # noqa: E402
+from ndparallel.configuration.parallelism import ParallelismConfig  # noqa: E402
 from ndparallel.launch.launcher import read_config_file  # noqa: E402
-from ndparallel.planner import Layout, Request, Setting, get_hardware, load_model  # noqa: E402
+from ndparallel.planner import Layout, Request, Recipe, get_hardware, load_model  # noqa: E402
 from ndparallel.planner.comm import by_kind, by_link, transfers  # noqa: E402
 from ndparallel.planner.layouts import Constraints, all_layouts, valid_layouts  # noqa: E402
 from ndparallel.planner.memory import estimate  # noqa: E402
@@ -90,14 +90,14 @@ def test_states_of_70b_on_fsdp_times_tp_by_hand():
     model = load_model("llama-3.1-70b")
     split, replicated = _llama_counts(8192, 80, 64, 8, 28672, 128256, 128)
     per_rank = (split // 8 + replicated) // 8  # every dimension divides: no padding
-    memory = estimate(model, Layout(dp_shard=8, tp=8), Setting(4096, 1))
+    memory = estimate(model, Layout(dp_shard=8, tp=8), Recipe(4096, 1))
     assert (memory["params"], memory["grads"], memory["optimizer"]) == (4 * per_rank, 4 * per_rank, 8 * per_rank)
 
 
 def test_hsdp_over_two_nodes_sends_the_replica_all_reduce_across_nodes():
     model = load_model("llama-3.1-8b")
     n = model.num_parameters()
-    items = transfers(model, Layout(dp_replicate=2, dp_shard=8), Setting(8192, 1, 1, "bf16"), gpus_per_node=8)
+    items = transfers(model, Layout(dp_replicate=2, dp_shard=8), Recipe(8192, 1, 1, "bf16"), gpus_per_node=8)
     kinds, links = by_kind(items), by_link(items)
     shard = n / 8
     root = (2 * model.vocab * model.hidden + model.hidden) / 8  # untied embedding and head, final norm
@@ -117,16 +117,16 @@ def test_a_pipeline_stage_holds_its_layers_and_the_larger_end_and_pays_the_bubbl
     h, inter, vocab = 4096, 14336, 128256
     layer = 2 * h * 4096 + 2 * h * 1024 + 3 * h * inter + 2 * h  # attention, MLP, two norms
     held = 16 * layer + vocab * h + h  # + head and final norm
-    setting = Setting(4096, 2, 1, "bf16")
-    memory = estimate(model, Layout(pp=2), setting)
+    recipe = Recipe(4096, 2, 1, "bf16")
+    memory = estimate(model, Layout(pp=2), recipe)
     assert (memory["params"], memory["optimizer"]) == (4 * held, 8 * held)
-    items = transfers(model, Layout(pp=2), setting, gpus_per_node=8)
+    items = transfers(model, Layout(pp=2), recipe, gpus_per_node=8)
     assert by_kind(items)["send_recv"] == 2 * (2 * 4096) * h * 2  # both directions, 2 samples x 4096 tokens, bf16
     hw = get_hardware("h100")
     free = dataclasses.replace(hw, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, intra_node_latency_s=0.0,
                                inter_node_latency_s=0.0)
     request = Request(model, free, 1, 2, 4096, 4096 * 4, checkpointing="off")
-    stages, replicas = (evaluate(request, layout, setting) for layout in (Layout(pp=2), Layout(dp_replicate=2)))
+    stages, replicas = (evaluate(request, layout, recipe) for layout in (Layout(pp=2), Layout(dp_replicate=2)))
     assert stages.timing.compute_s == pytest.approx(1.5 * replicas.timing.compute_s, rel=1e-12)
 
 
@@ -137,7 +137,7 @@ def test_compute_time_is_flops_over_achievable_peak():
     free = dataclasses.replace(hw, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, intra_node_latency_s=0.0,
                                inter_node_latency_s=0.0)
     request = Request(model, free, 1, 8, 8192, 8192 * 16, checkpointing="off")
-    row = evaluate(request, Layout(dp_shard=8), Setting(8192, 2, 1, "bf16"))
+    row = evaluate(request, Layout(dp_shard=8), Recipe(8192, 2, 1, "bf16"))
     h, L, S = 4096, 32, 8192
     matmul = L * (2 * h * 4096 + 2 * h * 1024 + 3 * h * 14336) + h * 128256
     flops = 8192 * 16 * (6 * matmul + 6 * L * 4096 * S) / 8  # causal attention: half of 12 L d S

@@ -16,17 +16,17 @@ sys.path.insert(0, str(BENCH))
 from planner_check import PEAK_CASES, measure_peak, peak_case_name  # noqa: E402
 from planner_published import MEMORY_ROWS, memory_table  # noqa: E402
 from ndparallel.cli import main  # noqa: E402
-from ndparallel.planner import Layout, Setting, get_hardware, load_model  # noqa: E402
+from ndparallel.planner import Layout, Recipe, get_hardware, load_model  # noqa: E402
 from ndparallel.planner.longest import QUANTUM, _fits, longest_for  # noqa: E402
 from ndparallel.planner.memory import estimate  # noqa: E402
 from ndparallel.planner.search import Request  # noqa: E402
-from ndparallel.planner.setting import loss_chunk_rows  # noqa: E402
+from ndparallel.planner.recipe import loss_chunk_rows  # noqa: E402
 
 GiB = 2**30
 
 
 def _llama(seq: int, **features) -> dict[str, float]:
-    memory = estimate(load_model("llama-3.1-8b"), Layout(dp_shard=8), Setting(seq, 1, 1, "bf16", True, **features), 0.19)
+    memory = estimate(load_model("llama-3.1-8b"), Layout(dp_shard=8), Recipe(seq, 1, 1, "bf16", True, **features), 0.19)
     return {name: term.bytes for name, term in memory.terms.items()}
 
 
@@ -46,7 +46,7 @@ def test_each_feature_changes_the_terms_it_should():
     assert offload["host_offload"] == 32 * n * h * 2
     assert plain["peak"] > chunked["peak"] > tiled["peak"] > offload["peak"]
     with pytest.raises(ValueError, match="offloading .* needs activation checkpointing"):
-        Setting(1024, 1, offload=True)
+        Recipe(1024, 1, offload=True)
 
 
 @pytest.mark.parametrize("row", MEMORY_ROWS, ids=lambda r: r[0])

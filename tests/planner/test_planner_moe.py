@@ -27,7 +27,7 @@ sys.path.insert(0, str(BENCH))
 
 import planner_check_moe as bench  # noqa: E402  (measures the library on forked ranks)
 from ndparallel.cli import main  # noqa: E402
-from ndparallel.planner import Layout, Request, Setting, get_hardware, load_model, spec_from_config  # noqa: E402
+from ndparallel.planner import Layout, Request, Recipe, get_hardware, load_model, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import by_kind, transfers  # noqa: E402
 from ndparallel.planner.layouts import Constraints, valid_layouts  # noqa: E402
 from ndparallel.planner.memory import estimate  # noqa: E402
@@ -109,11 +109,11 @@ def test_states_and_bytes_of_ep_with_sharded_experts_by_hand():
     root = 256 * 64 * 2 + 64  # embedding, head, final norm
     held = (2 * layer + root) // 4  # every first dimension divides 4: no padding
     experts = 2 * (4 * 64 * 64 + 4 * 64 * 32) // 2 // 2  # 2 layers of gate_up (E, 2I, h) and down (E, h, I)
-    setting = Setting(32, 1, 1, "fp32")
+    recipe = Recipe(32, 1, 1, "fp32")
     layout = Layout(dp_shard=4, ep=2)
-    memory = estimate(model, layout, setting)
+    memory = estimate(model, layout, recipe)
     assert (memory["params"], memory["optimizer"]) == (4 * (held + experts), 8 * (held + experts))
-    items = {item.purpose: item for item in transfers(model, layout, setting, gpus_per_node=8)}
+    items = {item.purpose: item for item in transfers(model, layout, recipe, gpus_per_node=8)}
     tokens = items["expert all-to-all: tokens"]
     # 2 layers x (forward + backward) x 2 directions x 32 tokens x top-2 x 64 x 4 B, half of it leaving the rank
     assert (tokens.bytes, tokens.calls, tokens.group_size) == (2 * 2 * 2 * 32 * 2 * 64 * 4 / 2, 8, 2)
@@ -121,7 +121,7 @@ def test_states_and_bytes_of_ep_with_sharded_experts_by_hand():
     assert items["FSDP2 expert all-gather"].bytes == 1 * 2 * experts * 4  # (2-1) ranks, forward and backward
     assert items["FSDP2 expert gradient reduce-scatter"].bytes == experts * 4
     assert items["FSDP2 parameter all-gather"].bytes == 3 * (2 * held - root // 4) * 4
-    without = {item.purpose: item for item in transfers(model, Layout(dp_shard=4), setting, gpus_per_node=8)}
+    without = {item.purpose: item for item in transfers(model, Layout(dp_shard=4), recipe, gpus_per_node=8)}
     assert "expert all-to-all: tokens" not in without  # no ep: the experts are gathered with their layer
     # E / fsdp experts each, as many as E / ep / expert_shard above, now gathered with their layer over fsdp
     assert without["FSDP2 parameter all-gather"].bytes == 3 * (2 * (held + experts) - root // 4) * 4
@@ -139,7 +139,7 @@ def test_compute_counts_the_active_experts_only():
     attention = 2 * 2 * (64 + 64) * 16  # forward QK and AV, 16 keys on average under the causal mask
     for tp in (1, 2):
         request = Request(model, free, 1, 4, 32, 32 * 16, checkpointing="off")
-        row = evaluate(request, Layout(dp_shard=4 // tp, tp=tp), Setting(32, 16 // (4 // tp), 1, "bf16"))
+        row = evaluate(request, Layout(dp_shard=4 // tp, tp=tp), Recipe(32, 16 // (4 // tp), 1, "bf16"))
         flops = 32 * 16 * (6 * (split + tp * whole) + 3 * attention) / 4
         optimizer_s = row.timing.optimizer_s
         assert row.timing.step_s == pytest.approx(flops / (989e12 * hw.compute_efficiency) + optimizer_s, rel=1e-9)
@@ -205,7 +205,7 @@ def test_plan_ranks_ep_layouts_and_their_figures_are_estimate_memorys(capsys, ti
 
 
 def test_plan_writes_ep_into_the_config_file(capsys, tiny_moe, tmp_path):
-    from ndparallel.config import ParallelismConfig
+    from ndparallel.configuration.parallelism import ParallelismConfig
 
     code, _, _ = _run(capsys, *PLAN, "--model", tiny_moe, "--ep-size", "4", "--write-config",
                       str(tmp_path / "plan.yaml"))

@@ -11,7 +11,7 @@ import torch
 
 from harness import run_ranks
 from ndparallel.cli import main
-from ndparallel.planner import Layout, Setting, get_hardware, load_model, spec_from_config
+from ndparallel.planner import Layout, Recipe, get_hardware, load_model, spec_from_config
 from ndparallel.planner.memory import estimate, state_elements
 from ndparallel.planner.offload import host_bytes, host_traffic, pinned
 from ndparallel.planner.search import Request, best_row, evaluate
@@ -27,9 +27,9 @@ def test_pinned_blocks_round_up_to_powers_of_two():
 
 
 def _terms(layout: Layout, offload_params: bool, seq: int = 65536, **kw) -> dict[str, float]:
-    setting = Setting(seq, 1, 1, "bf16", True, chunked_loss=True, tiled_mlp=True, offload=True,
+    recipe = Recipe(seq, 1, 1, "bf16", True, chunked_loss=True, tiled_mlp=True, offload=True,
                       offload_params=offload_params)
-    return {n: t.bytes for n, t in estimate(load_model("llama-3.1-8b"), layout, setting, 0.19, **kw).terms.items()}
+    return {n: t.bytes for n, t in estimate(load_model("llama-3.1-8b"), layout, recipe, 0.19, **kw).terms.items()}
 
 
 def test_offload_moves_the_states_to_the_host_and_keeps_the_staging_on_the_gpu():
@@ -50,7 +50,7 @@ def test_the_host_budget_is_a_constraint():
     model, hw = load_model("llama-3.1-8b"), get_hardware("h100")
     roomy = Request(model, hw, 1, 1, 131072, 131072, offload_params="on")
     row = best_row(roomy, Layout())
-    assert row.fits and row.setting.offload_params and host_bytes(row.memory) > 120 * GiB
+    assert row.fits and row.recipe.offload_params and host_bytes(row.memory) > 120 * GiB
     tight = Request(model, hw, 1, 1, 131072, 131072, offload_params="on", host_memory_gib=100)
     assert not best_row(tight, Layout()).fits  # the same row, but the node's 100 GiB cannot hold its states
     unchecked = Request(model, hw, 1, 1, 131072, 131072, offload_params="on", host_memory_gib=0)
@@ -63,11 +63,11 @@ def test_host_traffic_and_the_optimizer_step_on_the_host():
     model, hw, layout = load_model("llama-3.1-8b"), get_hardware("h100"), Layout(dp_shard=8)
     held, _, _ = state_elements(model, layout)
     root = 2 * (128256 // 8) * 4096 + 4096 // 8  # embedding and head rows over 8 ranks, the final norm
-    setting = Setting(8192, 1, 2, "bf16", True, offload_params=True)
-    h2d, d2h, _ = host_traffic(held - root, root, layout, setting)
+    recipe = Recipe(8192, 1, 2, "bf16", True, offload_params=True)
+    h2d, d2h, _ = host_traffic(held - root, root, layout, recipe)
     assert (h2d, d2h) == (2 * (2 * (held - root) + root) * 4, held * 4)  # in at every gather, out once per step
-    assert host_traffic(held, 0, Layout(), setting)[0] == 2 * held * 4  # one rank: gathered once per micro-step
-    row = evaluate(Request(model, hw, 1, 8, 8192, 16 * 8192), layout, setting)
+    assert host_traffic(held, 0, Layout(), recipe)[0] == 2 * held * 4  # one rank: gathered once per micro-step
+    row = evaluate(Request(model, hw, 1, 8, 8192, 16 * 8192), layout, recipe)
     assert row.timing.optimizer_s == pytest.approx(held * 28 / hw.host_optimizer_bandwidth)
     moved = (h2d + d2h) / hw.host_bandwidth
     assert row.timing.exposed_s >= max(0.0, moved - hw.overlap * row.timing.compute_s)
@@ -171,8 +171,8 @@ def test_host_bytes_the_library_holds_under_cpu_offload_match_the_prediction(siz
     library does not reshard after forward (tp=2: a one-rank shard group)."""
     layout = Layout(**{k.removesuffix("_size"): v for k, v in sizes.items()})
     spec = spec_from_config(build_model("llama").config.to_dict(), "tiny")
-    setting = Setting(32, 1, 1, "bf16" if precision == "bf16" else "fp32", offload_params=True)
-    predicted = estimate(spec, layout, setting, pin=False)
+    recipe = Recipe(32, 1, 1, "bf16" if precision == "bf16" else "fp32", offload_params=True)
+    predicted = estimate(spec, layout, recipe, pin=False)
     for rank in run_ranks(_host_bytes_on_rank, 2, sizes, precision):
         assert all(rank["offloaded"]) and rank["count"] == rank["model_params"]
         assert (rank["params"], rank["grads"], rank["optimizer"]) == (

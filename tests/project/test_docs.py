@@ -1,7 +1,8 @@
 """Every code block of README.md and docs/**/*.md (the documentation site's pages) runs as written.
 
-Blocks are fenced with a language: ``python`` blocks run, ``bash`` blocks are commands (run here, or the one CI runs
-itself), ``text`` blocks are output, synopses and listings. A python block says how to run it in an HTML comment on
+Blocks are fenced with a language: ``python`` blocks run, ``bash`` blocks are commands (tests/project/
+test_readme_commands.py runs them, each after its install in a fresh environment), ``text`` blocks are output,
+synopses and listings. A python block says how to run it in an HTML comment on
 the line before its fence, invisible on the rendered page::
 
     <!-- run: ranks=4 setup=training -->
@@ -15,9 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,39 +161,3 @@ def test_the_readme_loop_runs_under_context_parallelism(tmp_path):
     assert block.path.name == "README.md" and "dp_replicate_size=2, dp_shard_size=2)" in block.code
     code = block.code.replace("dp_replicate_size=2, dp_shard_size=2)", "dp_shard_size=2, cp_size=2)")
     assert run_ranks(_run, 4, code, SETUPS["data"], {}, "README.md (cp)", str(tmp_path)) == [True] * 4
-
-
-def _commands() -> list[tuple[str, str]]:
-    out = []
-    for block in BLOCKS:
-        if block.lang == "bash":
-            for line in block.code.splitlines():
-                line = line.split(" #")[0].strip()
-                if line and not line.startswith("#"):
-                    out += [(block.id, command.strip()) for command in line.split("&&")]
-    return out
-
-
-COMMANDS = _commands()
-
-
-def test_bash_commands_are_ones_this_suite_or_ci_runs():
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert COMMANDS, "the README's quick start has commands"
-    for where, command in COMMANDS:
-        if command.startswith("bash scripts/install.sh") or command == "python -m pytest":
-            assert command in ci or command == "bash scripts/install.sh", f"{where}: {command!r} is not what CI runs"
-        else:
-            assert command.startswith("ndparallel launch "), f"{where}: the docs test does not know how to run {command!r}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where,command", [c for c in COMMANDS if c[1].startswith("ndparallel launch ")],
-                         ids=[c[0] for c in COMMANDS if c[1].startswith("ndparallel launch ")])
-def test_launch_command_runs(where, command):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NDPARALLEL_")}
-    argv = [sys.executable, "-m", "ndparallel.cli", *shlex.split(command)[1:]]
-    result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{where}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    trainer = any(script in command for script in ("examples/trainer_clm.py", "examples/sft.py"))
-    assert ("'train_loss'" if trainer else "final loss") in result.stdout  # the Trainer's summary, or the example's

@@ -47,7 +47,7 @@ elif args.mode == "save-on-one":
 else:
     import torch.distributed as dist
 
-    from ndparallel.runtime import heartbeat, init_runtime
+    from ndparallel.distributed.runtime import heartbeat, init_runtime
 
     init_runtime(cpu=True)
     for _ in range(5):

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from ndparallel.config import ParallelismConfig
+from ndparallel.configuration.parallelism import ParallelismConfig
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int, default=None)

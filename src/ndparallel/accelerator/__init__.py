@@ -7,8 +7,8 @@ collectives.py   gather / reduce / reduce_loss / padding / trigger (mixin)
 checkpointing.py save_state / load_state / save_model / save (mixin)
 """
 
-from ..plugins import DataLoaderConfiguration, GradientAccumulationPlugin
-from ..state import DistributedType
+from ..configuration.plugins import DataLoaderConfiguration, GradientAccumulationPlugin
+from ..distributed.state import DistributedType
 from .core import Accelerator
 
 # Accelerate's `accelerate.accelerator` exports these too (its own tests import them from there).

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import agreement, checkpoint, parallel
+from ..distributed import agreement
+from .. import checkpoint, parallel
 from ..checkpoint import ProjectConfiguration
-from ..prepared import PreparedObjects
-from ..state import AcceleratorState
+from ..training.prepared import PreparedObjects
+from ..distributed.state import AcceleratorState
 
 
 class CheckpointingMixin:
@@ -121,7 +122,8 @@ class CheckpointingMixin:
                 hook(models, str(directory))
 
         return str(checkpoint.load_state(self.prepared, self.project_configuration, input_dir,
-                                         before_load=before_load if hooks else None))
+                                         before_load=before_load if hooks else None,
+                                         parallelism=self.state.parallelism_config))
 
     def _check_same_directory(self, what: str, directory: str | os.PathLike | None) -> None:
         """Every rank here (a monitored barrier), with the same directory: a checkpoint is one directory that all
@@ -131,9 +133,9 @@ class CheckpointingMixin:
         key = "directory (a checkpoint is one directory that every rank writes into: pass the same path on every rank)"
         agreement.check_agreement({key: path}, what, timeout=self.state.runtime.timeout)
 
-    def _run_settings(self) -> checkpoint.RunSettings:
+    def _run_settings(self) -> checkpoint.RunRecord:
         plugin = self.state.fsdp_plugin
-        return checkpoint.RunSettings(self.state.parallelism_config, self.state.device.type,
+        return checkpoint.RunRecord(self.state.parallelism_config, self.state.device.type,
                                       self.state.mixed_precision, self.gradient_accumulation_steps,
                                       plugin.state_dict_type.name if plugin is not None else checkpoint.SHARDED)
 

@@ -1,7 +1,7 @@
 """Collectives for metrics and logging: gather along ``batch``, reduce over ``loss``, the exact logged loss, padding,
-and Accelerate's trigger (`ndparallel.gather_reduce` does the work). Each runs inside `ndparallel.failures.watched`:
-nothing extra while it works; when the backend fails (the process-group timeout) a `CollectiveTimeoutError` says
-which rank was in which call and which ranks were elsewhere."""
+and Accelerate's trigger (`ndparallel.distributed.gather_reduce` does the work). Each runs inside
+`ndparallel.distributed.failures.watched`: nothing extra while it works; when the backend fails (the process-group
+timeout) a `CollectiveTimeoutError` says which rank was in which call and which ranks were elsewhere."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import failures
-from .. import gather_reduce as operations
-from ..loss import GradientState
-from ..mesh import ParallelMesh
-from ..state import AcceleratorState
+from ..distributed import failures
+from ..distributed import gather_reduce as operations
+from ..training.loss import GradientState
+from ..distributed.mesh import ParallelMesh
+from ..distributed.state import AcceleratorState
 
 
 class CollectivesMixin:
@@ -66,7 +66,7 @@ class CollectivesMixin:
         exactly the loss a single process computes on the whole global batch of the step, whatever the -100 labels,
         context / sequence shards and accumulation steps. For other losses (or without labels) it is the mean of the
         ranks' and micro-steps' losses, Accelerate's meaning. A float64 scalar tensor, so that summing many ranks' fp32
-        losses adds no rounding of its own. See `ndparallel.loss`.
+        losses adds no rounding of its own. See `ndparallel.training.loss`.
         """
         logged = self.gradient_state.log_loss(loss)
         with self._watched("reduce_loss", "loss"):

@@ -1,17 +1,19 @@
 """The `Accelerator`: Hugging Face Accelerate's training API over one ND device mesh.
 
 It only orchestrates: settings are resolved by `settings`, the process state kept by `ndparallel.state`, the mesh
-built by `ndparallel.mesh`, models parallelised by `ndparallel.parallel`, data loaders sharded by `ndparallel.data`,
-the loss made right by `ndparallel.loss`, sequences sharded by `ndparallel.parallel.sequence`, clipping done by
-`ndparallel.clip`, metrics gathered by `ndparallel.gather_reduce`, experiments logged by `ndparallel.tracking`; what it
-prepared is kept in one `ndparallel.prepared.PreparedObjects`, which checkpoints read and write. The training step
-(`training_step`), the process surface, collectives and checkpoints live in the mixins beside this module.
+built by `ndparallel.distributed.mesh`, models parallelised by `ndparallel.parallel`, data loaders sharded by
+`ndparallel.training.data`, the loss made right by `ndparallel.training.loss`, sequences sharded by
+`ndparallel.parallel.sequence`, clipping done by `ndparallel.training.clip`, metrics gathered by
+`ndparallel.distributed.gather_reduce`, experiments logged by `ndparallel.tracking`; what it prepared is kept in one
+`ndparallel.training.prepared.PreparedObjects`, which checkpoints read and write. The training step (`training_step`),
+the process surface, collectives and checkpoints live in the mixins beside this module.
 
 Differences from Accelerate, on purpose (README, "Differences from Accelerate"):
 - a prepared LR scheduler steps once per data-parallel rank and optimizer step, as Accelerate's steps once per
   process, but tensor/context/sequence-parallel peers, which share their batches, do not count;
 - `backward` weights a causal LM's loss by each rank's share of the optimizer step's loss tokens (see
-  `ndparallel.loss`), so unequal numbers of -100 labels over ranks and micro-steps give the single-process gradient;
+  `ndparallel.training.loss`), so unequal numbers of -100 labels over ranks and micro-steps give the single-process
+  gradient;
 - `reduce` and `gather` run over the ranks that hold distinct data (the ``loss`` and ``batch`` views), never
   counting tensor-parallel copies twice; `reduce_loss` gives the exact global loss of a step.
 """
@@ -31,20 +33,23 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from .. import agreement, checkpoint, failures, metrics, parallel, run_metrics
-from ..batch_size import release_memory
+from ..distributed import agreement, failures
+from .. import checkpoint, parallel
+from ..training import metrics, run_metrics
+from ..training.batch_size import release_memory
 from ..checkpoint import ProjectConfiguration
 from ..checkpoint.save_pretrained import install_save_pretrained
-from ..config import ParallelismConfig
-from ..data import PreparedDataLoader, prepared_loader_class
-from ..loss import GradientState, is_causal_lm
-from ..mesh import ParallelMesh
-from ..optim import AcceleratedOptimizer, AcceleratedScheduler
+from ..configuration.parallelism import ParallelismConfig
+from ..training.data import PreparedDataLoader
+from ..training.loader_types import prepared_loader_class, shuffle_seed
+from ..training.loss import GradientState, is_causal_lm
+from ..distributed.mesh import ParallelMesh
+from ..training.optim import AcceleratedOptimizer, AcceleratedScheduler
 from ..parallel.sequence import SequenceSharding
-from ..plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
-from ..prepared import PreparedObjects
-from ..runtime import release_process_group
-from ..state import AcceleratorState, PartialState
+from ..configuration.plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
+from ..training.prepared import PreparedObjects
+from ..distributed.runtime import release_process_group
+from ..distributed.state import AcceleratorState, PartialState
 from ..tracking import GeneralTracker, Trackers, progress_bar
 from . import settings as _settings
 from .checkpointing import CheckpointingMixin
@@ -112,7 +117,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         deepspeed_plugin(s), megatron_lm_plugin, torch_tp_plugin: refused when given.
 
     ndparallel's own:
-        loss_weighting: "auto" (default: token-weighted for causal language models, see `ndparallel.loss`), "tokens"
+        loss_weighting: "auto" (default: token-weighted for causal language models, see `ndparallel.training.loss`),
+        "tokens"
             (the loss is a mean over shifted LM tokens whatever the model), or "mean" (Accelerate's meaning).
     """
 
@@ -141,7 +147,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         self._settings = s  # the one copy: the attributes below with Accelerate's names are properties over it
         partial = PartialState(s.cpu, **s.process_group)
         # Before the first collective that depends on these settings (the mesh's process groups): ranks whose
-        # settings differ all raise the same error naming them, instead of hanging (ndparallel.agreement). One
+        # settings differ all raise the same error naming them, instead of hanging (ndparallel.distributed.agreement).
+        # One
         # monitored barrier carrying a digest of the settings; the settings travel only when they differ.
         agreement.check_agreement(agreement.accelerator_fingerprint(
             s.parallelism, s.fsdp_plugin, s.mixed_precision, s.accumulation_steps, device=partial.device.type,
@@ -334,8 +341,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         return self.gradient_state.sync_gradients or self._settings.sync_each_batch
 
     def _token_weighted(self) -> bool:
-        """Whether `backward` and `reduce_loss` weight by loss tokens (`ndparallel.loss`): the user said so, or every
-        prepared model is a causal language model."""
+        """Whether `backward` and `reduce_loss` weight by loss tokens (`ndparallel.training.loss`): the user said so, or
+        every prepared model is a causal language model."""
         mode = self._settings.loss_weighting
         if mode != "auto":
             return mode == "tokens"
@@ -371,28 +378,21 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> PreparedDataLoader:
-        """Shard `data_loader` along the ``batch`` view (`ndparallel.data`)."""
+        """Shard `data_loader` along the ``batch`` view (`ndparallel.training.data`)."""
         if isinstance(data_loader, PreparedDataLoader):
             return data_loader
-        # One shuffling seed for every rank, rank 0's: the data seed if one was configured, else its sampler's or
-        # data loader's generator seed if either has one, else its torch seed -- so ranks seeded differently (or
-        # not at all) still draw one order.
+        # One shuffling seed for every rank, rank 0's (`shuffle_seed`): ranks seeded differently (or not at all)
+        # still draw one order.
         config = self.dataloader_config
         if config.dispatch_batches and isinstance(data_loader.dataset, torch.utils.data.IterableDataset):
             raise ValueError("prepare(): dispatch_batches=True with an iterable dataset is not supported: every rank "
                              "reads its own share, so the dataset must yield the same order on every rank (not "
                              "only on rank 0, which dispatching reads); make it so and set dispatch_batches=False")
-        sampler = getattr(data_loader.batch_sampler, "sampler", None) or data_loader.sampler
-        generator = getattr(sampler, "generator", None) or data_loader.generator
-        seed = config.data_seed if config.data_seed is not None else (
-            generator.initial_seed() if generator is not None else torch.initial_seed())
-        seed_tensor = torch.tensor([seed % 2**62], dtype=torch.long, device=self.device)
-        if self.num_processes > 1:
-            dist.broadcast(seed_tensor, src=0)
+        seed = shuffle_seed(data_loader, config.data_seed, self.device)
         sharding = self.sequence_sharding  # under CP/SP a rank's loss averages over its shard's tokens only
-        prepared = prepared_loader_class(config.use_stateful_dataloader)(
+        prepared = prepared_loader_class(config.use_stateful_dataloader, bool(config.dispatch_batches))(
             data_loader, num_shards=self.mesh.size("batch"), shard_index=self.mesh.rank("batch"),
-            seed=int(seed_tensor.item()), device=self.device,
+            seed=seed, device=self.device,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             window=self.gradient_accumulation_steps,
             window_group=self.mesh.group("batch") if self.mesh.size("batch") > 1 else None,
@@ -457,8 +457,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
 
     def step_timer(self, model: nn.Module | None = None, seq_len: int | None = None,
                    peak_flops: float | None = None) -> metrics.StepTimer:
-        """A `ndparallel.metrics.StepTimer` for this job: step time, tokens/s and MFU over all processes (FLOPs per
-        token from ``model.config`` at `seq_len`; peak FLOP/s given, from a table, or estimated on CPU)."""
+        """A `ndparallel.training.metrics.StepTimer` for this job: step time, tokens/s and MFU over all processes (FLOPs
+        per token from ``model.config`` at `seq_len`; peak FLOP/s given, from a table, or estimated on CPU)."""
         timer = metrics.timer_for(self, model, seq_len, peak_flops)
         self._step_timer = timer  # its figures go to `ndparallel plan --measure` at end_training
         return timer
@@ -511,7 +511,7 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the identity records of prepare (weak references to this process's objects by id, which
-        mean nothing elsewhere); process groups travel by name (`ndparallel.runtime.group_name`)."""
+        mean nothing elsewhere); process groups travel by name (`ndparallel.distributed.runtime.group_name`)."""
         state = dict(self.__dict__)
         state["_param_map"], state["_taken"] = {}, {}
         for hooks in ("_save_state_pre_hooks", "_load_state_pre_hooks"):  # functions of this process: not carried

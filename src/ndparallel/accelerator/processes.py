@@ -1,5 +1,5 @@
 """Where this process stands, and process control: Accelerate's process properties and helpers, read from the
-process state (`ndparallel.state`) and the mesh (`ndparallel.mesh`)."""
+process state (`ndparallel.state`) and the mesh (`ndparallel.distributed.mesh`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from ..mesh import ParallelMesh
-from ..prepared import PreparedObjects
-from ..state import AcceleratorState, DistributedType
+from ..distributed.mesh import ParallelMesh
+from ..training.prepared import PreparedObjects
+from ..distributed.state import AcceleratorState, DistributedType, PartialState
 
 # Where torch's Join works: DDP over several processes (on GPUs and, unlike Accelerate, on CPUs with gloo).
 _JOINABLE_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
@@ -95,7 +95,12 @@ class ProcessesMixin:
 
     # ---- process control --------------------------------------------------------------------------------------------
     def wait_for_everyone(self) -> None:
-        self.state.wait_for_everyone()
+        """A barrier over every process. As Accelerate's, it needs only the process state, which
+        ``AcceleratorState._reset_state()`` leaves (this Accelerator's own state is then forgotten)."""
+        if "runtime" in PartialState._shared:  # the process state, shared by every state object of this process
+            PartialState().wait_for_everyone()
+        else:
+            self.state.wait_for_everyone()
 
     def main_process_first(self) -> contextlib.AbstractContextManager:
         return self.state.main_process_first()

@@ -20,18 +20,13 @@ from datetime import timedelta
 from typing import Any
 
 from ..checkpoint import ProjectConfiguration
-from ..config import (
-    ACCUMULATION_ENV,
-    MIXED_PRECISION,
-    MIXED_PRECISION_ENV,
-    SIZE_FIELDS,
-    ParallelismConfig,
-    size_env_var,
-)
-from ..loss import LOSS_WEIGHTINGS
+from ..configuration.environment import ACCUMULATION_ENV, MIXED_PRECISION_ENV, size_env_var
+from ..configuration.dtypes import MIXED_PRECISION
+from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
+from ..training.loss import LOSS_WEIGHTINGS
 from ..parallel import uses_fsdp
 from ..parallel.memory import MemoryKwargs
-from ..plugins import (
+from ..configuration.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -45,7 +40,7 @@ from ..plugins import (
     TorchDynamoPlugin,
     parse_bool,
 )
-from ..runtime import CPU_ENV, env_flag
+from ..distributed.runtime import CPU_ENV, env_flag
 
 HANDLERS = (InitProcessGroupKwargs, DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs,
             GradientAccumulationPlugin, AORecipeKwargs, TERecipeKwargs, MemoryKwargs)
@@ -87,6 +82,8 @@ class Settings:
         the models -- the mesh, the parallelisms (`PrepareOptions.fsdp`) and `AcceleratorState` read this decision."""
         self.parallelism = self.parallelism.resolve(world_size)
         self.fsdp = uses_fsdp(self.parallelism, self.fsdp_plugin)
+        if self.fsdp and self.fsdp_plugin is not None:  # the policy FSDP2 casts with, there to read
+            self.fsdp_plugin.set_mixed_precision(self.mixed_precision)
 
 
 def _dynamo_plugin(backend: Any, plugin: Any, environ: Mapping[str, str]) -> TorchDynamoPlugin | None:

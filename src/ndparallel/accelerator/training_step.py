@@ -1,8 +1,8 @@
 """The training step of the `Accelerator`, top to bottom: the loss weighted and backward, accumulation windows and
 gradient sync, context-parallel sharding of a batch, autocast, clipping.
 
-The loss. `backward` scales this rank's mean loss by `GradientState.loss_factor` (`ndparallel.loss` says why: the
-gradients then equal one process's over the global batch of the optimizer step, whatever the -100 labels over ranks
+The loss. `backward` scales this rank's mean loss by `GradientState.loss_factor` (`ndparallel.training.loss` says why:
+the gradients then equal one process's over the global batch of the optimizer step, whatever the -100 labels over ranks
 and micro-steps) -- unless a model already ran the step's backward inside its call (pipeline stages), which weighs its
 loss itself by `_loss_weight_inside_the_model`, given to it at construction.
 """
@@ -21,14 +21,17 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import clip, failures, parallel
-from ..config import ParallelismConfig, compute_dtype
-from ..loss import GradientState
-from ..mesh import ParallelMesh
-from ..optim import AcceleratedOptimizer
+from ..training import clip
+from ..distributed import failures
+from .. import parallel
+from ..configuration.parallelism import ParallelismConfig
+from ..configuration.dtypes import compute_dtype
+from ..training.loss import GradientState
+from ..distributed.mesh import ParallelMesh
+from ..training.optim import AcceleratedOptimizer
 from ..parallel.sequence import SequenceSharding
-from ..prepared import PreparedObjects
-from ..runtime import heartbeat
+from ..training.prepared import PreparedObjects
+from ..distributed.runtime import heartbeat
 
 
 class TrainingStepMixin:
@@ -58,7 +61,7 @@ class TrainingStepMixin:
         """``loss.backward()``, with the loss weighted so gradients equal the single-process ones.
 
         `loss` must be this rank's mean loss over its own samples or tokens (what HF models return); see
-        `ndparallel.loss` for the factor and why.
+        `ndparallel.training.loss` for the factor and why.
         """
         heartbeat("backward")  # progress that `ndparallel launch --stall-timeout` watches
         kwargs.pop("learning_rate", None)  # Accelerate's LOMO argument: no LOMO optimizers here
@@ -214,7 +217,7 @@ class TrainingStepMixin:
 
 def _factor_like(loss: torch.Tensor, factor: float | torch.Tensor) -> float | torch.Tensor:
     """The loss factor as `loss` can be multiplied by it: a float as it is; a 0-dim tensor (computed on the device,
-    `ndparallel.loss.TokenTotal`) in the loss's dtype, and replicated over the loss's mesh when the loss is a
+    `ndparallel.training.loss.TokenTotal`) in the loss's dtype, and replicated over the loss's mesh when the loss is a
     DTensor (tensor parallelism's loss_parallel)."""
     if not isinstance(factor, torch.Tensor):
         return factor

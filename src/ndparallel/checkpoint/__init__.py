@@ -11,6 +11,8 @@ Hugging Face export. The Accelerator's methods (`save_state`, `load_state`, `sav
   small states), and the newest complete checkpoint of a project that verifies;
 - `training_state`: what `save_state` / `load_state` write and read, from the Accelerator's record of prepared objects;
 - `background`: ``save_state(async_save=True)``: host copies of the state, the writer thread, waiting for it;
+- `positional`: optimizers of no single prepared model, saved by position (every rank its own), loaded only under
+  the layout they were saved under;
 - `state_dicts`: a model's and optimizer's sharded state dicts as torch makes them, without its naming pass each call;
 - `export`: `save_model`, `get_state_dict`, `merge_weights` (``ndparallel merge-weights``);
 - `adapters`: PEFT models saved as PEFT saves them (the adapter), or with their LoRA merged in;
@@ -24,7 +26,7 @@ from .load_pretrained import announce, init_empty_weights, parallelize_loading_w
 from .manifest import read_metadata
 from .project import ProjectConfiguration, latest_checkpoint
 from .storage import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .training_state import FULL, SHARDED, RunSettings, load_state, save_state
+from .training_state import FULL, SHARDED, RunRecord, load_state, save_state
 
 __all__ = [
     "adapter_state_dict",
@@ -35,7 +37,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "FULL",
     "ProjectConfiguration",
-    "RunSettings",
+    "RunRecord",
     "SHARDED",
     "announce",
     "get_state_dict",

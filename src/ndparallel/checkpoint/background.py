@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..runtime import heartbeat
+from ..distributed.runtime import heartbeat
 from . import storage
 from .storage import rank
 

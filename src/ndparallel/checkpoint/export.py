@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..agreement import monitored_barrier
+from ..distributed.agreement import monitored_barrier
 from ..parallel import PreparedModel, interface
 from ..tracking import progress_bar
 from . import storage
@@ -105,8 +105,9 @@ def get_state_dict(model: nn.Module, unwrap: bool = True, call: str = "get_state
     """The full state dict: on the main process when parameters are sharded or split into pipeline stages (an empty
     dict elsewhere), on every rank otherwise. Collective when sharded: every rank first meets in a monitored barrier
     named `call` (the caller's name for it), so a call made on the main process only fails, naming it, as soon as
-    another rank reaches another of the library's collective calls (`ndparallel.agreement.monitored_barrier`). Keys
-    are the unwrapped model's names (unless ``unwrap=False``)."""
+    another rank reaches another of the library's collective calls
+    (`ndparallel.distributed.agreement.monitored_barrier`). Keys are the unwrapped model's names (unless
+    ``unwrap=False``)."""
     parts = interface(model)
     parts.release_gathered()
     if not parts.holds_every_parameter:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..agreement import monitored_barrier
+from ..distributed.agreement import monitored_barrier
 from ..parallel import interface
 from .adapters import adapter_state_dict, is_peft_model
 from .export import get_state_dict

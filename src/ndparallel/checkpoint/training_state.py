@@ -10,12 +10,14 @@ On disk (``<dir>/``; see `storage` for how it appears atomically):
     scheduler_<i>.pt, scaler.pt, custom_checkpoint_<i>.pt    rank 0, torch.save (loaded with weights_only=True)
     dataloaders.json, gradient_state.json                    rank 0
     random_states_<rank>.pt      every rank's Python / NumPy / torch (/ CUDA) generator states
+    optimizer_<i>_rank_<rank>.pt instead of optimizer_<i>/ for an optimizer of no single prepared model: every rank's
+                                 state by position, which loads only under the same layout (`positional`)
 
 Resharding. Model and optimizer states go through `torch.distributed.checkpoint.state_dict`
 (`get_state_dict` / `set_state_dict`), whose keys are the parameters' names in the unwrapped model and whose
 values are DTensors with *global* shapes; DCP reads into whatever sharding the loading model has. So a checkpoint
 saved under one ``ParallelismConfig`` loads under any other (world size, dp_replicate / dp_shard / tp mix, one
-process). The data loaders' positions are counted in samples of the pass (see `ndparallel.data`), which mean
+process). The data loaders' positions are counted in samples of the pass (see `ndparallel.training.data`), which mean
 the same thing under any data-parallel size. Random states are per rank: under another world size every rank
 continues rank 0's streams.
 
@@ -26,8 +28,8 @@ and leaves the prepared objects as they were. ``load_state()`` of a project skip
 for the newest one that verifies. A save writes into a staging directory (`storage`); a failed write raises on
 every rank, saying why (disk full, permission), and leaves previous checkpoints untouched.
 
-What is saved is the Accelerator's `ndparallel.prepared.PreparedObjects`; the run's settings that the metadata
-records come as a `RunSettings`.
+What is saved is the Accelerator's `ndparallel.training.prepared.PreparedObjects`; the run's settings that the metadata
+records come as a `RunRecord`.
 """
 
 from __future__ import annotations
@@ -55,11 +57,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._version import __version__
-from ..config import ParallelismConfig
+from ..configuration.parallelism import ParallelismConfig
 from ..parallel import interface, state_module, unwrap
-from ..prepared import PreparedObjects
-from ..runtime import heartbeat
-from . import background, storage, validate, verify
+from ..training.prepared import PreparedObjects
+from ..distributed.runtime import heartbeat
+from . import background, positional, storage, validate, verify
 from .manifest import model_tensors, tied_names
 from .project import (
     ProjectConfiguration,
@@ -80,7 +82,7 @@ SHARDED, FULL = validate.SHARDED, validate.FULL
 
 
 @dataclass(frozen=True)
-class RunSettings:
+class RunRecord:
     """The Accelerator's settings a checkpoint records (and `save_state` follows)."""
 
     parallelism: ParallelismConfig
@@ -91,21 +93,6 @@ class RunSettings:
 
 
 FLAT = "flat"  # the checkpoint's optimizer states are keyed by parameter name (`state_dicts.flat_optimizer_state`)
-
-
-# ---- what was prepared -------------------------------------------------------------------------------------------
-def _optimizer_owners(prepared: PreparedObjects) -> list[int]:
-    """For each prepared optimizer, the index of the prepared model whose parameters it updates."""
-    params = [{id(p) for p in m.parameters()} for m in prepared.models]
-    owners = []
-    for j, opt in enumerate(prepared.optimizers):
-        mine = {id(p) for group in opt.param_groups for p in group["params"]}
-        owner = next((i for i, ps in enumerate(params) if mine <= ps), None)
-        if owner is None:
-            raise CheckpointError(f"optimizer {j} updates parameters of no single prepared model; prepare every "
-                                  "model together with its optimizer before save_state / load_state")
-        owners.append(owner)
-    return owners
 
 
 def _hf_config_files(model: torch.nn.Module, directory: Path) -> None:
@@ -209,7 +196,7 @@ def _written(what: str, directory: Path, write: Callable[[], None]) -> None:
 
 
 # ---- save --------------------------------------------------------------------------------------------------------
-def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration,
+def save_state(prepared: PreparedObjects, run: RunRecord, project: ProjectConfiguration,
                output_dir: str | Path | None = None, async_save: bool = False,
                before_write: Callable[[Path], None] | None = None) -> Path:
     """Collective: write a checkpoint of everything `prepared` holds; return its directory (see the module doc).
@@ -238,7 +225,8 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
         warnings.warn("save_state() in the middle of a gradient-accumulation window: the gradients accumulated so far "
                       "are not saved; save after the optimizer step", stacklevel=3)
     prepared.release_gathered()  # after an evaluation forward: the parameters are the optimizer's again
-    owners = _optimizer_owners(prepared)
+    owners = positional.agreed_owners(prepared)  # None: an optimizer of no single prepared model: saved by position
+    by_position = positional.saved_states(prepared, owners)  # copied now (this rank's own)
     _check_layout(prepared, run.state_dict_type == FULL)
 
     def make_staging() -> tuple[Path, Path, str]:
@@ -255,7 +243,7 @@ def save_state(prepared: PreparedObjects, run: RunSettings, project: ProjectConf
     try:
         if before_write is not None:
             _run_hook(before_write, staging, "save_state")
-        parts = _parts(prepared, run, project, final, owners, staged=async_save)
+        parts = _parts(prepared, run, project, final, owners, by_position, staged=async_save)
     except BaseException:
         storage.discard_staging(staging)
         raise
@@ -286,10 +274,11 @@ class _Parts:
     metadata: dict[str, Any]
 
 
-def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfiguration, final: Path,
-           owners: list[int], staged: bool) -> _Parts:
+def _parts(prepared: PreparedObjects, run: RunRecord, project: ProjectConfiguration, final: Path,
+           owners: list[int | None], by_position: dict[int, dict[str, Any]], staged: bool) -> _Parts:
     """Collective when `staged` (the states are made and copied to host memory now); the small files are read now
-    either way, so that what is written is the state of this moment."""
+    either way, so that what is written is the state of this moment. `by_position`: this rank's states of the
+    optimizers of no single prepared model (`positional`), written as this rank's own files."""
     full = run.state_dict_type == FULL
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     # Sharded optimizer states are written flat, keyed by parameter name (`state_dicts.flat_optimizer_state`).
@@ -304,7 +293,7 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
     fresh = [j for j, opt in enumerate(prepared.optimizers) if not opt.optimizer.state]
 
     def optimizer_state(j: int, state: dict[str, Any] | None = None) -> dict[str, Any]:
-        opt, owner = prepared.optimizers[j], prepared.models[owners[j]]
+        opt, owner = prepared.optimizers[j], prepared.models[owners[j]]  # type: ignore[index] - not a positional one
         if state is None:
             state = get_optimizer_state_dict(state_module(owner), opt.optimizer, options=optimizer_options)
         elif not full:
@@ -314,7 +303,8 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
         return _renamed(state, _tied_copy_names(owner))
 
     for j in range(len(prepared.optimizers)):
-        states.append((f"optimizer {j}", f"optimizer_{j}", functools.partial(optimizer_state, j), None))
+        if owners[j] is not None:
+            states.append((f"optimizer {j}", f"optimizer_{j}", functools.partial(optimizer_state, j), None))
     tables = None
     if staged:  # a copy in host memory, made now: training may change the parameters as soon as this returns
         made: dict[str, dict[str, Any]] = {}
@@ -345,11 +335,12 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
                 obj.state_dict(), f"registered object {k} ({type(obj).__name__})")
         small["dataloaders.json"] = storage.json_bytes([dl.state_dict() for dl in prepared.dataloaders])
         small["gradient_state.json"] = storage.json_bytes(prepared.gradient_state.state_dict())
-    if staged:  # the states of now, serialised by the writer thread (`_write_parts`)
-        small[f"random_states_{rank()}.pt"] = functools.partial(storage.torch_bytes, _rng_state(), "RNG state",
-                                                                check=False)
-    else:
-        small[f"random_states_{rank()}.pt"] = storage.torch_bytes(_rng_state(), "RNG state", check=False)
+    own = {f"random_states_{rank()}.pt": (_rng_state(), "RNG state", False)}  # every rank its own, of now
+    for j, state in by_position.items():
+        own[positional.file_name(j, rank())] = (state, f"optimizer {j}", True)
+    for file, (state, what, check) in own.items():  # a background save serialises them in its writer thread
+        serialise = functools.partial(storage.torch_bytes, state, what, check=check)
+        small[file] = serialise if staged else serialise()
     metadata = {
         "format": storage.FORMAT, "format_version": storage.FORMAT_VERSION, "complete": True,
         "step": prepared.gradient_state.optimizer_steps,
@@ -364,7 +355,7 @@ def _parts(prepared: PreparedObjects, run: RunSettings, project: ProjectConfigur
     return _Parts(states, small, metadata)
 
 
-def _write_parts(parts: _Parts, run: RunSettings, project: ProjectConfiguration, final: Path, staging: Path,
+def _write_parts(parts: _Parts, run: RunRecord, project: ProjectConfiguration, final: Path, staging: Path,
                  started: float) -> None:
     """Collective: write every file into `staging`, checksum them, then (rank 0) commit it as `final`; on a failure,
     every rank removes the staging directory and raises."""
@@ -461,21 +452,24 @@ def _check_optimizer_layout(prepared: PreparedObjects, meta: dict[str, Any], pat
 
 
 def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_dir: str | Path | None = None,
-               before_load: Callable[[Path], None] | None = None) -> Path:
+               before_load: Callable[[Path], None] | None = None,
+               parallelism: ParallelismConfig | None = None) -> Path:
     """Collective: restore everything `save_state` wrote into the `prepared` objects; return the directory.
 
     Every file is checked (checksums, then the values of the small files) before anything is loaded, so a bad
     checkpoint raises the same `CheckpointError` on every rank and leaves `prepared` as it was. Without
     `input_dir` (automatic naming), a damaged newest checkpoint is skipped, with a warning, for the newest one that
     verifies; with `input_dir`, it raises. `before_load(directory)` runs on every rank once the checkpoint has
-    verified, before anything is loaded (Accelerate's load-state pre-hooks)."""
+    verified, before anything is loaded (Accelerate's load-state pre-hooks). `parallelism`: this run's, which an
+    optimizer saved by position must have been saved under (`positional`)."""
     background.wait()  # a background save under way first commits (or fails)
     prepared.release_gathered()  # a gathered copy left by an evaluation forward would not see the loaded values
+    layout = None if parallelism is None else parallelism.to_dict()
     if input_dir is not None:
         path = Path(input_dir)
-        meta, small = verify.check(prepared, path)
+        meta, small = verify.check(prepared, path, layout)
     else:
-        path, meta, small = verify.check_newest(prepared, project)
+        path, meta, small = verify.check_newest(prepared, project, layout)
     _check_layout(prepared, meta["state_dict_type"] == FULL)
     _check_optimizer_layout(prepared, meta, path)
     if before_load is not None:
@@ -492,6 +486,9 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
             for k, (obj, state) in enumerate(zip(prepared.custom_objects, small["custom"])):
                 what = f"registered object {k} ({type(obj).__name__})"
                 load(obj, state)
+            for j, state in small["positional"].items():  # optimizers saved by position (`positional`)
+                what = f"optimizer {j}"
+                load(prepared.optimizers[j].optimizer, positional.torch_state(state, prepared.optimizers[j].optimizer))
             for k, (scheduler, state) in enumerate(zip(prepared.schedulers, small["schedulers"])):
                 what = f"LR scheduler {k}"
                 load(scheduler, state)
@@ -516,6 +513,8 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
     optimizer_options = StateDictOptions(full_state_dict=full, cpu_offload=full, broadcast_from_rank0=full,
                                          flatten_optimizer_state_dict=flat)
     for j, opt in enumerate(prepared.optimizers):
+        if meta["optimizer_models"][j] is None:  # loaded by position above
+            continue
         owner = prepared.models[meta["optimizer_models"][j]]
         model = state_module(owner)
         state = {} if full else get_optimizer_state_dict(

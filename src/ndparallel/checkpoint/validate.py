@@ -33,7 +33,7 @@ def _optional_int(value: Any, minimum: int = 0) -> bool:
     return value is None or _is_int(value, minimum)
 
 
-def _fail(path: Path, file: str, problem: str) -> CheckpointCorruptError:
+def fail(path: Path, file: str, problem: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(
         f"checkpoint {path}: {file} {problem}. The file matches its recorded checksum, so it was written this way "
         "(edited by hand, or by another program); use another checkpoint")
@@ -58,9 +58,10 @@ def check_metadata(meta: dict[str, Any], path: Path, models: int, optimizers: in
     if meta.get("state_dict_type") not in (SHARDED, FULL):
         problems.append(f"'state_dict_type' must be {SHARDED!r} or {FULL!r}, got {meta.get('state_dict_type')!r}")
     owners = meta.get("optimizer_models")
-    if not (isinstance(owners, list) and len(owners) == optimizers and all(_is_int(o) and o < models for o in owners)):
+    if not (isinstance(owners, list) and len(owners) == optimizers
+            and all(o is None or (_is_int(o) and o < models) for o in owners)):
         problems.append(f"'optimizer_models' must list the model index of each of the {optimizers} optimizer(s), "
-                        f"got {owners!r}")
+                        f"got {owners!r} (null: one saved by position)")
     fresh = meta.get("fresh_optimizers", [])  # absent in checkpoints written before it was recorded
     if not (isinstance(fresh, list) and all(_is_int(j) and j < optimizers for j in fresh)):
         problems.append(f"'fresh_optimizers' must list indices of the {optimizers} optimizer(s), got {fresh!r}")
@@ -70,18 +71,19 @@ def check_metadata(meta: dict[str, Any], path: Path, models: int, optimizers: in
             for t in tensors)):
         problems.append(f"'model_tensors' must give the tensor shapes of each of the {models} model(s)")
     if problems:
-        raise _fail(path, file, "is not valid: " + "; ".join(problems))
+        raise fail(path, file, "is not valid: " + "; ".join(problems))
 
 
 def check_dataloaders(states: Any, path: Path, count: int) -> None:
-    """``dataloaders.json``: one position per prepared data loader (see `ndparallel.data.PreparedDataLoader`)."""
+    """``dataloaders.json``: one position per prepared data loader (see
+    `ndparallel.training.data.PreparedDataLoader`)."""
     file = "dataloaders.json"
     if not isinstance(states, list) or len(states) != count:
         n = len(states) if isinstance(states, list) else type(states).__name__
-        raise _fail(path, file, f"must be a list of {count} data loader state(s), got {n}")
+        raise fail(path, file, f"must be a list of {count} data loader state(s), got {n}")
     for i, state in enumerate(states):
         if not isinstance(state, dict):
-            raise _fail(path, file, f"entry {i} must be a mapping, got {type(state).__name__}")
+            raise fail(path, file, f"entry {i} must be a mapping, got {type(state).__name__}")
         checks = {"epoch": _is_int(state.get("epoch")), "position": _is_int(state.get("position")),
                   "unit": state.get("unit") in ("samples", "batches"),
                   "batch_size": _optional_int(state.get("batch_size"), 1),
@@ -90,19 +92,19 @@ def check_dataloaders(states: Any, path: Path, count: int) -> None:
                   "dataset_length": _optional_int(state.get("dataset_length"))}
         bad = [f"{key}={state.get(key, '<missing>')!r}" for key, ok in checks.items() if not ok]
         if bad:
-            raise _fail(path, file, f"entry {i} has invalid values: {', '.join(bad)} (epoch and position: ints >= 0; "
+            raise fail(path, file, f"entry {i} has invalid values: {', '.join(bad)} (epoch and position: ints >= 0; "
                                     "unit: 'samples' or 'batches')")
 
 
 def check_gradient_state(state: Any, path: Path) -> None:
-    """``gradient_state.json``: the counters of `ndparallel.loss.GradientState`."""
+    """``gradient_state.json``: the counters of `ndparallel.training.loss.GradientState`."""
     if not isinstance(state, dict):
-        raise _fail(path, "gradient_state.json", f"must be a mapping, got {type(state).__name__}")
+        raise fail(path, "gradient_state.json", f"must be a mapping, got {type(state).__name__}")
     checks = {"step": _is_int(state.get("step")), "num_steps": _is_int(state.get("num_steps")),
               "sync_gradients": isinstance(state.get("sync_gradients"), bool)}
     bad = [f"{key}={state.get(key, '<missing>')!r}" for key, ok in checks.items() if not ok]
     if bad:
-        raise _fail(path, "gradient_state.json", f"has invalid values: {', '.join(bad)} (step and num_steps: ints "
+        raise fail(path, "gradient_state.json", f"has invalid values: {', '.join(bad)} (step and num_steps: ints "
                                                  ">= 0; sync_gradients: true or false)")
 
 
@@ -125,16 +127,16 @@ def check_rng(state: Any, path: Path, file: str) -> None:
     except ImportError:
         pass
     except Exception as exc:  # noqa: BLE001 - whatever the generators refuse
-        raise _fail(path, file, f"does not hold valid random generator states ({type(exc).__name__}: {exc})") from None
+        raise fail(path, file, f"does not hold valid random generator states ({type(exc).__name__}: {exc})") from None
 
 
 def check_mapping(state: Any, path: Path, file: str, keys: tuple[str, ...] = ()) -> None:
     """A state that must be a mapping (LR scheduler, grad scaler) with at least `keys`."""
     if not isinstance(state, dict):
-        raise _fail(path, file, f"must hold a mapping, got {type(state).__name__}")
+        raise fail(path, file, f"must hold a mapping, got {type(state).__name__}")
     missing = [k for k in keys if k not in state]
     if missing:
-        raise _fail(path, file, f"lacks {missing}")
+        raise fail(path, file, f"lacks {missing}")
 
 
 def check_scaler(state: Any, path: Path) -> None:

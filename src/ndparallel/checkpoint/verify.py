@@ -13,9 +13,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ..parallel import unwrap
-from ..prepared import PreparedObjects
-from ..runtime import heartbeat
-from . import storage, validate
+from ..training.prepared import PreparedObjects
+from ..distributed.runtime import heartbeat
+from . import positional, storage, validate
 from .manifest import compare_tensors, model_tensors, read_metadata
 from .project import ProjectConfiguration, complete_checkpoints
 from .storage import (
@@ -48,9 +48,11 @@ def components(prepared: PreparedObjects) -> dict[str, Any]:
     }
 
 
-def read_and_compare(prepared: PreparedObjects, path: Path, tables: list[dict[str, list[int]]]) -> dict[str, Any]:
+def read_and_compare(prepared: PreparedObjects, path: Path, tables: list[dict[str, list[int]]],
+                     layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem.
-    `tables`: the prepared models' tensors (`manifest.model_tensors`, collective)."""
+    `tables`: the prepared models' tensors (`manifest.model_tensors`, collective); `layout`: this run's
+    ``ParallelismConfig.to_dict()``, which optimizers saved by position must have been saved under (`positional`)."""
     meta = read_metadata(path)
     mine = components(prepared)
     keys = ("models", "optimizers", "schedulers", "dataloaders", "custom_objects", "scaler")
@@ -67,6 +69,8 @@ def read_and_compare(prepared: PreparedObjects, path: Path, tables: list[dict[st
         raise CheckpointError(f"checkpoint {path}: the optimizers had {meta.get('param_groups')} parameter groups, "
                               f"these have {mine['param_groups']}")
     validate.check_metadata(meta, path, len(prepared.models), len(prepared.optimizers))
+    positional.check_owners(prepared, meta, path)
+    positional.check_layout(meta, path, layout)
     for i, expected in enumerate(tables):
         problem = compare_tensors(meta["model_tensors"][i], expected, f"checkpoint {path}: model {i}")
         if problem:
@@ -78,7 +82,8 @@ def check_dcp_metadata(prepared: PreparedObjects, path: Path, meta: dict[str, An
     """Rank 0: read DCP's own (pickled) metadata files safely, so a bad one fails here and not inside DCP."""
     if meta["state_dict_type"] == SHARDED:
         names = [f"model_{i}" for i in range(len(prepared.models))]
-        for name in names + [f"optimizer_{j}" for j in range(len(prepared.optimizers))]:
+        named = [j for j, owner in enumerate(meta["optimizer_models"]) if owner is not None]  # DCP; not positional
+        for name in names + [f"optimizer_{j}" for j in named]:
             storage.read_dcp_metadata(path / name)
 
 
@@ -98,18 +103,27 @@ def read_small(prepared: PreparedObjects, path: Path, meta: dict[str, Any]) -> d
     validate.check_dataloaders(small["dataloaders"], path, len(prepared.dataloaders))
     small["gradient_state"] = storage.read_json(path / "gradient_state.json", "gradient state")
     validate.check_gradient_state(small["gradient_state"], path)
+    small["positional"] = {}  # optimizers saved by position: this rank's own file (same world size: `check_layout`)
+    for j, owner in enumerate(meta["optimizer_models"]):
+        if owner is None:
+            file = positional.file_name(j, rank())
+            state = storage.load_torch_file(path / file, f"optimizer {j}")
+            positional.check_parameters(state, prepared.optimizers[j].optimizer, path, j, file)
+            small["positional"][j] = state
     rng_file = f"random_states_{rank() if meta['world_size'] == world_size() else 0}.pt"
     small["rng"] = storage.load_torch_file(path / rng_file, "RNG state")
     validate.check_rng(small["rng"], path, rng_file)
     return small
 
 
-def check(prepared: PreparedObjects, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def check(prepared: PreparedObjects, path: Path, layout: dict[str, Any] | None = None
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: everything about `path` that can be checked without touching `prepared` -- metadata, every
-    file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states)."""
+    file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states). `layout`:
+    see `read_and_compare`."""
     heartbeat(f"load_state: checking {path.name}")
     tables = [model_tensors(m) for m in prepared.models]  # collective under pipeline stages
-    meta = on_main(lambda: read_and_compare(prepared, path, tables))
+    meta = on_main(lambda: read_and_compare(prepared, path, tables, layout))
     storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
     on_main(lambda: check_dcp_metadata(prepared, path, meta))
     error, small = None, {}
@@ -131,14 +145,15 @@ def candidates(project: ProjectConfiguration) -> list[Path]:
     return found[::-1]
 
 
-def check_newest(prepared: PreparedObjects, project: ProjectConfiguration) -> tuple[Path, dict, dict]:
+def check_newest(prepared: PreparedObjects, project: ProjectConfiguration, layout: dict[str, Any] | None = None
+                 ) -> tuple[Path, dict, dict]:
     """Collective: the newest checkpoint of the project that verifies, warning (rank 0) about each newer one that
     is damaged; one that does not fit `prepared` (another model...) raises, as an explicit path does."""
     skipped: list[str] = []
     found = candidates(project)
     for i, path in enumerate(found):
         try:
-            meta, small = check(prepared, path)
+            meta, small = check(prepared, path, layout)
         except (storage.CheckpointCorruptError, CheckpointNotFoundError) as exc:
             skipped.append(f"{path.name}: {exc}")
             if rank() == 0:

@@ -16,11 +16,11 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    a count X and, with ``average_tokens_across_devices``, multiplies it by M = processes / tp (DDP averages
    gradients over processes); its own X counts tokens over every process and divides by tp * cp * sp. ndparallel
    averages gradients over the W ranks of the ``loss`` view (batch x cp x sp) and counts each sample's tokens once
-   (`ndparallel.loss.count_loss_tokens` on the full rows, summed over ``batch``), giving N, the tokens of the whole
-   optimizer step. X = N * M / W makes every rank's loss S * W / N, so the averaged gradient is the one process's
+   (`ndparallel.training.loss.count_loss_tokens` on the full rows, summed over ``batch``), giving N, the tokens of the
+   whole optimizer step. X = N * M / W makes every rank's loss S * W / N, so the averaged gradient is the one process's
    grad(sum S / N) and the logged loss (the Trainer's mean over processes) its sum S / N -- with
-   ``average_tokens_across_devices`` on (M = W without pipeline stages) and off (M = 1), and whatever the -100
-   labels over ranks and micro-batches.
+   ``average_tokens_across_devices`` on (M = W without pipeline stages) and off (M = 1), and whatever the -100 labels
+   over ranks and micro-batches.
 3. Context and sequence parallelism (`_prepare_context_parallel_inputs`): ``shift_labels`` made before sharding,
    ``position_ids`` added, then every sequence tensor of the batch sharded by `Accelerator.maybe_context_parallel`
    (cp and sp alike; padded and packed rows included: ndparallel keeps their masks). TRL's padding-free fields
@@ -35,8 +35,13 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    skips the consumed batches of ndparallel's data loader (`skip_first_batches`). The LR scheduler and the Trainer's
    state are the Trainer's files.
 
-Supported versions: `SUPPORTED_TRANSFORMERS` (tested with 5.24.0; TRL 1.16.0). Another version is refused, with the
-range, when a Trainer would be taken over.
+Supported versions: `SUPPORTED_TRANSFORMERS`, every minor from 5.16 (what Axolotl 0.19 pins) through 5.24, whose
+Trainers have the methods replaced here with the same signatures and the same calls to them (read in each minor's
+source; where they differ, the replacements do not call the Trainer's own). One difference matters: the factor M by
+which ``compute_loss`` multiplies the loss (item 2) divides the processes by ``get_tp_size()`` from 5.19 on, by its
+Accelerator's ``parallelism_config.tp_size`` before (`_loss_multiplier`). Tested with transformers 5.24.0, TRL 1.16.0,
+PEFT 0.21.2, and with 5.16.1, TRL 1.9.2, PEFT 0.20.0, Accelerate 1.13.0 (``.ci/run``'s second environment). Another
+version is refused, with the range, when a Trainer would be taken over.
 """
 
 from __future__ import annotations
@@ -53,16 +58,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import checkpoint, plugins
-from ..agreement import monitored_barrier
+from .. import checkpoint
+from ..configuration import plugins
+from ..distributed.agreement import monitored_barrier
 from ..accelerator import Accelerator
-from ..config import ParallelismConfig
-from ..data import PreparedDataLoader
-from ..loss import IGNORE_INDEX, count_loss_tokens
-from ..prepared import PreparedObjects
+from ..configuration.parallelism import ParallelismConfig
+from ..training.data import PreparedDataLoader
+from ..training.loss import IGNORE_INDEX, count_loss_tokens
+from ..training.prepared import PreparedObjects
 from ..launch.worker import launch_sizes
 
-SUPPORTED_TRANSFORMERS = (">=5.24", "<5.25")
+SUPPORTED_TRANSFORMERS = (">=5.16", "<5.25")
 CHECKPOINT_SUBDIR = "ndparallel"  # inside the Trainer's checkpoint-<step> folder
 _BUILDING: list[Any] = []  # the Trainer whose Accelerator is being built (create_accelerator_and_postprocess)
 
@@ -216,7 +222,7 @@ def get_num_items_in_batch(original: Callable[..., Any]) -> Callable[..., Any]:
         total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=acc.device)
         if acc.mesh.size("batch") > 1:
             dist.all_reduce(total, group=acc.mesh.group("batch"))
-        multiplier = acc.num_processes // self.get_tp_size() if self.args.average_tokens_across_devices else 1
+        multiplier = _loss_multiplier(self) if self.args.average_tokens_across_devices else 1
         if torch.is_grad_enabled():  # training: see the module docstring, item 2: X = N * M / W
             acc.loss_scale_after_the_call = float(multiplier)  # pipeline stages weigh their loss by it
             ranks = acc.mesh.size("loss")
@@ -224,6 +230,19 @@ def get_num_items_in_batch(original: Callable[..., Any]) -> Callable[..., Any]:
             ranks = acc.mesh.size("batch")
         return (total * multiplier / ranks).to(torch.float32).squeeze(0)
     return wrapper
+
+
+def _loss_multiplier(trainer: Any) -> int:
+    """M of item 2: what ``compute_loss`` multiplies the loss by under ``average_tokens_across_devices`` -- the
+    processes over the tensor-parallel size, which transformers reads from ``get_tp_size()`` since 5.19 and from its
+    Accelerator's ``parallelism_config`` before."""
+    import transformers
+    from packaging.version import Version
+
+    acc = trainer.accelerator
+    if Version(transformers.__version__) >= Version("5.19"):
+        return acc.num_processes // trainer.get_tp_size()
+    return acc.num_processes // acc.parallelism_config.tp_size
 
 
 def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -344,7 +363,8 @@ def load_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[..., 
         if not os.path.isdir(directory):
             raise ValueError(f"resume_from_checkpoint={resume!r} has no {CHECKPOINT_SUBDIR}/ folder: it was not "
                              "written by a Trainer on ndparallel, whose optimizer states are sharded there")
-        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory)
+        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory,
+                              parallelism=self.accelerator.state.parallelism_config)
         scheduler = os.path.join(resume, "scheduler.pt")
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -391,7 +411,8 @@ def load_best_model(original: Callable[..., Any]) -> Callable[..., Any]:
         if not taken_over(self):
             return original(self)
         directory = os.path.join(self.state.best_model_checkpoint, CHECKPOINT_SUBDIR)
-        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory)
+        checkpoint.load_state(_checkpointed(self), checkpoint.ProjectConfiguration(), directory,
+                              parallelism=self.accelerator.state.parallelism_config)
         return None
     return wrapper
 

@@ -26,8 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ndparallel.config import ACCELERATE_ENV_PREFIX, SIZE_FIELDS, ParallelismConfig
-from ndparallel.plugins import FSDP_ENV_PREFIX, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from ..configuration.environment import ACCELERATE_ENV_PREFIX
+from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
+from ..configuration.plugins import FSDP_ENV_PREFIX, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 # ``accelerate config``'s keys (Accelerate's BaseConfig and ClusterConfig), as its YAML files hold them.
 FILE_KEYS = frozenset({
@@ -311,7 +312,7 @@ def to_file(config: ParallelismConfig | None, launch: Mapping[str, Any]) -> dict
     ``distributed_type`` is FSDP when the layout shards parameters (as ndparallel lays it out), else MULTI_CPU /
     MULTI_GPU (NO for one process). Accelerate files hold no accumulation steps: a value other than 1 is refused.
     """
-    from ndparallel.parallel.data_parallel import uses_fsdp
+    from ..parallel.data_parallel import uses_fsdp
 
     if launch.get("gradient_accumulation_steps", 1) != 1:
         raise ValueError("an accelerate config file holds no gradient_accumulation_steps: pass it to "

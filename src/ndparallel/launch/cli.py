@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ndparallel.config import ENV_PREFIX, MIXED_PRECISION, SIZE_FIELDS, ParallelismConfig
-from ndparallel.launch import accelerate_launch, plan_commands, schedulers
-from ndparallel.launch.arguments import PROG, error, spellings
+from ..configuration.environment import ENV_PREFIX
+from ..configuration.dtypes import MIXED_PRECISION
+from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
+from . import accelerate_launch, plan_commands, schedulers
+from .arguments import PROG, error, spellings
 
 DEFAULT_CONFIG_FILE = "ndparallel_config.yaml"
 
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- launch ---------------------------------------------------------------------------------------------
 def cmd_launch(args: argparse.Namespace) -> int:
-    from ndparallel.launch.launcher import plan_launch, run_plan
+    from .launcher import plan_launch, run_plan
 
     try:
         plan = plan_launch(args)
@@ -180,7 +182,7 @@ def _checked_sizes(sizes: dict[str, int], nproc_per_node: int | None, nnodes: in
 def _prompt_settings(args: argparse.Namespace) -> None:
     import torch
 
-    from ndparallel.launch.launcher import default_nproc, positive_int
+    from .launcher import default_nproc, positive_int
 
     for name in SIZE_FIELDS:
         size = _ask(name, 1, lambda text, name=name: getattr(_checked_sizes({name: int(text)}, None, 1), name))
@@ -208,7 +210,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     ``parallelism`` section stays empty, so ``launch`` passes no sizes (as without size flags)."""
     import yaml
 
-    from ndparallel.launch.launcher import check_launch_settings, config_file_data, default_nproc, positive_int
+    from .launcher import check_launch_settings, config_file_data, default_nproc, positive_int
 
     keys = [*SIZE_FIELDS, "nproc_per_node", "nnodes", "mixed_precision", "gradient_accumulation_steps", "cpu"]
     if all(getattr(args, key) is None for key in keys) and sys.stdin.isatty():
@@ -289,8 +291,8 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 # ---- merge-weights --------------------------------------------------------------------------------------
 def cmd_merge_weights(args: argparse.Namespace) -> int:
-    from ndparallel.checkpoint import CheckpointError, merge_weights
-    from ndparallel.checkpoint.export import describe_output
+    from ..checkpoint import CheckpointError, merge_weights
+    from ..checkpoint.export import describe_output
 
     try:
         out = merge_weights(args.checkpoint_dir, args.output_dir, model_index=args.model_index,

@@ -19,7 +19,8 @@ Beyond torchrun:
   hosts it; torchrun's store then reuses the same server): a node rank claimed twice, a node 0 started on another host,
   a port already taken, and nodes that do not arrive within ``--rdzv-timeout`` seconds end the launch with a message
   naming the endpoint, the node count and the node ranks (`roll_call`);
-- with ``--stall-timeout S``, a rank whose library heartbeat (`ndparallel.runtime.heartbeat`) is older than S seconds
+- with ``--stall-timeout S``, a rank whose library heartbeat (`ndparallel.distributed.runtime.heartbeat`) is older than
+S seconds
   is reported -- rank, host, pid, last library call -- and killed, so the job ends non-zero, or restarts under
   ``--max-restarts`` as after a crash (`StallWatch`).
 """
@@ -36,20 +37,14 @@ from typing import Any
 
 import torch
 
-from ndparallel.config import (
-    ACCUMULATION_ENV,
-    MIXED_PRECISION,
-    MIXED_PRECISION_ENV,
-    SIZE_FIELDS,
-    ParallelismConfig,
-    load_yaml,
-    size_env_var,
-)
-from ndparallel.launch import accelerate_launch, schedulers
-from ndparallel.launch.accelerate_launch import Translated
-from ndparallel.launch.supervision import LaunchError, RollCall, StallWatch, note
-from ndparallel.launch.worker import LAUNCHER_PID_ENV
-from ndparallel.runtime import CPU_ENV, HEARTBEAT_ENV
+from ..configuration.environment import ACCUMULATION_ENV, MIXED_PRECISION_ENV, load_yaml, size_env_var
+from ..configuration.dtypes import MIXED_PRECISION
+from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
+from . import accelerate_launch, schedulers
+from .accelerate_launch import Translated
+from .supervision import LaunchError, RollCall, StallWatch, note
+from .worker import LAUNCHER_PID_ENV
+from ..distributed.runtime import CPU_ENV, HEARTBEAT_ENV
 
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 WORKER = str(Path(__file__).resolve().parent / "worker.py")  # what torchrun runs; it runs the script

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ndparallel.config import AXIS_FIELDS, SIZE_FIELDS, ParallelismConfig
-from ndparallel.launch.arguments import error, spellings
+from ..configuration.parallelism import AXIS_FIELDS, SIZE_FIELDS, ParallelismConfig
+from .arguments import error, spellings
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,17 +112,17 @@ def add_parsers(sub: Any) -> None:
 
 # ---- plan, estimate-memory (ndparallel.planner) ---------------------------------------------------------------
 def _plan_config_file(row: Any, nodes: int, gpus_per_node: int) -> dict[str, Any]:
-    from ndparallel.launch.launcher import check_launch_settings, config_file_data
+    from .launcher import check_launch_settings, config_file_data
 
     launch = check_launch_settings({"nproc_per_node": gpus_per_node, "nnodes": nodes,
-                                    "mixed_precision": "bf16" if row.setting.mixed_precision == "bf16" else "no",
-                                    "gradient_accumulation_steps": row.setting.accumulation, "cpu": False},
+                                    "mixed_precision": "bf16" if row.recipe.mixed_precision == "bf16" else "no",
+                                    "gradient_accumulation_steps": row.recipe.accumulation, "cpu": False},
                                    "ndparallel plan")
     return config_file_data(ParallelismConfig(**row.layout.config_kwargs()), launch)
 
 
 def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
-    from ndparallel.planner import Request
+    from ..planner import Request
 
     return Request(model=model, hardware=hardware, nodes=args.nodes,
                    gpus_per_node=args.gpus_per_node or hardware.gpus_per_node, seq_len=args.seq_len,
@@ -137,14 +137,7 @@ def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     import yaml
 
-    from ndparallel.planner import (
-        get_hardware,
-        load_model,
-        parse_layout,
-        plan,
-        report,
-        row_for,
-    )
+    from ..planner import get_hardware, load_model, parse_layout, plan, report, row_for
 
     if args.max_seq:
         return _plan_max_seq(args)
@@ -189,7 +182,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if config is not None:
             print("\n" + report.recommendation(best, yaml.safe_dump(config, sort_keys=False)))
         if measured is not None:
-            from ndparallel.planner import measure
+            from ..planner import measure
 
             print("\nmeasured on this machine (ranked by measured tokens/s per GPU):\n" + measure.table(measured))
     if measured is not None and not any("error" not in r for r in measured):
@@ -206,9 +199,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_max_seq(args: argparse.Namespace) -> int:
     """``plan --max-seq``: the longest sequence per layout (`ndparallel.planner.longest`)."""
-    from ndparallel.planner import get_hardware, load_model
-    from ndparallel.planner.longest import longest, longest_text
-    from ndparallel.planner.offload import host_bytes
+    from ..planner import get_hardware, load_model
+    from ..planner.longest import longest, longest_text
+    from ..planner.offload import host_bytes
 
     try:
         hardware = get_hardware(args.gpu, args.hardware)
@@ -230,7 +223,7 @@ def _plan_max_seq(args: argparse.Namespace) -> int:
 
 def _plan_measure(args: argparse.Namespace, request: Any, result: Any) -> list[dict[str, Any]]:
     """Run the best fitting layouts with the --measure script (`ndparallel.planner.measure`)."""
-    from ndparallel.planner import measure
+    from ..planner import measure
 
     if not args.measure:
         raise ValueError("--measure needs a script: --measure SCRIPT [ARGS] (last on the command line)")
@@ -243,11 +236,11 @@ def _plan_measure(args: argparse.Namespace, request: Any, result: Any) -> list[d
                            lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def _expert_figures(args: argparse.Namespace, layout: Any, setting: Any) -> Any:
+def _expert_figures(args: argparse.Namespace, layout: Any, recipe: Any) -> Any:
     """For a mixture-of-experts config, `planner.experts.expert_figures` of the layout and ep_size; None for a dense
     one (where ep_size > 1 is refused)."""
-    from ndparallel.planner.experts import expert_figures, expert_spec
-    from ndparallel.planner.model import read_config
+    from ..planner.experts import expert_figures, expert_spec
+    from ..planner.model import read_config
 
     data, where = read_config(args.model)
     spec = expert_spec(data, where)
@@ -255,14 +248,14 @@ def _expert_figures(args: argparse.Namespace, layout: Any, setting: Any) -> Any:
         if args.ep_size != 1:
             raise ValueError(f"--ep-size {args.ep_size}: {where} is not a mixture of experts")
         return None
-    return expert_figures(spec, layout.fsdp, args.ep_size, setting.tokens(layout), setting.accumulation,
-                          setting.compute_bytes, setting.checkpointing, setting.optimizer)
+    return expert_figures(spec, layout.fsdp, args.ep_size, recipe.tokens(layout), recipe.accumulation,
+                          recipe.compute_bytes, recipe.checkpointing, recipe.optimizer)
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
-    from ndparallel.planner import Layout, Setting, get_hardware, load_model, report
-    from ndparallel.planner.layouts import Constraints, reasons
-    from ndparallel.planner.memory import estimate
+    from ..planner import Layout, Recipe, get_hardware, load_model, report
+    from ..planner.layouts import Constraints, reasons
+    from ..planner.memory import estimate
 
     try:
         layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in AXIS_FIELDS}, ep=args.ep_size)
@@ -270,10 +263,10 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
             raise ValueError(f"every size must be >= 1, got {layout.all_sizes()}")
         if args.seq_len is None:
             raise ValueError("--seq-len is required")
-        setting = Setting(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
+        recipe = Recipe(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
                           args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
                           args.chunked_loss == "on", args.tiled_mlp, args.offload, offload_params=args.offload_params)
-        experts = _expert_figures(args, layout, setting)  # a mixture of experts: expert parallelism's figures
+        experts = _expert_figures(args, layout, recipe)  # a mixture of experts: expert parallelism's figures
         model = load_model(args.model)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch
         why = reasons(layout, Constraints(model, args.seq_len, samples, layout.world, allow_cross_node_tp=True))
@@ -286,7 +279,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
             fragmentation = hardware.fragmentation
         elif args.memory_gib:
             budget = args.memory_gib * 2**30
-        memory = estimate(model, layout, setting, fragmentation)
+        memory = estimate(model, layout, recipe, fragmentation)
     except (ValueError, FileNotFoundError) as exc:
         return error("estimate-memory", exc)
     if args.json:
@@ -299,7 +292,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
                          indent=1))
     else:
         print(f"{model.name}: {report.model_size(model)}, {layout.world} GPU(s)")
-        print(report.memory_text(layout, setting, memory, budget))
+        print(report.memory_text(layout, recipe, memory, budget))
         if experts is not None:
             print("\n".join(experts.lines()))
     return 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ndparallel.launch.worker import STACK_SIGNAL, alive
+from .worker import STACK_SIGNAL, alive
 
 
 class LaunchError(RuntimeError):
@@ -183,9 +183,9 @@ class RollCall:
 @dataclass
 class StallWatch:
     """In the launcher: reads the heartbeats of this node's ranks (``<directory>/rank_<r>.json``, written by
-    `ndparallel.runtime.heartbeat`) every few seconds; when one is older than `timeout` seconds and its process is
-    alive, reports it -- rank, host, pid, last library call, and what the other ranks of the node last did -- and
-    kills it with SIGKILL: torchrun then stops the other ranks and ends the job non-zero, or restarts it under
+    `ndparallel.distributed.runtime.heartbeat`) every few seconds; when one is older than `timeout` seconds and its
+    process is alive, reports it -- rank, host, pid, last library call, and what the other ranks of the node last did --
+    and kills it with SIGKILL: torchrun then stops the other ranks and ends the job non-zero, or restarts it under
     ``--max-restarts``. Ranks that never made a library call are not watched."""
 
     directory: Path

@@ -167,7 +167,7 @@ def attach_integrations() -> None:
             after_import(name, "ndparallel.integrations:on_import")
 
 
-HEARTBEAT_DIR_ENV = "NDPARALLEL_HEARTBEAT_DIR"  # = ndparallel.runtime.HEARTBEAT_ENV (this file imports no ndparallel)
+HEARTBEAT_DIR_ENV = "NDPARALLEL_HEARTBEAT_DIR"  # = ndparallel.distributed.runtime.HEARTBEAT_ENV (this file imports no ndparallel)
 STACK_SIGNAL = signal.SIGUSR1 if hasattr(signal, "SIGUSR1") else None
 _stack_file = None  # kept open: faulthandler writes into it from a signal handler
 
@@ -199,9 +199,9 @@ def main(argv: list) -> None:
     finally:
         # Whatever the script was (ndparallel's Accelerator, stock Accelerate, the Trainer, plain torch) and however
         # it ended, a gloo process group it left behind is released at exit while the interpreter is whole
-        # (`ndparallel.runtime.release_at_exit`); torch is imported here only if the script imported it.
+        # (`ndparallel.distributed.runtime.release_at_exit`); torch is imported here only if the script imported it.
         if "torch.distributed" in sys.modules:
-            from ndparallel.runtime import release_at_exit
+            from ..distributed.runtime import release_at_exit
 
             release_at_exit()
 

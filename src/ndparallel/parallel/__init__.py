@@ -12,7 +12,7 @@ import dataclasses
 
 from torch import nn
 
-from ..mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import apply_model_compilation, apply_regional_compilation, check_compilation
 from .fp8 import apply_fp8, check_fp8
@@ -24,6 +24,7 @@ from .moe import apply_global_load_balancing
 from .options import PrepareOptions
 from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
 from .precision import apply_autocast, apply_master_weights
+from .quantized import check_quantized
 from .sequence import apply_sequence_parallel, check_sequence_parallel
 from .tensor import apply_tensor_parallel, check_tensor_parallel, gather_presharded, plan_styles
 
@@ -40,6 +41,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     check_compilation(model, mesh, options)
     check_fp8(model, mesh, options)
     check_expert_parallel(model, mesh, options)
+    check_quantized(model, mesh, options)
     # 1. Pipeline stages: this rank keeps only what its stages run (names unchanged); the rest of the layout applies
     # to that part. Before the move to the device, so nothing else is ever placed there.
     if stages is not None:

@@ -3,9 +3,9 @@
 Uses torch's composable `checkpoint`, which leaves parameter names unchanged (optimizer remapping and
 checkpoints see the same FQNs as the unwrapped model) and composes with `fully_shard` applied afterwards.
 ``FullyShardedDataParallelPlugin(activation_checkpointing=...)`` says which blocks and what to keep
-(`ndparallel.plugins.ActivationCheckpointing`): every block or every k-th one; all of a block recomputed ("full"),
-or the outputs of its matrix multiplies and attention kernels kept and the rest recomputed ("selective", torch's
-selective checkpointing with a policy over ATen ops). Context- and sequence-parallel attention inside a block is
+(`ndparallel.configuration.plugins.ActivationCheckpointing`): every block or every k-th one; all of a block recomputed
+("full"), or the outputs of its matrix multiplies and attention kernels kept and the rest recomputed ("selective",
+torch's selective checkpointing with a policy over ATen ops). Context- and sequence-parallel attention inside a block is
 recomputed with its communication (every rank recomputes the same blocks in the same order), so it stays exact.
 ``{"offload": True}`` moves the checkpointed blocks' inputs to host memory and back (`memory.offload`).
 
@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..mesh import ParallelMesh
-from ..plugins import ActivationCheckpointing
+from ..distributed.mesh import ParallelMesh
+from ..configuration.plugins import ActivationCheckpointing
 from .blocks import block_classes, blocks_of
 from .memory.offload import ActivationOffload, offload_block_inputs
 from .options import PrepareOptions

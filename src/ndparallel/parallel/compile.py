@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh
 from .blocks import block_classes, blocks_of
 from .options import PrepareOptions
 

@@ -15,7 +15,7 @@
   FSDP2's per-block hooks and copies cost 11% of a 1.1B model's step on an H100 (docs/gpu.md). The plugin's
   activation checkpointing and the mixed precision (autocast) still apply, as without FSDP.
 
-Either way gradients end up *averaged* over the ``loss`` view; `ndparallel.loss` relies on that.
+Either way gradients end up *averaged* over the ``loss`` view; `ndparallel.training.loss` relies on that.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import ParallelismConfig
-from ..mesh import ParallelMesh
-from ..plugins import FullyShardedDataParallelPlugin
+from ..configuration.parallelism import ParallelismConfig
+from ..distributed.mesh import ParallelMesh
+from ..configuration.plugins import FullyShardedDataParallelPlugin, derived_policy
 from .blocks import block_classes, modules_to_wrap
 from .experts import shard_experts
 from .gathered import release_after_forward_without_gradients
@@ -74,12 +74,11 @@ def _ignored_params(model: nn.Module, ignored) -> set[nn.Parameter]:
 
 def mixed_precision_policy(plugin: FullyShardedDataParallelPlugin | None,
                            dtype: torch.dtype | None) -> MixedPrecisionPolicy:
-    """The plugin's policy when it sets one; else compute in `dtype`, reduce gradients in fp32."""
+    """The plugin's policy when it has one (given, or set by the Accelerator: `set_mixed_precision`); else compute in
+    `dtype`, reduce gradients in fp32 (`plugins.derived_policy`)."""
     if plugin is not None and plugin.mixed_precision_policy is not None:
         return plugin.mixed_precision_policy
-    if dtype is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return derived_policy(dtype) or MixedPrecisionPolicy()
 
 
 @torch.no_grad()
@@ -155,20 +154,21 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
     )
 
 
-def check_plugin(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> None:
+def check_plugin(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> set[nn.Parameter]:
     """Raise where the plugin's block classes or ignored modules do not fit `model`: also on one process, where no
-    FSDP2 wrap reads them, so a script fails the same way on 1 process as on 8."""
+    FSDP2 wrap reads them, so a script fails the same way on 1 process as on 8. Returns the ignored parameters."""
     block_classes(model, plugin.transformer_cls_names_to_wrap)
-    _ignored_params(model, plugin.ignored_modules)
+    return _ignored_params(model, plugin.ignored_modules)
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """FSDP2 / HSDP, DDP, or nothing (see the module docstring): the outermost wrapper, applied last."""
     if options.fsdp:
         return apply_fsdp(model, mesh, options)
-    if options.fsdp_plugin is not None:
-        check_plugin(model, options.fsdp_plugin)
+    ignored = None if options.fsdp_plugin is None else check_plugin(model, options.fsdp_plugin)
     if mesh.size("loss") > 1:
         return apply_ddp(model, mesh, options)
+    if ignored is not None:  # one process: no FSDP2 wrap, so nothing is sharded; the plugin's ignored_modules name
+        model._ignored_params = ignored  # these, as `apply_fsdp` records them (Accelerate wraps even one process)
     return model
 

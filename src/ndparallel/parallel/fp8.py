@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh
 from .options import PrepareOptions
 
 

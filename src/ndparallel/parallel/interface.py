@@ -15,8 +15,8 @@ They never ask what kind of model they hold; they ask `interface(model)`:
   evaluation, a loss never used), before anything reads or updates the parameters (`data_parallel.release_gathered`).
 
 A model that runs backward itself gets what it needs at construction, from `PrepareOptions`: the factor the loss of
-this rank is weighted by (``loss_factor``, `ndparallel.loss`) and whether the micro-step ends the optimizer step
-(``sync_gradients``). Nothing is set on it afterwards.
+this rank is weighted by (``loss_factor``, `ndparallel.training.loss`) and whether the micro-step ends the optimizer
+step (``sync_gradients``). Nothing is set on it afterwards.
 
 `WholeModel` is the default, for any model whose every rank holds all of it (plain, DDP, FSDP2, TP, CP/SP: torch's
 state-dict functions see through these). A wrapper that splits the model across ranks -- `PipelineModel` does --

@@ -11,12 +11,12 @@ of the ``loss`` view (batch x cp x sp) and puts that into the loss in place of t
     loss_r  <-  loss_r + coef * (G - aux_r),        G = load_balancing_loss_func(router logits of all ranks)
 
 The logits are all-gathered with a backward that sums every rank's gradient for this rank's rows. `backward` weights
-rank r's loss by f_r = n_r * W / N (`ndparallel.loss`), and the data-parallel wrapper averages over the W ranks; so the
-parameters get coef * (sum_r f_r / W) * dG. Without gradient accumulation the f_r add up to W: that is coef * dG, the
-gradient of the single-process loss, and `reduce_loss` logs the single-process value. With accumulation, each
-micro-step's G covers the tokens of that micro-step on every rank and weighs like its loss (N_micro / N), as in one
-process accumulating the same micro-batches. Evaluation (``model.eval()`` or ``torch.no_grad()``) keeps each rank's
-own auxiliary loss, so a forward on one rank alone cannot hang on the all-gather.
+rank r's loss by f_r = n_r * W / N (`ndparallel.training.loss`), and the data-parallel wrapper averages over the W
+ranks; so the parameters get coef * (sum_r f_r / W) * dG. Without gradient accumulation the f_r add up to W: that is
+coef * dG, the gradient of the single-process loss, and `reduce_loss` logs the single-process value. With accumulation,
+each micro-step's G covers the tokens of that micro-step on every rank and weighs like its loss (N_micro / N), as in one
+process accumulating the same micro-batches. Evaluation (``model.eval()`` or ``torch.no_grad()``) keeps each rank's own
+auxiliary loss, so a forward on one rank alone cannot hang on the all-gather.
 
 Expert layouts: without expert parallelism FSDP2 shards the experts' stacked weights along the expert dimension over
 ``fsdp`` (each rank stores num_experts / fsdp of them and all-gathers them for compute, as every FSDP parameter);
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh
 from .options import PrepareOptions
 
 _FIELDS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")  # attributes of HF MoE causal LMs

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from ..config import PipelineParallelConfig, TorchContextParallelConfig, TorchTensorParallelConfig, compute_dtype
-from ..plugins import AORecipeKwargs, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from ..configuration.handlers import PipelineParallelConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from ..configuration.dtypes import compute_dtype
+from ..configuration.plugins import AORecipeKwargs, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from .memory.config import MemoryKwargs
 
 
@@ -36,7 +37,8 @@ class PrepareOptions:
     cp_handler: TorchContextParallelConfig = field(default_factory=TorchContextParallelConfig)
     pp_handler: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
     # For a model whose call runs backward itself (pipeline stages): the factor this rank's loss is weighted by
-    # (the Accelerator's `GradientState.loss_factor`, `ndparallel.loss`) and whether the current micro-step ends the
+    # (the Accelerator's `GradientState.loss_factor`, `ndparallel.training.loss`) and whether the current micro-step
+    # ends the
     # optimizer step. Read at every step, so they are functions.
     loss_factor: Callable[[], float] = lambda: 1.0
     sync_gradients: Callable[[], bool] = lambda: True

@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh
 from .options import PrepareOptions
 
 

@@ -2,16 +2,16 @@
 
 One module per concern: `hardware` (GPU profiles, data), `model` (a Hugging Face config.json), `mixture` and
 `experts` (the mixture-of-experts part of a model, expert parallelism's figures), `layouts` (enumeration and the
-library's refusals; the sizes themselves are `ndparallel.layout.Layout`), `expert_costs` (what experts add per
-layout), `memory`, `offload` (FSDP2's CPU offload), `comm`, `timing` (the cost model), `search` (the best
-setting per layout, the ranking) and `report` (table, JSON, explanation). docs/planner.md has the formulas.
+library's refusals; the sizes themselves are `ndparallel.distributed.layout.Layout`), `expert_costs` (what experts add
+per layout), `memory`, `offload` (FSDP2's CPU offload), `comm`, `timing` (the cost model), `search` (the best setting
+per layout, the ranking) and `report` (table, JSON, explanation). docs/planner.md has the formulas.
 """
 
 from .hardware import Hardware, get_hardware
 from .layouts import Layout, parse_layout
 from .model import ModelSpec, load_model, spec_from_config
 from .search import Plan, Request, Row, evaluate, plan, row_for
-from .setting import Setting
+from .recipe import Recipe
 
-__all__ = ["Hardware", "Layout", "ModelSpec", "Plan", "Request", "Row", "Setting", "evaluate", "get_hardware",
+__all__ = ["Hardware", "Layout", "ModelSpec", "Plan", "Request", "Recipe", "Row", "evaluate", "get_hardware",
            "load_model", "parse_layout", "plan", "row_for", "spec_from_config"]

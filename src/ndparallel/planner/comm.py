@@ -47,12 +47,12 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..layout import Layout, view_axes
+from ..distributed.layout import Layout, view_axes
 from .layouts import cross_node
 from .memory import kv_width_local, local_shape, shard_numel, stage_layers, stage_root, state_elements
 from .model import ModelSpec
 from .expert_costs import expert_elements, figures
-from .setting import FP32, Setting, loss_chunk_rows
+from .recipe import FP32, Recipe, loss_chunk_rows
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
@@ -70,11 +70,11 @@ class Transfer:
     how: str
 
 
-def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node: int) -> list[Transfer]:
+def transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: int) -> list[Transfer]:
     """Every collective of one optimizer step on one rank (module docstring)."""
     out: list[Transfer] = []
-    m, c, L, t = setting.accumulation, setting.compute_bytes, stage_layers(model, layout), layout.tp
-    n = setting.tokens(layout)
+    m, c, L, t = recipe.accumulation, recipe.compute_bytes, stage_layers(model, layout), layout.tp
+    n = recipe.tokens(layout)
 
     def add(purpose: str, kind: str, view: str, value: float, calls: int, overlap: bool, how: str):
         size = layout.size(view)
@@ -98,20 +98,20 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
         gathers = layout.pp + 1  # per pipeline micro-batch forward, and once for the backward passes
         add("FSDP2 parameter all-gather", "all_gather", "fsdp", gathers * m * (s - 1) * held * c,
             gathers * m * units, True, f"{gathers} x {m} micro-steps x ({s}-1) x {held:,} x {c} B")
-    syncs = m if setting.sync_each_batch else 1
+    syncs = m if recipe.sync_each_batch else 1
     add("FSDP2 gradient reduce-scatter", "reduce_scatter", "fsdp", syncs * (s - 1) * held * FP32, syncs * units,
         True, f"{syncs} x ({s}-1) x {held:,} x 4 B")
     add("HSDP gradient all-reduce", "all_reduce", "dp_replicate", 2 * (r - 1) / r * held * FP32, units, True,
         f"2 x ({r}-1)/{r} x {held:,} x 4 B")
     # With activation checkpointing each layer's forward runs again in backward, collectives included.
-    forwards = 2 if setting.checkpointing else 1
+    forwards = 2 if recipe.checkpointing else 1
     if t > 1:
         act = n * model.hidden * c
         # The rerun stops once the tensors backward needs exist (torch's non-reentrant checkpoint): the attention
         # output's all-reduce is repeated, the MLP output's is not. Layers whose MLP tp leaves whole (experts)
         # reduce nothing there.
         attention = L if model.attention_split else 0
-        reduces = (2 * attention + 2 * min(L, model.split_mlp_layers) + 1 + (attention if setting.checkpointing else 0)
+        reduces = (2 * attention + 2 * min(L, model.split_mlp_layers) + 1 + (attention if recipe.checkpointing else 0)
                    + (1 if model.tied else 0))
         add("TP activation all-reduce", "all_reduce", "tp", m * 2 * (t - 1) / t * act * reduces, m * reduces,
             False, f"{m} x 2 x ({t}-1)/{t} x {n} tokens x {model.hidden} x {c} B x {reduces}")
@@ -119,7 +119,7 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
             norms = m * 2 * L * 2 * (t - 1) / t * model.head_dim * c
             add("TP q/k norm gradient all-reduce", "all_reduce", "tp", norms, m * 2 * L, False,
                 f"{m} x 2 norms x {L} layers x 2 x ({t}-1)/{t} x {model.head_dim} x {c} B")
-        if setting.chunked_loss:
+        if recipe.chunked_loss:
             # The vocabulary-parallel chunked loss: per chunk, the maximum (4 B per token) and the sum of
             # exponentials with the label's logit (8 B) all-reduced over tp, for every position (those that predict
             # nothing are masked, not left out: the unchunked logits' rows, and no host sync to select them).
@@ -146,7 +146,7 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
         add("CP K/V gradient reduce-scatter", "reduce_scatter", "cp", m * L * (cp - 1) * kv * FP32, m * L, False,
             f"{m} x {L} x ({cp}-1) x {n} x ({kw}+{vw}) x 4 B (accumulated in fp32)")
     if model.moe is not None and layout.ep > 1:
-        out += expert_transfers(model, layout, setting, gpus_per_node)
+        out += expert_transfers(model, layout, recipe, gpus_per_node)
     if layout.pp > 1:
         act = n * model.hidden * c
         add("pipeline activations and their gradients", "send_recv", "pp", m * 2 * act, m * 2 * layout.pp, False,
@@ -157,16 +157,16 @@ def transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node:
     return out
 
 
-def expert_transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_per_node: int) -> list[Transfer]:
+def expert_transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: int) -> list[Transfer]:
     """Expert parallelism's collectives (module docstring): the all-to-alls over ep and the experts' FSDP2 unit over
-    expert_shard (groups of the fsdp ranks, `ndparallel.layout.EXPERT_VIEWS`), HSDP over dp_replicate."""
+    expert_shard (groups of the fsdp ranks, `ndparallel.distributed.layout.EXPERT_VIEWS`), HSDP over dp_replicate."""
     assert model.moe is not None
     out: list[Transfer] = []
-    fig, sparse, ep, es = figures(model, layout, setting), model.moe.sparse_layers, layout.ep, layout.expert_shard
-    m, c = setting.accumulation, setting.compute_bytes
+    fig, sparse, ep, es = figures(model, layout, recipe), model.moe.sparse_layers, layout.ep, layout.expert_shard
+    m, c = recipe.accumulation, recipe.compute_bytes
     held, _ = expert_elements(model, layout)
     ep_ranks, shard_ranks = layout.group("ep"), layout.group("expert_shard")
-    forwards = 2 if setting.checkpointing else 1
+    forwards = 2 if recipe.checkpointing else 1
 
     def add(purpose: str, kind: str, axis: str, ranks: list[int], value: float, calls: int, overlap: bool, how: str):
         if len(ranks) > 1:
@@ -175,13 +175,13 @@ def expert_transfers(model: ModelSpec, layout: Layout, setting: Setting, gpus_pe
 
     add("expert all-to-all: tokens", "all_to_all", "ep", ep_ranks, (ep - 1) / ep * fig.payload_bytes,
         m * sparse * (2 * forwards + 2), False, f"({ep}-1)/{ep} x {fig.payload_bytes:,} B (experts.py: {m} x {sparse} "
-        f"layers x {forwards + 1} passes x 2 directions x {setting.tokens(layout)} tokens x {model.moe.routed.top_k} x "
+        f"layers x {forwards + 1} passes x 2 directions x {recipe.tokens(layout)} tokens x {model.moe.routed.top_k} x "
         f"{model.moe.routed.hidden} x {c} B)")
     add("expert all-to-all: routing counts", "all_to_all", "ep", ep_ranks, (ep - 1) / ep * fig.count_bytes,
         m * sparse * forwards, False, f"({ep}-1)/{ep} x {m} x {sparse} x {forwards} x {model.moe.routed.experts} x 8 B")
     add("FSDP2 expert all-gather", "all_gather", "expert_shard", shard_ranks, m * (es - 1) * 2 * held * c,
         m * 2 * sparse, True, f"{m} micro-steps x ({es}-1) x 2 x {held:,} x {c} B")
-    syncs = m if setting.sync_each_batch else 1
+    syncs = m if recipe.sync_each_batch else 1
     add("FSDP2 expert gradient reduce-scatter", "reduce_scatter", "expert_shard", shard_ranks,
         syncs * (es - 1) * held * FP32, syncs * sparse, True, f"{syncs} x ({es}-1) x {held:,} x 4 B")
     r = layout.dp_replicate

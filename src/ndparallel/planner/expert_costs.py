@@ -23,19 +23,19 @@ from __future__ import annotations
 import functools
 import math
 
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .experts import ExpertFigures, expert_figures
 from .model import ModelSpec
-from .setting import Setting
+from .recipe import Recipe
 
 INDEX_BYTES = 8  # the int64 indices that sort the (token, slot) pairs by expert and put them back
 
 
-def figures(model: ModelSpec, layout: Layout, setting: Setting) -> ExpertFigures:
+def figures(model: ModelSpec, layout: Layout, recipe: Recipe) -> ExpertFigures:
     """`experts.expert_figures` of `layout` (ep carved out of its fsdp ranks) running `setting`."""
     assert model.moe is not None
-    return expert_figures(model.moe.routed, layout.fsdp, layout.ep, setting.tokens(layout), setting.accumulation,
-                          setting.compute_bytes, setting.checkpointing, setting.optimizer)
+    return expert_figures(model.moe.routed, layout.fsdp, layout.ep, recipe.tokens(layout), recipe.accumulation,
+                          recipe.compute_bytes, recipe.checkpointing, recipe.optimizer)
 
 
 def local_expert_elements(model: ModelSpec, layout: Layout) -> int:
@@ -61,10 +61,10 @@ def expert_elements(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     return held, model.moe.sparse_layers * local_expert_elements(model, layout)
 
 
-def block_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
+def block_activations(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """Bytes per token a sparse layer's mixture-of-experts block saves for backward (module docstring)."""
     assert model.moe is not None
-    moe, c, t = model.moe, setting.compute_bytes, layout.tp
+    moe, c, t = model.moe, recipe.compute_bytes, layout.tp
     e, k, h, i = moe.routed.experts, moe.routed.top_k, moe.routed.hidden, moe.routed.intermediate
     indices = (4 if layout.ep > 1 else 3) * INDEX_BYTES
     pair = (2 * h + (4 if moe.routed.gated else 2) * i) * c + c + indices

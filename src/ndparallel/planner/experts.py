@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .setting import FP32, OPTIMIZER_STATES, shard_numel
+from .recipe import FP32, OPTIMIZER_STATES, shard_numel
 
 COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 COUNT_BYTES = 8  # the routing counts travel as int64

@@ -29,7 +29,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..layout import AXES, Layout  # the axes, outermost first, and their sizes: declared there
+from ..distributed.layout import AXES, Layout  # the axes, outermost first, and their sizes: declared there
 from .model import ModelSpec
 from .mixture import EP_TYPES
 

@@ -20,7 +20,7 @@ from .layouts import Constraints, Layout, all_layouts, expert_layouts, reasons
 from .memory import Memory, estimate
 from .offload import host_bytes
 from .search import OPTIONS, Request
-from .setting import Setting
+from .recipe import Recipe
 
 QUANTUM = 1024
 LIMIT = 2**25  # 32 M tokens: searched no further
@@ -39,9 +39,9 @@ class Longest:
     without_offload: int | None = None  # "all" without that offload (None: not tried, --offload-params on)
 
 
-def _setting(name: str, seq: int, precision: str, optimizer: str, params: bool = False) -> Setting:
+def _setting(name: str, seq: int, precision: str, optimizer: str, params: bool = False) -> Recipe:
     ac, loss, tiled, offload = SETTINGS[name]
-    return Setting(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload, offload_params=params)
+    return Recipe(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload, offload_params=params)
 
 
 def _constraints(layout: Layout, seq: int, request: Request) -> Constraints:

@@ -3,7 +3,7 @@ measure next to what was predicted.
 
 Each layout runs ``ndparallel launch --nproc-per-node G --<axis>-size N ... SCRIPT ARGS`` (one node: the machines
 at hand) with ``NDPARALLEL_METRICS_FILE`` set; the script's Accelerator writes, per rank at ``end_training``, the
-step metrics of its ``accelerator.step_timer(...)`` and its peak memory (`ndparallel.run_metrics`).
+step metrics of its ``accelerator.step_timer(...)`` and its peak memory (`ndparallel.training.run_metrics`).
 Measured tokens/s per GPU is the timer's median tokens/s over the world; measured peak memory is the largest
 rank's (CUDA allocated memory on GPUs, peak RSS on CPUs). The script's own batch size and sequence length are what
 run: the planner's micro-batch and accumulation are not passed to it, mixed precision is (``--mixed-precision``).
@@ -18,8 +18,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from ..config import SIZE_FIELDS
-from ..run_metrics import METRICS_ENV, read_rank_files
+from ..configuration.parallelism import SIZE_FIELDS
+from ..training.run_metrics import METRICS_ENV, read_rank_files
 from .search import Row
 
 SIZE_FLAGS = {field.removesuffix("_size"): "--" + field.replace("_", "-") for field in SIZE_FIELDS}  # --tp-size...

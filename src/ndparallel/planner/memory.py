@@ -44,11 +44,11 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
 from .offload import host_states, pinned, staging
-from .setting import (FP32, OPTIMIZER_STATES, Setting, local_shape, loss_chunk_rows, mlp_tile_tokens,
+from .recipe import (FP32, OPTIMIZER_STATES, Recipe, local_shape, loss_chunk_rows, mlp_tile_tokens,
                       shard_numel)
 
 
@@ -146,11 +146,11 @@ def root_elements(model: ModelSpec, layout: Layout) -> int:
     return sum(math.prod(local_shape(shape, dim, layout.tp)) for _, shape, dim in stage_root(model, layout))
 
 
-def layer_activations(model: ModelSpec, layout: Layout, setting: Setting, sparse: bool = False) -> tuple[float, str]:
+def layer_activations(model: ModelSpec, layout: Layout, recipe: Recipe, sparse: bool = False) -> tuple[float, str]:
     """Bytes one decoder layer saves for backward on one rank, without checkpointing (a tiled MLP keeps only its
     input, which the norm before it keeps anyway); `sparse`: a layer whose MLP is a mixture of experts
     (`moe.block_activations`)."""
-    n, c, t, h = setting.tokens(layout), setting.compute_bytes, layout.tp, model.hidden
+    n, c, t, h = recipe.tokens(layout), recipe.compute_bytes, layout.tp, model.hidden
     # Bytes per element of the query and the attention output: one each (the model's SDPA); a copy of the output
     # for o_proj once cp/sp attention returns it head-major; the all-gather CP kernel keeps its output in fp32.
     o_bytes = (FP32 + c) if layout.cp > 1 else (2 * c if layout.sp > 1 else c)
@@ -167,21 +167,21 @@ def layer_activations(model: ModelSpec, layout: Layout, setting: Setting, sparse
         attention += ranks * (FP32 + 2 * c) + 2 * FP32
         how += f" + latent norms {ranks}x(4+2x{c})"
     if sparse:
-        mlp, mlp_how = block_activations(model, layout, setting)
+        mlp, mlp_how = block_activations(model, layout, recipe)
         mlp_how = f"experts {mlp_how}"
     else:
-        elements = 0 if setting.tiled_mlp else mlp_elements(model, layout)
-        mlp, mlp_how = elements * c, f"MLP {elements}x{c}{' (tiled: its input only)' if setting.tiled_mlp else ''}"
+        elements = 0 if recipe.tiled_mlp else mlp_elements(model, layout)
+        mlp, mlp_how = elements * c, f"MLP {elements}x{c}{' (tiled: its input only)' if recipe.tiled_mlp else ''}"
     per_token = 2 * h * (FP32 + 2 * c) + 2 * FP32 + attention + mlp
     return n * per_token, f"{n} tokens x [norms 2x{h}x(4+2x{c}) + {how} + {mlp_how}] B"
 
 
-def layers_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str, float, str]:
+def layers_activations(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str, float, str]:
     """(all decoder layers of the busiest stage, how; the largest layer, how) saved for backward without
     checkpointing."""
     total, hows, largest = 0.0, [], (0.0, "")
     for group in stage_groups(model, layout):
-        value, how = layer_activations(model, layout, setting, group.sparse)
+        value, how = layer_activations(model, layout, recipe, group.sparse)
         total += group.count * value
         largest = max(largest, (value, how))
         hows.append(f"{group.count} {'sparse ' if group.sparse else ''}layers x {how}" if model.moe else
@@ -194,28 +194,28 @@ def mlp_elements(model: ModelSpec, layout: Layout) -> int:
     return (4 if model.gated else 2) * model.intermediate // layout.tp
 
 
-def mlp_tile(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
+def mlp_tile(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """A tiled MLP's intermediate, rebuilt for one tile of each of the micro-batch's rows in backward."""
-    local_seq = setting.seq_len // layout.seq_split
-    tile = mlp_tile_tokens(model.hidden, local_seq, setting.mlp_tile)
+    local_seq = recipe.seq_len // layout.seq_split
+    tile = mlp_tile_tokens(model.hidden, local_seq, recipe.mlp_tile)
     elems = mlp_elements(model, layout)
-    return (setting.micro_batch * tile * elems * setting.compute_bytes,
-            f"{setting.micro_batch} rows x {tile} tokens x {elems} x {setting.compute_bytes} B (one MLP tile)")
+    return (recipe.micro_batch * tile * elems * recipe.compute_bytes,
+            f"{recipe.micro_batch} rows x {tile} tokens x {elems} x {recipe.compute_bytes} B (one MLP tile)")
 
 
-def outside_activations(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
+def outside_activations(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """Saved outside the decoder layers: final norm, log-softmax of the logits (not with the chunked loss), token ids,
     rotary tables (under pipeline stages, for the one micro-batch the last stage holds at a time)."""
-    n, c, h, v = setting.tokens(layout) // layout.pp, setting.compute_bytes, model.hidden, model.vocab
-    rows = setting.micro_batch if layout.seq_split > 1 else 1  # rotary cos/sin: per sample once positions are given
-    rope = 2 * rows * (setting.seq_len // layout.seq_split) * model.rope_dim * c
-    softmax = 0 if setting.chunked_loss else n * v * FP32
+    n, c, h, v = recipe.tokens(layout) // layout.pp, recipe.compute_bytes, model.hidden, model.vocab
+    rows = recipe.micro_batch if layout.seq_split > 1 else 1  # rotary cos/sin: per sample once positions are given
+    rope = 2 * rows * (recipe.seq_len // layout.seq_split) * model.rope_dim * c
+    softmax = 0 if recipe.chunked_loss else n * v * FP32
     value = n * (h * (FP32 + 2 * c) + FP32) + softmax + 2 * n * 8 + rope
-    return value, (f"{n} tokens x (final norm {h}x(4+2x{c}) + " + ("" if setting.chunked_loss else f"log-softmax {v}x4 + ")
+    return value, (f"{n} tokens x (final norm {h}x(4+2x{c}) + " + ("" if recipe.chunked_loss else f"log-softmax {v}x4 + ")
                    + f"ids 16) + rotary {rope} B")
 
 
-def loss_buffers(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[float, str]:
+def loss_buffers(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """The loss's working set beyond what it saved (`outside_activations`), on one micro-batch (one pipeline
     micro-batch under stages).
 
@@ -227,8 +227,8 @@ def loss_buffers(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[fl
     compute dtype before it is added or converted) and the hidden states' gradient (c x n x h), computed in forward
     and held until backward takes them. As few chunks as keep each chunk's fp32 logits within 128 MiB: one
     (the whole loss at once) when all of them fit."""
-    n, c, t, h, v = setting.tokens(layout) // layout.pp, setting.compute_bytes, layout.tp, model.hidden, model.vocab
-    if not setting.chunked_loss:
+    n, c, t, h, v = recipe.tokens(layout) // layout.pp, recipe.compute_bytes, layout.tp, model.hidden, model.vocab
+    if not recipe.chunked_loss:
         gathered = n * v // t * c if t > 1 else 0
         return n * v * 8 + gathered, (f"{n} tokens x {v} logits x 8 B (compute-dtype logits + fp32 copy, or their "
                                       "gradients)" + (f" + the local logits before the tp gather ({gathered:,} B)"
@@ -242,13 +242,13 @@ def loss_buffers(model: ModelSpec, layout: Layout, setting: Setting) -> tuple[fl
                    f"({FP32}{f' + {c}' if c != FP32 else ''}) B + hidden-state gradient {n}x{h}x{c} B")
 
 
-def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: float = 0.0, pin: bool = True) -> Memory:
+def estimate(model: ModelSpec, layout: Layout, recipe: Recipe, fragmentation: float = 0.0, pin: bool = True) -> Memory:
     """Every memory term of one GPU for `layout` running `setting` (module docstring), and the host memory terms
     (``host_*``) of its offloading. `fragmentation`: the allocator's reserve beyond what tensors hold, as a fraction
     of the step's activations and transients (the hardware profile's; 0 where nothing caches, as on the CPU);
     `pin`: whether host memory is pinned (on CUDA; blocks rounded up to powers of two, `offload.pinned`)."""
     mem = Memory()
-    s, t, c, L = layout.fsdp, layout.tp, setting.compute_bytes, stage_layers(model, layout)
+    s, t, c, L = layout.fsdp, layout.tp, recipe.compute_bytes, stage_layers(model, layout)
     held, per_tp, layer_elems = state_elements(model, layout)
     # The routed experts (`moe`): E / ep per rank, FSDP2-sharded over expert_shard = fsdp / ep (fsdp without ep);
     # `local` is what the rank computes with unsharded, and their shard group `e_group` decides as s does below.
@@ -257,45 +257,45 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: 
     total = held + e_held
     experts = (f" ({held:,} + {e_held:,} of the routed experts: E/ep with ep={layout.ep}, sharded over "
                f"{e_group})" if model.moe else "")
-    states = OPTIMIZER_STATES[setting.optimizer]
-    off = setting.offload_params  # FSDP2's cpu_offload: the states live in host memory (`offload`)
+    states = OPTIMIZER_STATES[recipe.optimizer]
+    off = recipe.offload_params  # FSDP2's cpu_offload: the states live in host memory (`offload`)
     if off:
         groups = [(g.count, g.params) for g in stage_groups(model, layout)] + [(1, stage_root(model, layout))]
-        for name, value, how in host_states(groups, layout, setting, e_held, pin):
+        for name, value, how in host_states(groups, layout, recipe, e_held, pin):
             mem.add(name, value, how)
     where = " in host memory (cpu_offload): none on the GPU" if off else ""
     mem.add("params", 0 if off else total * FP32,
             f"{total:,} parameters (after tp={t}, fsdp={s}, padding){experts} x 4 B (fp32){where}")
     mem.add("grads", 0 if off else total * FP32, f"{total:,} x 4 B (fp32){where}")
     mem.add("optimizer", 0 if off else total * FP32 * states,
-            f"{total:,} x {states} states x 4 B ({setting.optimizer}){where}")
-    if setting.accumulation > 1 and not setting.sync_each_batch:
+            f"{total:,} x {states} states x 4 B ({recipe.optimizer}){where}")
+    if recipe.accumulation > 1 and not recipe.sync_each_batch:
         kept = (per_tp if s > 1 or off else 0) + (e_local if e_group > 1 or off else 0)
         if kept:
             mem.add("grad_accumulation", kept * FP32, f"{kept:,} unsharded gradients x 4 B kept between "
-                    f"{setting.accumulation} micro-steps (FSDP2 without sync_each_batch)")
+                    f"{recipe.accumulation} micro-steps (FSDP2 without sync_each_batch)")
     copies = (per_tp if s == 1 else 0) + (e_local if e_group == 1 else 0)
     if copies and (c != FP32 or off):
         mem.add("unsharded_params", copies * c, f"{copies:,} x {c} B: {'bf16 ' if c != FP32 else ''}copies kept "
                 "through the step (one-rank shard group: no resharding)"
                 + (", gathered from host memory" if off else ""))
 
-    layers, layers_how, layer, layer_how = layers_activations(model, layout, setting)
-    outside, outside_how = outside_activations(model, layout, setting)
-    n = setting.tokens(layout)
+    layers, layers_how, layer, layer_how = layers_activations(model, layout, recipe)
+    outside, outside_how = outside_activations(model, layout, recipe)
+    n = recipe.tokens(layout)
     inputs = L * n * model.hidden * c
-    kept_inputs = min(L, 2) * n * model.hidden * c if setting.offload else inputs
+    kept_inputs = min(L, 2) * n * model.hidden * c if recipe.offload else inputs
     mem.activations_without_checkpointing = layers + outside
     mem.activations_with_checkpointing = kept_inputs + outside
-    tile, tile_how = mlp_tile(model, layout, setting) if setting.tiled_mlp and model.dense_layers else (0.0, "")
-    if setting.checkpointing:
-        where = (f"{min(L, 2)} of {L} layers' inputs on the GPU (the others in host memory)" if setting.offload
+    tile, tile_how = mlp_tile(model, layout, recipe) if recipe.tiled_mlp and model.dense_layers else (0.0, "")
+    if recipe.checkpointing:
+        where = (f"{min(L, 2)} of {L} layers' inputs on the GPU (the others in host memory)" if recipe.offload
                  else f"{L} layers")
         mem.add("activations", mem.activations_with_checkpointing,
                 f"{where} x {n} tokens x {model.hidden} x {c} B (layer inputs) + outside the layers: {outside_how}")
         mem.add("recompute", layer + tile, f"one layer rebuilt in backward (the largest): {layer_how}"
                 + (f" + {tile_how}" if tile else ""))
-        if setting.offload:
+        if recipe.offload:
             block = pinned(n * model.hidden * c, pin)
             mem.add("host_offload", L * block, f"{L} layers' inputs in pinned host memory: {L} x {n} x {model.hidden} x "
                     f"{c} B" + (f" (blocks rounded up to {block:,} B)" if block != n * model.hidden * c else "")
@@ -328,7 +328,7 @@ def estimate(model: ModelSpec, layout: Layout, setting: Setting, fragmentation: 
         head = model.vocab // t * model.hidden
         mem.add("head_grad", head * c, f"the head's unsharded gradient, held through backward until the root unit "
                 f"reduce-scatters: {head:,} x {c} B")
-    loss, loss_how = loss_buffers(model, layout, setting)
+    loss, loss_how = loss_buffers(model, layout, recipe)
     mem.add("loss_buffers", loss, loss_how)
 
     base = (mem.states + mem["grad_accumulation"] + mem["unsharded_params"] + mem["activations"]

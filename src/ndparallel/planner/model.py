@@ -27,7 +27,7 @@ from typing import NamedTuple
 from pathlib import Path
 from typing import Any
 
-from ..flops import training_flops
+from ..training.flops import training_flops
 from .mixture import EP_TYPES, TP_NOT_MODELLED, MoESpec, moe_spec
 
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -232,8 +232,8 @@ class ModelSpec:
         return split + self.hidden * self.vocab, whole
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token at `seq_len` (`ndparallel.flops.training_flops`, MFU's convention: the whole
-        S x S score matrix): the weights a token multiplies with (`matmul_parameters`; of a mixture of experts its
+        """Training FLOPs per token at `seq_len` (`ndparallel.training.flops.training_flops`, MFU's convention: the
+        whole S x S score matrix): the weights a token multiplies with (`matmul_parameters`; of a mixture of experts its
         top-k experts, not all) and its own attention widths."""
         split, whole = self.matmul_parameters()
         return training_flops(split + whole, self.layers, self.q_width + self.o_width, seq_len)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from ..layout import Layout
-from .setting import FP32, OPTIMIZER_STATES, Setting, local_shape, shard_numel
+from ..distributed.layout import Layout
+from .recipe import FP32, OPTIMIZER_STATES, Recipe, local_shape, shard_numel
 
 Params = Iterable[tuple[str, tuple[int, ...], int | None]]  # (name, shape, tensor-parallel dim) per weight
 
@@ -49,7 +49,7 @@ def shard_sizes(groups: Iterable[tuple[int, Params]], layout: Layout) -> list[tu
             for count, params in groups for _, shape, dim in params]
 
 
-def host_states(groups: Iterable[tuple[int, Params]], layout: Layout, setting: Setting, experts_held: int = 0,
+def host_states(groups: Iterable[tuple[int, Params]], layout: Layout, recipe: Recipe, experts_held: int = 0,
                 pin: bool = True) -> list[tuple[str, float, str]]:
     """The host memory terms of one rank: (name, bytes, how) for its parameters, gradients, optimizer state and
     the optimizer step's temporaries. `groups`: (count, weights) of the rank's stage, the root unit with count 1;
@@ -58,7 +58,7 @@ def host_states(groups: Iterable[tuple[int, Params]], layout: Layout, setting: S
     sizes = shard_sizes(groups, layout)
     plain = sum(count * n for count, n in sizes) + experts_held
     held = sum(count * pinned(n * FP32, pin) for count, n in sizes) + experts_held * FP32
-    states = OPTIMIZER_STATES[setting.optimizer]
+    states = OPTIMIZER_STATES[recipe.optimizer]
     largest = max((n for _, n in sizes), default=0)
     rounding = (f", pinned blocks rounded up to powers of two: {held - plain * FP32:,} B more" if pin and held
                 != plain * FP32 else "") + (" (the routed experts' unrounded)" if experts_held and pin else "")
@@ -66,7 +66,7 @@ def host_states(groups: Iterable[tuple[int, Params]], layout: Layout, setting: S
         ("host_params", held, f"{plain:,} fp32 parameters (after tp={layout.tp}, fsdp={layout.fsdp}, padding) x 4 B "
                               f"in host memory{rounding}"),
         ("host_grads", held, f"their fp32 gradients, copied to host memory after the reduce-scatter{rounding}"),
-        ("host_optimizer", plain * FP32 * states, f"{plain:,} x {states} states x 4 B ({setting.optimizer}), on "
+        ("host_optimizer", plain * FP32 * states, f"{plain:,} x {states} states x 4 B ({recipe.optimizer}), on "
                                                   "the host"),
         ("host_optimizer_step", 2 * largest * FP32, f"2 temporaries of the largest shard ({largest:,} x 4 B): torch's "
                                                     "single-tensor AdamW on the host"),
@@ -90,13 +90,13 @@ def gathers_per_micro_step(layout: Layout) -> int:
     return layout.pp + 1 if layout.pp > 1 else 2
 
 
-def host_traffic(layers_held: int, root_held: int, layout: Layout, setting: Setting) -> tuple[float, float, str]:
+def host_traffic(layers_held: int, root_held: int, layout: Layout, recipe: Recipe) -> tuple[float, float, str]:
     """(host -> device, device -> host bytes per optimizer step, how) of one rank; `layers_held` and `root_held`:
     its shard elements of the decoder layers (the routed experts included) and of the root unit."""
-    m = setting.accumulation
+    m = recipe.accumulation
     g = gathers_per_micro_step(layout)
     h2d = m * (g * layers_held + root_held) * FP32
-    reduces = m if setting.sync_each_batch else 1
+    reduces = m if recipe.sync_each_batch else 1
     d2h = reduces * (layers_held + root_held) * FP32
     return h2d, d2h, (f"in: {m} x ({g} x {layers_held:,} + {root_held:,}) x 4 B; out: {reduces} x "
                       f"{layers_held + root_held:,} x 4 B")

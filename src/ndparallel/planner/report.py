@@ -9,13 +9,13 @@ from typing import IO, Any
 
 from .comm import KINDS, by_kind, by_link
 from .hardware import GiB
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .memory import Memory
 from .model import ModelSpec
 from .expert_costs import figures
 from .offload import host_bytes
 from .search import Plan, Request, Row
-from .setting import Setting, human_bytes
+from .recipe import Recipe, human_bytes
 
 COLUMNS = ("#", "layout", "micro x acc", "AC", "mem", "peak GiB", "fits", "step s", "tok/s/GPU", "MFU",
            "comm GB in/across", "exposed ms")
@@ -26,7 +26,7 @@ def _fits(row: Row) -> str:
 
 
 def row_cells(index: int, row: Row) -> list[str]:
-    s, t = row.setting, row.timing
+    s, t = row.recipe, row.timing
     links = by_link(row.transfers)
     return [str(index), row.layout.name, f"{s.micro_batch} x {s.accumulation}", "on" if s.checkpointing else "off",
             s.features, f"{row.memory.peak / GiB:.1f}", _fits(row), f"{t.step_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}",
@@ -91,20 +91,20 @@ def print_table(plan: Plan, top: int, file: IO[str] | None = None) -> None:
     print(table_text(plan, top), file=file)
 
 
-def script_settings(setting: Setting) -> list[str]:
+def script_settings(recipe: Recipe) -> list[str]:
     """What the script passes for `setting`: the plugin, the memory features, the loader's batch size."""
-    checkpointing = '{"every": 1, "offload": True}' if setting.offload else "True"
+    checkpointing = '{"every": 1, "offload": True}' if recipe.offload else "True"
     script = ["FullyShardedDataParallelPlugin(fsdp_version=2" + (f", activation_checkpointing={checkpointing}"
-                                                               if setting.checkpointing else "")
-              + (", cpu_offload=True" if setting.offload_params else "") + ")"]
-    memory = ([] if setting.chunked_loss else ["chunked_loss=False"]) + (["tiled_mlp=True"] if setting.tiled_mlp else [])
+                                                               if recipe.checkpointing else "")
+              + (", cpu_offload=True" if recipe.offload_params else "") + ")"]
+    memory = ([] if recipe.chunked_loss else ["chunked_loss=False"]) + (["tiled_mlp=True"] if recipe.tiled_mlp else [])
     if memory:
         script.append(f"kwargs_handlers=[MemoryKwargs({', '.join(memory)})]")
-    return script + [f"DataLoader(batch_size={setting.micro_batch})"]
+    return script + [f"DataLoader(batch_size={recipe.micro_batch})"]
 
 
 def recommendation(row: Row, yaml_text: str) -> str:
-    s = row.setting
+    s = row.recipe
     script = script_settings(s)
     if s.sync_each_batch:
         script.append("GradientAccumulationPlugin(sync_each_batch=True)")
@@ -116,11 +116,11 @@ def memory_terms(memory: Memory) -> list[tuple[str, float, str]]:
     return [(term.name, term.bytes, term.how) for term in memory.terms.values()]
 
 
-def memory_text(layout: Layout, setting: Setting, memory: Memory, budget: float | None = None) -> str:
+def memory_text(layout: Layout, recipe: Recipe, memory: Memory, budget: float | None = None) -> str:
     """The memory columns of one layout (``ndparallel estimate-memory``)."""
-    lines = [f"{layout.name}: micro-batch {setting.micro_batch} x {setting.seq_len} tokens, {setting.mixed_precision}, "
-             f"activation checkpointing {'on' if setting.checkpointing else 'off'}, memory features "
-             f"{setting.features} (C chunked loss, T tiled MLP, O activation offload, P cpu_offload)"]
+    lines = [f"{layout.name}: micro-batch {recipe.micro_batch} x {recipe.seq_len} tokens, {recipe.mixed_precision}, "
+             f"activation checkpointing {'on' if recipe.checkpointing else 'off'}, memory features "
+             f"{recipe.features} (C chunked loss, T tiled MLP, O activation offload, P cpu_offload)"]
     lines += [f"  {name:<26} {value / GiB:9.2f} GiB" for name, value, _ in memory_terms(memory) if name != "peak"]
     lines.append(f"  {'(activations AC off / on)':<26} {memory.activations_without_checkpointing / GiB:9.2f} / "
                  f"{memory.activations_with_checkpointing / GiB:.2f} GiB")
@@ -132,7 +132,7 @@ def memory_text(layout: Layout, setting: Setting, memory: Memory, budget: float 
 
 
 def explain_text(row: Row, request: Request) -> str:
-    t, s = row.timing, row.setting
+    t, s = row.timing, row.recipe
     lines = [f"layout {row.layout.name} ({row.layout.config_line()}) on {request.world} x {request.hardware.name}",
              f"  micro-batch {s.micro_batch} samples x {s.accumulation} accumulation steps per data-parallel rank; "
              f"{s.tokens(row.layout):,} tokens per rank per micro-step", "", "memory per GPU"]
@@ -162,12 +162,12 @@ def explain_text(row: Row, request: Request) -> str:
               f"  optimizer  {t.optimizer_s * 1e3:10.2f} ms   {t.how['optimizer']}",
               f"  step       {t.step_s * 1e3:10.2f} ms   -> {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU "
               f"{t.mfu:.1%} (FLOPs per token {request.model.flops_per_token(s.seq_len) / 1e9:.2f} G, "
-              f"ndparallel.metrics convention)"]
+              f"ndparallel.training.metrics convention)"]
     return "\n".join(lines)
 
 
 def row_json(row: Row, model: ModelSpec | None = None) -> dict[str, Any]:
-    t, s = row.timing, row.setting
+    t, s = row.timing, row.recipe
     experts = {"experts": vars(figures(model, row.layout, s))} if model is not None and model.moe else {}
     return {**experts,
         "layout": row.layout.sizes(), "ep": row.layout.ep, "name": row.layout.name,

@@ -22,7 +22,7 @@ from .layouts import Constraints, Layout, explain_no_layout, reasons, valid_layo
 from .memory import Memory, estimate
 from .offload import host_bytes
 from .model import ModelSpec
-from .setting import Setting, human_bytes
+from .recipe import Recipe, human_bytes
 from .timing import Timing, step_time
 
 CHECKPOINTING = ("auto", "on", "off")
@@ -75,7 +75,7 @@ class Request:
                              f"{min(self.gpus_per_node, self.world)} processes' reserve of "
                              f"{self.hardware.host_reserve_gib} GiB is set aside: raise --host-memory-gib (0: not "
                              "checked)")
-        Setting(self.seq_len, 1, mixed_precision=self.mixed_precision, optimizer=self.optimizer)  # checks both
+        Recipe(self.seq_len, 1, mixed_precision=self.mixed_precision, optimizer=self.optimizer)  # checks both
         ep, moe = self.ep_size, self.model.moe
         if ep is not None:
             if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
@@ -120,7 +120,7 @@ class Request:
 @dataclass
 class Row:
     layout: Layout
-    setting: Setting
+    recipe: Recipe
     memory: Memory
     transfers: list[Transfer]
     timing: Timing
@@ -159,7 +159,7 @@ class Plan:
 
     def no_fit_message(self) -> str:
         smallest = min(self.rows, key=lambda row: row.shortfall)
-        r, s = self.request, smallest.setting
+        r, s = self.request, smallest.recipe
         if smallest.memory.peak <= smallest.budget:  # the GPU's memory would do: the host's is what is short
             return (f"no layout fits: the smallest GPU peak ({smallest.layout.name}) needs "
                     f"{human_bytes(host_bytes(smallest.memory))} of host memory per GPU, more than the "
@@ -172,12 +172,12 @@ class Plan:
                 f"{human_bytes(smallest.miss)} over. Add GPUs, shorten --seq-len or lower --global-batch-tokens")
 
 
-def evaluate(request: Request, layout: Layout, setting: Setting) -> Row:
+def evaluate(request: Request, layout: Layout, recipe: Recipe) -> Row:
     """Predictions for one layout run with one setting."""
-    memory = estimate(request.model, layout, setting, request.hardware.fragmentation)
-    items = transfers(request.model, layout, setting, request.gpus_per_node)
-    timing = step_time(request.model, layout, setting, items, request.hardware, request.global_batch_tokens)
-    return Row(layout, setting, memory, items, timing, request.budget_bytes, request.host_budget_bytes)
+    memory = estimate(request.model, layout, recipe, request.hardware.fragmentation)
+    items = transfers(request.model, layout, recipe, request.gpus_per_node)
+    timing = step_time(request.model, layout, recipe, items, request.hardware, request.global_batch_tokens)
+    return Row(layout, recipe, memory, items, timing, request.budget_bytes, request.host_budget_bytes)
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -217,9 +217,9 @@ def best_row(request: Request, layout: Layout) -> Row:
                 continue
             if sync and micro == per_rank and len(syncs) > 1:
                 continue  # no accumulation: the same as without sync_each_batch
-            setting = Setting(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
+            recipe = Recipe(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
                               request.optimizer, sync, loss, tiled, offload, offload_params=params)
-            row = evaluate(request, layout, setting)
+            row = evaluate(request, layout, recipe)
             if row.fits:
                 fitting.append(row)
                 break

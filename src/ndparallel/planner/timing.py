@@ -2,8 +2,8 @@
 how much of the communication hides behind the compute.
 
 - compute = global tokens x FLOPs per token / world / (peak x compute_efficiency). FLOPs per token as the GPU
-  performs them (`ndparallel.flops`): 6 N_matmul + 6 L (q_width + v_width) K, with K the keys a query attends to on
-  average -- S/2 under the causal mask (the MFU convention counts the whole score matrix, K = S), w - w^2/2S under
+  performs them (`ndparallel.training.flops`): 6 N_matmul + 6 L (q_width + v_width) K, with K the keys a query attends
+  to on average -- S/2 under the causal mask (the MFU convention counts the whole score matrix, K = S), w - w^2/2S under
   a sliding window w < S -- plus one forward of the layers again (2 N_layers + 2 L (q_width + v_width) K) with
   activation checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
 - mixtures of experts (`moe`): N_matmul counts the k routed experts a token goes to (not all E), the shared
@@ -31,15 +31,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..flops import forward_flops, training_flops
+from ..training.flops import forward_flops, training_flops
 from .comm import Transfer
 from .hardware import Hardware
-from ..layout import Layout
+from ..distributed.layout import Layout
 from .expert_costs import expert_elements
 from .memory import stage_root, state_elements
 from .model import ModelSpec
 from .offload import host_traffic
-from .setting import FP32, OPTIMIZER_STATES, Setting, local_shape, shard_numel
+from .recipe import FP32, OPTIMIZER_STATES, Recipe, local_shape, shard_numel
 
 
 @dataclass(frozen=True)
@@ -69,17 +69,17 @@ def attended_keys(model: ModelSpec, seq_len: int) -> float:
     return (model.window_layers * windowed + (model.layers - model.window_layers) * seq_len / 2) / model.layers
 
 
-def hardware_flops_per_token(model: ModelSpec, setting: Setting, tp: int = 1) -> float:
-    """FLOPs the GPUs perform per token of training (module docstring; `ndparallel.flops`), per GPU of a tp group of
-    `tp` for weights tensor parallelism leaves whole (a mixture's experts and routers)."""
+def hardware_flops_per_token(model: ModelSpec, recipe: Recipe, tp: int = 1) -> float:
+    """FLOPs the GPUs perform per token of training (module docstring; `ndparallel.training.flops`), per GPU of a tp
+    group of `tp` for weights tensor parallelism leaves whole (a mixture's experts and routers)."""
     split, whole = model.matmul_parameters()
     head = model.hidden * model.vocab
     layer_matmul = split - head + tp * whole
-    width, keys = model.q_width + model.o_width, attended_keys(model, setting.seq_len)
+    width, keys = model.q_width + model.o_width, attended_keys(model, recipe.seq_len)
     flops = training_flops(layer_matmul + head, model.layers, width, keys)
-    if setting.checkpointing:  # each layer's forward once more in backward
+    if recipe.checkpointing:  # each layer's forward once more in backward
         flops += forward_flops(layer_matmul, model.layers, width, keys)
-    if setting.tiled_mlp:  # each tile's checkpoint runs the (dense) MLP's forward once more in backward
+    if recipe.tiled_mlp:  # each tile's checkpoint runs the (dense) MLP's forward once more in backward
         flops += forward_flops(model.dense_layers * (3 if model.gated else 2) * model.hidden * model.intermediate)
     return flops
 
@@ -90,11 +90,11 @@ def transfer_seconds(item: Transfer, hw: Hardware) -> float:
     return item.bytes / hw.intra_node_bandwidth + item.calls * hw.intra_node_latency_s
 
 
-def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Transfer], hw: Hardware,
+def step_time(model: ModelSpec, layout: Layout, recipe: Recipe, items: list[Transfer], hw: Hardware,
               global_tokens: int) -> Timing:
     world = layout.world
-    peak = hw.peak_flops(setting.mixed_precision)
-    hw_fpt = hardware_flops_per_token(model, setting, layout.tp)
+    peak = hw.peak_flops(recipe.mixed_precision)
+    hw_fpt = hardware_flops_per_token(model, recipe, layout.tp)
     flops = global_tokens * hw_fpt / world
     busy = flops / (peak * hw.compute_efficiency)
     micro = layout.pp  # the default schedule: one micro-batch per stage
@@ -113,20 +113,20 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
     held, _, _ = state_elements(model, layout)
     held += expert_elements(model, layout)[0]
     host = 0.0  # bytes over the host link per step, on the copy engines
-    if setting.offload:  # every layer's input to host memory and back, per micro-step
-        host += setting.accumulation * 2 * model.layers // layout.pp * setting.tokens(layout) * model.hidden \
-            * setting.compute_bytes
-    if setting.offload_params:  # FSDP2's cpu_offload: shards in for every all-gather, gradients out (`offload`)
+    if recipe.offload:  # every layer's input to host memory and back, per micro-step
+        host += recipe.accumulation * 2 * model.layers // layout.pp * recipe.tokens(layout) * model.hidden \
+            * recipe.compute_bytes
+    if recipe.offload_params:  # FSDP2's cpu_offload: shards in for every all-gather, gradients out (`offload`)
         root = sum(shard_numel(local_shape(shape, dim, layout.tp), layout.fsdp)
                    for _, shape, dim in stage_root(model, layout))
-        host += sum(host_traffic(held - root, root, layout, setting)[:2])
+        host += sum(host_traffic(held - root, root, layout, recipe)[:2])
     offload = host / hw.host_bandwidth
     exposed += max(0.0, offload - hw.overlap * compute)
-    moved = (2 * (1 + OPTIMIZER_STATES[setting.optimizer]) + 1) * FP32
-    optimizer = held * moved / (hw.host_optimizer_bandwidth if setting.offload_params else hw.hbm_bandwidth)
+    moved = (2 * (1 + OPTIMIZER_STATES[recipe.optimizer]) + 1) * FP32
+    optimizer = held * moved / (hw.host_optimizer_bandwidth if recipe.offload_params else hw.hbm_bandwidth)
     step = compute + exposed + optimizer
     tps = global_tokens / step / world
-    mfu = tps * model.flops_per_token(setting.seq_len) / peak
+    mfu = tps * model.flops_per_token(recipe.seq_len) / peak
     how = {
         "compute": f"{global_tokens:,} tokens x {hw_fpt / 1e9:.2f} GFLOP/token / {world} GPUs / ({peak / 1e12:.0f} "
                    f"TFLOP/s x {hw.compute_efficiency})"
@@ -136,7 +136,7 @@ def step_time(model: ModelSpec, layout: Layout, setting: Setting, items: list[Tr
                    + (f"; offload {offload * 1e3:.2f} ms to and from host memory at {hw.host_bandwidth / 1e9:.0f} GB/s, "
                       f"exposed beyond {hw.overlap} x compute" if host else ""),
         "optimizer": f"{held:,} parameters x {moved} B / " + (
-            f"{hw.host_optimizer_bandwidth / 1e9:.0f} GB/s (on the host: cpu_offload)" if setting.offload_params
+            f"{hw.host_optimizer_bandwidth / 1e9:.0f} GB/s (on the host: cpu_offload)" if recipe.offload_params
             else f"{hw.hbm_bandwidth / 1e12:.2f} TB/s"),
     }
     return Timing(compute, comm, overlappable, critical, exposed, optimizer, step, tps, mfu, flops, how)

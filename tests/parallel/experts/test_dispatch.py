@@ -43,8 +43,8 @@ def _tokens(world: int, hidden: int, experts: int, k: int, routing: str, ep: int
 
 
 def _run(model_name: str, ep: int, routing: str) -> dict:
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.mesh import ParallelMesh
+    from ndparallel.configuration.parallelism import ParallelismConfig
+    from ndparallel.distributed.mesh import ParallelMesh
     from ndparallel.parallel.experts import apply_expert_parallel
     from ndparallel.parallel.options import PrepareOptions
 

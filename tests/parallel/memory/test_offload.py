@@ -17,7 +17,7 @@ from torch.distributed._composable import checkpoint
 
 from ndparallel import FullyShardedDataParallelPlugin
 from ndparallel.parallel.memory.offload import ActivationOffload, offload_block_inputs
-from ndparallel.plugins import ActivationCheckpointing
+from ndparallel.configuration.plugins import ActivationCheckpointing
 from test_parity import reference, run_layout
 from tiny_models import build_model
 

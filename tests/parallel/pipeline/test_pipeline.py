@@ -19,7 +19,7 @@ from torch import nn
 
 import accelerate_style
 from harness import assert_refused, outcomes, run_ranks
-from ndparallel.config import PipelineParallelConfig
+from ndparallel.configuration.handlers import PipelineParallelConfig
 from ndparallel.parallel.pipeline import StageLayers, cut_to_rank
 from ndparallel.parallel.pipeline.runner import check_schedule
 from ndparallel.parallel.pipeline.split import _balanced, plan_stages

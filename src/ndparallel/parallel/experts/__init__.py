@@ -2,11 +2,12 @@
 the ``ep`` ranks, tokens sent to their experts and back all-to-all. Exact and dropless: every token reaches its top-k
 experts, whatever the routing imbalance, and the step equals one process's (docs/expert_parallel.md).
 
-Where the ranks come from (`ndparallel.mesh`): ``ep`` is carved out of ``fsdp`` (dp_shard x cp x sp), ranks that
-already hold different tokens, so it does not multiply the world size. Non-expert weights stay sharded by FSDP2 over
-all of ``fsdp``; each expert weight is a DTensor sharded along the experts over ``ep``, which FSDP2 shards further over
-``expert_shard`` (= fsdp / ep) and replicates over dp_replicate (`apply.shard_experts`). tp ranks hold the same tokens
-and the experts whole (transformers' ``moe_tp_experts`` is ``unsplit``): each tp rank exchanges with its own ep group.
+Where the ranks come from (`ndparallel.distributed.mesh`): ``ep`` is carved out of ``fsdp`` (dp_shard x cp x sp), ranks
+that already hold different tokens, so it does not multiply the world size. Non-expert weights stay sharded by FSDP2
+over all of ``fsdp``; each expert weight is a DTensor sharded along the experts over ``ep``, which FSDP2 shards further
+over ``expert_shard`` (= fsdp / ep) and replicates over dp_replicate (`apply.shard_experts`). tp ranks hold the same
+tokens and the experts whole (transformers' ``moe_tp_experts`` is ``unsplit``): each tp rank exchanges with its own ep
+group.
 
 - `layout`: which modules are the experts and routers (the family table, `ndparallel.parallel.tensor.families`), and
   the refusals;

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from ...mesh import ParallelMesh
+from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
 from .dispatch import ExpertShard, expert_parallel_forward
 from .layout import check_experts, expert_count, expert_modules, family_experts

@@ -85,7 +85,8 @@ def run_local_experts(module: nn.Module, x: torch.Tensor, counts: list[int], ep:
     gradient is the sum of those ep ranks' contributions, where every other parameter's gradient holds one rank's;
     FSDP2 then averages each over the ranks that hold the same parameter (all ``loss`` ranks; for experts, the
     ``loss`` ranks / ep that hold the same experts). Divided by ep, the experts' gradient is the same average over
-    all ``loss`` ranks as every other parameter's, which `ndparallel.loss` makes the single-process gradient."""
+    all ``loss`` ranks as every other parameter's, which `ndparallel.training.loss` makes the single-process
+    gradient."""
     def weight(name: str) -> torch.Tensor | None:
         return local(getattr(module, name), 1.0 / ep)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...mesh import ParallelMesh
+from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
 from .loss_head import install
 from .tiled_mlp import apply_tiled_mlp

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...plugins import KwargsHandler, parse_bool
+from ...configuration.plugins import KwargsHandler, parse_bool
 
 CHUNKED_LOSS_ENV = "NDPARALLEL_CHUNKED_LOSS"
 TILED_MLP_ENV = "NDPARALLEL_TILED_MLP"

@@ -10,7 +10,7 @@ Three hooks, nothing in the model's code changes:
   placeholder, computes the loss from the kept hidden states and weight in chunks
   (`cross_entropy.linear_cross_entropy`) with the arguments the model passes -- ``labels`` / ``shift_labels``,
   ``num_items_in_batch``, ``ignore_index`` -- so it returns what ``ForCausalLMLoss`` returns: this rank's mean over
-  its loss tokens, or their sum over ``num_items_in_batch``. `ndparallel.loss` weights it as before.
+  its loss tokens, or their sum over ``num_items_in_batch``. `ndparallel.training.loss` weights it as before.
 
 Then ``outputs.logits`` is None (the forward post-hook replaces the placeholder). Every other call (evaluation,
 no labels, ``torch.no_grad()``) runs the head and the loss as the model always did. What the model does to its
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from ...loss import is_causal_lm
+from ...training.loss import is_causal_lm
 from ..adapted import adapter_free, is_adapter_wrapper
 from .config import MemoryKwargs
 from .cross_entropy import IGNORE_INDEX, Transform, aligned_labels, linear_cross_entropy

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from ...mesh import ParallelMesh
+from ...distributed.mesh import ParallelMesh
 from ..adapted import adapter_free
 from ..options import PrepareOptions
 from .balancing import balancing_term

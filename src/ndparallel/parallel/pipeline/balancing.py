@@ -149,7 +149,8 @@ class BalancingTerm:
             total = self.function(tuple(leaf[:, i] for i in range(leaf.shape[1])), self.num_experts, self.top_k,
                                   mask)
         if factor is not None:
-            # The factor may be a tensor on the device (`ndparallel.loss.TokenTotal`): summed there, never read.
+            # The factor may be a tensor on the device (`ndparallel.training.loss.TokenTotal`): summed there, never
+            # read.
             factors = torch.as_tensor(factor).to(rows.device, torch.float64).reshape(1)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(factors, group=group)

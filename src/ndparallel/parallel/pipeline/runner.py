@@ -8,15 +8,15 @@ stage, so logging, ``accelerator.reduce_loss`` and ``accelerator.gather`` work u
 knows the gradients are there (`consume_backward`) and does nothing more. Without gradients (``torch.no_grad()`` or ``model.eval()``)
 the call runs a forward-only schedule and returns the loss (when labels are given) and the logits on every stage.
 
-The loss is made right here, as `ndparallel.loss` makes it elsewhere. Each micro-batch j of the last stage gives the
-sum S_j of its token losses (the model's own loss function, summed); what flows into backward is
-``S_j * f / n`` -- f the factor `backward` would have scaled this rank's mean loss by (`GradientState.loss_factor`,
-given at construction), n the rank's loss tokens (`ndparallel.loss.count_loss_tokens`) -- so the gradients are
-exactly those of ``f * (sum_j S_j) / n``, the rank's mean loss weighted as without stages, whatever the
-micro-batches' shares of tokens. Given ``num_items_in_batch`` (as transformers' Trainer passes it), that count takes
-n's place, as it does in a Hugging Face model's own loss. A model without a loss of its own (an nn.Sequential) uses
-``PipelineParallelConfig(loss_fn=...)``, a mean over the micro-batch; its micro-batches weigh alike (``f / m``
-each), which is the rank's mean when micro-batches are equal in size, as they are.
+The loss is made right here, as `ndparallel.training.loss` makes it elsewhere. Each micro-batch j of the last stage
+gives the sum S_j of its token losses (the model's own loss function, summed); what flows into backward is ``S_j * f /
+n`` -- f the factor `backward` would have scaled this rank's mean loss by (`GradientState.loss_factor`, given at
+construction), n the rank's loss tokens (`ndparallel.training.loss.count_loss_tokens`) -- so the gradients are exactly
+those of ``f * (sum_j S_j) / n``, the rank's mean loss weighted as without stages, whatever the micro-batches' shares of
+tokens. Given ``num_items_in_batch`` (as transformers' Trainer passes it), that count takes n's place, as it does in a
+Hugging Face model's own loss. A model without a loss of its own (an nn.Sequential) uses
+``PipelineParallelConfig(loss_fn=...)``, a mean over the micro-batch; its micro-batches weigh alike (``f / m`` each),
+which is the rank's mean when micro-batches are equal in size, as they are.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from ...config import PP_SCHEDULES, PipelineParallelConfig
-from ...loss import IGNORE_INDEX, count_loss_tokens, loss_labels
+from ...configuration.handlers import PP_SCHEDULES, PipelineParallelConfig
+from ...training.loss import IGNORE_INDEX, count_loss_tokens, loss_labels
 from ..adapted import adapter_free
 from ..gathered import release_gathered
 from ..interface import PreparedModel

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ...config import PP_SCHEDULES, PipelineParallelConfig
+from ...configuration.handlers import PP_SCHEDULES, PipelineParallelConfig
 from ..adapted import adapter_free
 from ..experts.layout import family_experts
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...mesh import ParallelMesh
+from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
 from . import hooks
 from .sharding import describe_sizes

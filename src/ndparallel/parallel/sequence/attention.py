@@ -18,7 +18,8 @@ from .masking import DocumentMask
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
-# cp_comm_strategy -> attention over the cp shards; the names are `ndparallel.config.CP_STRATEGIES`, which validates
+# cp_comm_strategy -> attention over the cp shards; the names are `ndparallel.configuration.handlers.CP_STRATEGIES`,
+# which validates
 # them when a `TorchContextParallelConfig` is built. "alltoall" is Accelerate's name for rotating K/V blocks between
 # the cp ranks: the ring.
 CP_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {"allgather": allgather_attention, "ring": ring_attention,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...loss import IGNORE_INDEX, count_loss_tokens
+from ...training.loss import IGNORE_INDEX, count_loss_tokens
 from ..adapted import adapter_free
 from . import packed
 from .masking import DocumentMask, attention_work, check_document_lengths, document_ids

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...config import TorchContextParallelConfig
-from ...loss import count_loss_tokens
-from ...mesh import ParallelMesh
+from ...configuration.handlers import TorchContextParallelConfig
+from ...training.loss import count_loss_tokens
+from ...distributed.mesh import ParallelMesh
 from .attention import sequence_parallel_attention
 from .layout import SequenceLayout, SequenceShards
 from .masking import DocumentMask, balanced_assignment, document_ids
@@ -103,9 +103,9 @@ class SequenceSharding:
         return SequenceShards(layout, self.sp_size, self.sp_rank)
 
     def count_loss_tokens(self, batch: Any) -> int | None:
-        """Loss tokens of this rank's shard of `batch` (`ndparallel.loss.count_loss_tokens`): what its loss averages
-        over. None when the batch has no labels, or a length that does not split (such a batch cannot be sharded;
-        evaluation may still use it whole, and `sharded` refuses it for training)."""
+        """Loss tokens of this rank's shard of `batch` (`ndparallel.training.loss.count_loss_tokens`): what its loss
+        averages over. None when the batch has no labels, or a length that does not split (such a batch cannot be
+        sharded; evaluation may still use it whole, and `sharded` refuses it for training)."""
         planned = self.plan(batch)
         return count_loss_tokens(batch, shard=lambda labels: self._shard_labels(labels, planned))
 

@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
-from ...config import TorchTensorParallelConfig
-from ...mesh import ParallelMesh
+from ...configuration.handlers import TorchTensorParallelConfig
+from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
 from ..adapted import adapter_free
 from .adapters import expand_adapters, layer_of

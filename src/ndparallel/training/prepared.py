@@ -15,7 +15,7 @@ from torch import nn
 from .data import PreparedDataLoader
 from .loss import GradientState
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .parallel.interface import interface
+from ..parallel.interface import interface
 
 
 @dataclass

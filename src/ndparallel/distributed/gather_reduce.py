@@ -1,7 +1,13 @@
 """The Accelerator's collectives for metrics and logging, on nested structures of tensors: gather along the
 ``batch`` view and reduce over the ``loss`` view (Accelerate's `accelerate.utils.operations`). Each takes the mesh
 and the name of the view, and does nothing on a view of one rank. `pad_across_processes` works over every process,
-as Accelerate's does."""
+as Accelerate's does.
+
+Debug mode (Accelerate's ``state.debug = True``, or ``$ACCELERATE_DEBUG_MODE`` / ``$NDPARALLEL_DEBUG_MODE`` when the
+process state starts): before each collective here, the processes exchange the shapes of the tensors they pass, and
+when those cannot go through it together (a gather or reduce of other shapes, a pad of tensors of other ranks -- a
+collective that would hang or fail), every process raises the same `DistributedOperationException`, naming each
+process's shapes. It costs one object all-gather per call, so it is off by default."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .mesh import ParallelMesh
+from .state import PartialState
 
 REDUCTIONS = ("sum", "mean", "none", "max")
 
@@ -24,6 +31,38 @@ def map_tensors(obj: Any, fn) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(v, fn) for v in obj)
     raise TypeError(f"can only gather/reduce tensors and dicts/lists/tuples of tensors, got {type(obj).__name__}")
+
+
+class DistributedOperationException(Exception):
+    """Raised in debug mode on every process when the tensors of a collective do not match across processes."""
+
+
+def check_shapes(obj: Any, operation: str, group: dist.ProcessGroup | None = None, *, except_dim: int | None = None,
+                 rank_only: bool = False) -> None:
+    """Debug mode (`PartialState.debug`): every process of `group` (None: all) passes tensors of the same shapes to
+    `operation` -- but along `except_dim` (a gather along it), or in their number of dimensions only (`rank_only`:
+    a pad) -- else the same `DistributedOperationException` everywhere. Collective; nothing when debug is off."""
+    if not PartialState._shared.get("debug") or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+
+    def shape(t: torch.Tensor) -> Any:
+        if rank_only:
+            return t.dim()
+        dims = list(t.shape)
+        if except_dim is not None and dims:
+            dims[except_dim % len(dims)] = "*"
+        return tuple(dims)
+
+    mine = map_tensors(obj, shape)
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, mine, group=group)
+    if any(f != found[0] for f in found):
+        listing = "\n  - ".join(f"process {i}: {f}" for i, f in enumerate(found))
+        what = "numbers of dimensions" if rank_only else "shapes" + (" (* : sizes that may differ)" if except_dim
+                                                                      is not None else "")
+        raise DistributedOperationException(
+            f"cannot run {operation}: the processes passed tensors of other {what}, which it cannot combine (the "
+            f"collective would fail or hang):\n  - {listing}")
 
 
 def gather_tensor(tensor: torch.Tensor, mesh: ParallelMesh, view: str) -> torch.Tensor:
@@ -46,6 +85,8 @@ def gather_tensor(tensor: torch.Tensor, mesh: ParallelMesh, view: str) -> torch.
 
 
 def gather(obj: Any, mesh: ParallelMesh, view: str) -> Any:
+    if mesh.size(view) > 1:
+        check_shapes(obj, "gather", mesh.group(view), except_dim=0)
     return map_tensors(obj, lambda t: gather_tensor(t, mesh, view))
 
 
@@ -64,6 +105,8 @@ def reduce(obj: Any, mesh: ParallelMesh, view: str, reduction: str = "sum", scal
     "sum" adds, "mean" averages (integers become floats); "none" sums too, as Accelerate's `reduce` does; "max"
     takes the elementwise largest.
     """
+    if mesh.size(view) > 1:
+        check_shapes(obj, "reduce", mesh.group(view))
     return _all_reduce(obj, mesh.group(view) if mesh.size(view) > 1 else None, mesh.size(view), reduction, scale)
 
 
@@ -88,6 +131,7 @@ def _all_reduce(obj: Any, group: dist.ProcessGroup | None, size: int, reduction:
 def pad_across_processes(obj: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pad every tensor of `obj` along `dim` to the largest size any process has there (over every process), with
     `pad_index`, at the end (or the start with `pad_first`), so that tensors of uneven length can be gathered."""
+    check_shapes(obj, "pad_across_processes", rank_only=True)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0 or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -116,6 +160,7 @@ def gather_all(obj: Any) -> Any:
     """Concatenate every process's tensors (or dicts/lists of them) along dim 0, in rank order."""
     if _world_size() == 1:
         return map_tensors(obj, lambda t: t if t.dim() else t.unsqueeze(0))
+    check_shapes(obj, "gather")
 
     def one(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous() if t.dim() else t.reshape(1)
@@ -137,12 +182,14 @@ def gather_object_all(obj: Any) -> list[Any]:
 
 def reduce_all(obj: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """All-reduce every tensor of `obj` over every process ("mean", "sum", "none", which sums, or "max")."""
+    check_shapes(obj, "reduce")
     return _all_reduce(obj, None, _world_size(), reduction, scale)
 
 
 def broadcast(obj: Any, from_process: int = 0) -> Any:
     """Every tensor of `obj` replaced, in place, by process `from_process`'s."""
     if _world_size() > 1:
+        check_shapes(obj, "broadcast")
         map_tensors(obj, lambda t: dist.broadcast(t, src=from_process) or t)
     return obj
 

@@ -21,7 +21,8 @@ train silently apart. This module turns each into an error that names the cause,
   named call each rank was in, with the likely cause; it also tells every rank whether all gave the same `digest`.
   The library's collective entry points (``Accelerator(...)``, ``prepare``, ``save_state``, ``load_state``,
   ``wait_for_everyone``) enter through one.
-- the per-step collectives, which cannot afford a barrier, are watched by `ndparallel.failures` instead: nothing
+- the per-step collectives, which cannot afford a barrier, are watched by `ndparallel.distributed.failures` instead:
+nothing
   while they work, every rank's place when one fails.
 """
 
@@ -43,7 +44,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ._version import __version__
+from .._version import __version__
 from .runtime import heartbeat, resolve_timeout, world_generation
 
 _DIGEST_OVER = 8  # lists longer than this are gathered as a digest (and in full only when they differ)
@@ -297,7 +298,7 @@ def barrier_places(store: Any, world: int) -> dict[int, list[Any]]:
 
 def post_failure(store: Any, rank: int, seq: int, call: str, started: float) -> None:
     """Say in the store that this rank's collective in per-step call `call` (its #`seq`, begun at `started`) failed
-    (`ndparallel.failures`): the other ranks' reports read it (`failed_calls`)."""
+    (`ndparallel.distributed.failures`): the other ranks' reports read it (`failed_calls`)."""
     store.set(f"{_PREFIX}failed/{rank}", json.dumps([seq, call, socket.gethostname(), started, time.time()]))
 
 
@@ -373,7 +374,8 @@ def monitored_barrier(name: str, timeout: datetime.timedelta | float | None = No
     - at once, on every rank that has arrived or arrives, when some rank's call of the same number has another
       name (ranks calling the library's collectives in different orders: a ``save_state`` or ``wait_for_everyone``
       under ``if accelerator.is_main_process:``);
-    - after `timeout` (default: `ndparallel.runtime.resolve_timeout`, ``$NDPARALLEL_TIMEOUT`` or 10 minutes), on
+    - after `timeout` (default: `ndparallel.distributed.runtime.resolve_timeout`, ``$NDPARALLEL_TIMEOUT`` or 10
+    minutes), on
       every rank that arrived, when some rank has not: naming the ranks that arrived and those that did not, with
       the last monitored call each of those was in; a rank that arrives after that fails at once with the same
       message (it does not pass a barrier the others have given up on).

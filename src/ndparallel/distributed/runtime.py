@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 CPU_ENV = "NDPARALLEL_CPU"
+DEVICE_ENVS = ("NDPARALLEL_TORCH_DEVICE", "ACCELERATE_TORCH_DEVICE")  # this process's device, instead of the default
 TIMEOUT_ENV = "NDPARALLEL_TIMEOUT"
 HEARTBEAT_ENV = "NDPARALLEL_HEARTBEAT_DIR"
 # Long enough for a slow checkpoint write on a shared filesystem, short enough that a rank that never arrives is
@@ -122,8 +123,31 @@ def init_runtime(cpu: bool = False, timeout: datetime.timedelta | float | None =
     else:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    device = _device_from_environment(device, str(backend))
     heartbeat("init_process_group")
     return Runtime(rank, world_size, local_rank, local_world_size, device, str(backend), timeout)
+
+
+def _device_from_environment(default: torch.device, backend: str) -> torch.device:
+    """``$NDPARALLEL_TORCH_DEVICE`` (or Accelerate's ``$ACCELERATE_TORCH_DEVICE``): this process's device instead of
+    `default`, made current (``torch.<type>.set_device``); it must be of `default`'s type, the one the process
+    group's backend serves."""
+    name = next((n for n in DEVICE_ENVS if os.environ.get(n, "").strip()), None)
+    if name is None:
+        return default
+    value = os.environ[name].strip()
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"${name}={value!r} is not a torch device (e.g. {default})") from None
+    if device.type != default.type:
+        raise ValueError(f"${name}={value!r}: this process runs on {default.type} (process group backend "
+                         f"{backend}), so its device must be a {default.type} device, e.g. {default}; unset ${name} "
+                         "for the default")
+    set_device = getattr(getattr(torch, device.type, None), "set_device", None)
+    if set_device is not None and device.index is not None:
+        set_device(device)
+    return device
 
 
 def group_name(group: dist.ProcessGroup | None) -> str | None:

@@ -1,11 +1,12 @@
-"""The per-run settings every part of the cost model reads, and the small helpers they share."""
+"""`Recipe`: how one optimizer step runs on every rank (sequence, micro-batch, accumulation, precision, memory
+features), which every part of the cost model reads, and the small helpers they share."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from ..layout import Layout
+from ..distributed.layout import Layout
 from ..parallel.memory.cross_entropy import chunk_rows as loss_chunk_rows  # the library's own, not a copy
 from ..parallel.memory.tiled_mlp import default_tile
 
@@ -15,7 +16,7 @@ FP32 = 4
 
 
 @dataclass(frozen=True)
-class Setting:
+class Recipe:
     """How one optimizer step runs on every rank."""
 
     seq_len: int

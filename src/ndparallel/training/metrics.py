@@ -9,7 +9,7 @@
         bar.set_postfix(timer.postfix())       # or log timer.last: {"step_time_s", "tokens_per_s", "mfu"}
     timer.summary(skip=2)                      # medians after 2 warm-up steps
 
-FLOPs per token: `ndparallel.flops` (6 x N_matmul + 6 x L x attention width x S, the whole S x S score matrix).
+FLOPs per token: `ndparallel.training.flops` (6 x N_matmul + 6 x L x attention width x S, the whole S x S score matrix).
 
 MFU = tokens/s * FLOPs per token / (peak FLOP/s of one device * number of devices). Peak figures come from the
 caller, else from `PEAK_FLOPS` for known GPUs (dense, no sparsity), else -- on a CPU -- from a short measured
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .config import compute_dtype
+from ..configuration.dtypes import compute_dtype
 from .flops import training_flops
 
 # Dense peak FLOP/s of one device, by (name fragment, dtype); bf16/fp16 tensor cores, tf32 for fp32.
@@ -64,7 +64,7 @@ def matmul_params(config: Any) -> int:
 
 def flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs per token of the model a Hugging Face decoder config describes, at `seq_len`
-    (`ndparallel.flops.training_flops`).
+    (`ndparallel.training.flops.training_flops`).
 
     A mixture of experts (a config with ``num_experts``, ``num_local_experts`` or ``n_routed_experts``) or a model with
     multi-head latent attention (``kv_lora_rank``) is counted by the planner's model of it
@@ -73,7 +73,7 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     moe = any(isinstance(getattr(config, f, None), int) and getattr(config, f) > 1
               for f in ("num_experts", "num_local_experts", "n_routed_experts"))
     if moe or getattr(config, "kv_lora_rank", None):
-        from .planner.model import spec_from_config
+        from ..planner.model import spec_from_config
 
         data = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
         return spec_from_config(data, type(config).__name__).flops_per_token(seq_len)

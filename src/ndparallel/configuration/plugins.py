@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import logging
 import os
 import re
 import warnings
@@ -34,7 +35,14 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (
     StateDictType,
 )
 
-from .config import parse_dtype
+from .dtypes import parse_dtype
+from .plugin_fields import (  # noqa: F401 - importable from here too, as before
+    FALSE_STRINGS,
+    TRUE_STRINGS,
+    ActivationCheckpointing,
+    parse_activation_checkpointing,
+    parse_bool,
+)
 
 AUTO_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
@@ -44,76 +52,6 @@ PLUGIN_PRECISIONS = {"fp8": torch.bfloat16, "fp16": torch.float16, "bf16": torch
 FSDP1_ONLY = ("sharding_strategy", "backward_prefetch", "state_dict_config", "optim_state_dict_config",
               "limit_all_gathers", "use_orig_params", "param_init_fn", "sync_module_states", "forward_prefetch")
 FSDP_ENV_PREFIX = "FSDP_"
-TRUE_STRINGS, FALSE_STRINGS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def parse_bool(value: Any, what: str) -> bool:
-    """A bool from a bool or a string such as "true" / "False" / "1" (how launchers and YAML files spell them)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in TRUE_STRINGS + FALSE_STRINGS:
-        return value.strip().lower() in TRUE_STRINGS
-    raise TypeError(f"{what} must be a bool (or 'true' / 'false'), got {value!r}")
-
-
-@dataclass(frozen=True)
-class ActivationCheckpointing:
-    """Which blocks to checkpoint and what to keep: ``FullyShardedDataParallelPlugin(activation_checkpointing=...)``
-    takes one of these (or a spelling of it, `parse_activation_checkpointing`).
-
-    every: checkpoint blocks 0, every, 2*every, ... (1: all of them); the others keep their activations.
-    policy: "full" recomputes a checkpointed block's whole forward in backward; "selective" keeps the outputs of its
-        matrix multiplies and attention kernels and recomputes the rest (norms, activations, casts, reshapes: cheap
-        to recompute, as large to keep).
-    offload: the checkpointed blocks' inputs go to (pinned) host memory during forward and come back, prefetched,
-        for backward (`ndparallel.parallel.memory.offload`); exact.
-    """
-
-    every: int = 1
-    policy: str = "full"
-    offload: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"activation_checkpointing every={self.every!r}: an int >= 1 (1: every block)")
-        if self.policy not in CHECKPOINT_POLICIES:
-            raise ValueError(f"activation_checkpointing policy={self.policy!r}: one of {list(CHECKPOINT_POLICIES)}")
-        object.__setattr__(self, "offload", parse_bool(self.offload, "activation_checkpointing offload"))
-
-
-CHECKPOINT_POLICIES = ("full", "selective")
-
-
-def parse_activation_checkpointing(value: Any) -> bool | ActivationCheckpointing:
-    """False (off), True (every block, full recompute) or an `ActivationCheckpointing`, from: a bool or its string;
-    "full" / "selective"; an int k (every k-th block; also as a string); a dict of `ActivationCheckpointing`'s
-    fields; or one of those."""
-    if value is None:
-        return False
-    if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in TRUE_STRINGS + FALSE_STRINGS):
-        return parse_bool(value, "activation_checkpointing")
-    if isinstance(value, ActivationCheckpointing):
-        spec = value
-    elif isinstance(value, dict):
-        unknown = sorted(set(value) - {"every", "policy", "offload"})
-        if unknown:
-            raise ValueError(f"activation_checkpointing: unknown field(s) {unknown}; valid: ['every', 'policy', "
-                             "'offload']")
-        spec = ActivationCheckpointing(**value)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        spec = ActivationCheckpointing(every=value)
-    elif isinstance(value, str) and value.strip().isdigit():
-        spec = ActivationCheckpointing(every=int(value))
-    elif isinstance(value, str) and value.strip().lower() in CHECKPOINT_POLICIES:
-        spec = ActivationCheckpointing(policy=value.strip().lower())
-    else:
-        raise TypeError(f"activation_checkpointing must be a bool, 'full', 'selective', an int k (every k-th block), "
-                        f"a dict {{'every': k, 'policy': 'full' | 'selective', 'offload': bool}} or "
-                        f"ActivationCheckpointing, got "
-                        f"{value!r}")
-    return True if spec == ActivationCheckpointing() else spec
-
-
 def _enum_name(value: Any) -> Any:
     """``StateDictType.FULL_STATE_DICT`` -> "FULL_STATE_DICT"; anything else unchanged."""
     return value.name if isinstance(value, enum.Enum) else value
@@ -214,6 +152,7 @@ class FullyShardedDataParallelPlugin:
             if str(_enum_name(self.backward_prefetch)).strip().upper() != "NO_PREFETCH":
                 _parse_enum(self.backward_prefetch, BackwardPrefetch, "backward_prefetch")
                 given = [n for n in FSDP1_ONLY if n in given or n == "backward_prefetch"]
+                _log_as_accelerate("backward_prefetch is not supported in FSDP2. Setting backward prefetch to None.")
             else:
                 given = [n for n in given if n != "backward_prefetch"]
             self.backward_prefetch = None
@@ -326,6 +265,16 @@ class FullyShardedDataParallelPlugin:
             out._apply_env(os.environ if environ is None else environ)
         return out
 
+    def set_mixed_precision(self, mixed_precision: str, buffer_autocast: bool = False,
+                            override: bool = False) -> None:
+        """Accelerate's: where the plugin sets no `mixed_precision_policy` (or with `override`), the Accelerator's
+        `mixed_precision` ("bf16", "fp16", "fp8"; "no" sets none) gives it -- `derived_policy`: compute in that dtype,
+        reduce gradients in fp32 (Accelerate: in that dtype; README, "Differences from Accelerate"). The Accelerator
+        calls it on its copy of the plugin, so what was derived is there to read (``state.fsdp_plugin``).
+        `buffer_autocast` is accepted for Accelerate's sake (FSDP1's buffers)."""
+        if self.mixed_precision_policy is None or override:
+            self.mixed_precision_policy = derived_policy(PLUGIN_PRECISIONS.get(str(mixed_precision).lower()))
+
     # ---- parsing ------------------------------------------------------------------------------------------------
     @staticmethod
     def _parse_wrap_policy(policy: Any) -> str | Callable[..., bool]:
@@ -387,6 +336,22 @@ class FullyShardedDataParallelPlugin:
             "mixed_precision_policy must be a MixedPrecisionPolicy, a dict of its fields, a dtype name or None; "
             f"got {type(policy).__name__}"
         )
+
+
+def derived_policy(dtype: torch.dtype | None) -> MixedPrecisionPolicy | None:
+    """The policy of an Accelerator's mixed precision (`dtype`: its compute dtype, None without): compute in it,
+    reduce gradients in fp32, which sums many ranks' gradients without low-precision rounding."""
+    return None if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def _log_as_accelerate(message: str) -> None:
+    """Also log `message` where Accelerate logs it (``accelerate.utils.dataclasses``, a warning) when something
+    listens there: code that watches Accelerate's log (its tests, a script's handler on ``accelerate``) sees it as
+    under Accelerate. It is warned about through `warnings` either way, as ndparallel warns about every setting
+    it ignores; without a listener only that warning shows, not the same line twice."""
+    names = ("accelerate.utils.dataclasses", "accelerate.utils", "accelerate")
+    if any(logging.getLogger(name).handlers for name in names):
+        logging.getLogger(names[0]).warning(message)
 
 
 # Plugin field -> the FSDP_* variable `accelerate launch` exports for it. FSDP1's use_orig_params, sync_module_states and

@@ -1,8 +1,8 @@
-"""The one world `DeviceMesh` and the process groups of the views `ndparallel.layout` declares.
+"""The one world `DeviceMesh` and the process groups of the views `ndparallel.distributed.layout` declares.
 
 Code asks the mesh for a group *by purpose* (``batch``, ``fsdp``, ``loss``, ``ep``, a single axis...: the views and
-what each is for are declared in `ndparallel.layout`), never by rank arithmetic. Every view but ``pp`` lies inside one
-pipeline stage: its group holds the ranks of this rank's stage only.
+what each is for are declared in `ndparallel.distributed.layout`), never by rank arithmetic. Every view but ``pp`` lies
+inside one pipeline stage: its group holds the ranks of this rank's stage only.
 
 Process groups exist only where they are needed. The world mesh has a dimension for each axis of more than one
 rank (as Accelerate's has); a view spanning one such axis *is* that axis's group; a view spanning several is
@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .layout import EXPERT_VIEWS, VIEWS, Layout, view_axes
 
 if TYPE_CHECKING:
-    from .config import ParallelismConfig
+    from ..configuration.parallelism import ParallelismConfig
 
 class ParallelMesh:
     """The world mesh of a resolved `ParallelismConfig` plus its named views.
@@ -43,7 +43,7 @@ class ParallelMesh:
         config = config.resolve(world_size)
         self.config = config
         self.device_type = device_type
-        self.layout: Layout = config.layout()  # every view's size (`ndparallel.layout`)
+        self.layout: Layout = config.layout()  # every view's size (`ndparallel.distributed.layout`)
         self._sizes = self.layout.sizes()  # every axis, outermost first
         axes = tuple(self._sizes)
         self._axes: dict[str, tuple[str, ...]] = {**{axis: (axis,) for axis in axes}, **VIEWS}
@@ -84,8 +84,8 @@ class ParallelMesh:
         if not hasattr(DeviceMesh, "_unflatten"):
             import torch
 
-            raise ValueError(f"ep_size={ep}: expert parallelism needs torch >= 2.9 (DeviceMesh._unflatten carves the "
-                             f"ep ranks out of fsdp); installed: torch {torch.__version__}")
+            raise ValueError(f"ep_size={ep}: expert parallelism needs DeviceMesh._unflatten (it carves the ep ranks "
+                             f"out of fsdp), which torch {torch.__version__} lacks; ndparallel needs torch >= 2.12")
         split = self._views["fsdp"]._unflatten(0, (self.size("expert_shard"), ep), ("expert_shard", "ep"))
         self._views["ep"] = split["ep"]
         self._views["expert_shard"] = split["expert_shard"] if self.size("expert_shard") > 1 else None

@@ -1,5 +1,5 @@
-"""FLOPs of a decoder-only transformer per token, written once: the step timer's MFU (`ndparallel.metrics`) and the
-planner's model and time estimates (`ndparallel.planner.model`, `ndparallel.planner.timing`) all count with these.
+"""FLOPs of a decoder-only transformer per token, written once: the step timer's MFU (`ndparallel.training.metrics`) and
+the planner's model and time estimates (`ndparallel.planner.model`, `ndparallel.planner.timing`) all count with these.
 
 A token's forward pass multiplies each weight of a matrix multiply once (2 FLOPs per weight: a multiply and an add)
 and, in each of the ``layers`` attention layers, its query against ``keys`` keys and the attention weights against as

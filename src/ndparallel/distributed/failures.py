@@ -1,9 +1,10 @@
 """When a collective does not complete, every rank's error says where every rank was.
 
 A collective made on some ranks only -- ``save_state`` under ``if accelerator.is_main_process:`` while the others
-train on -- ends on the rank in the library's call with a clear error (`ndparallel.agreement.monitored_barrier`); the
-others fail inside a raw collective of their training step (an FSDP2 all-gather, a DDP all-reduce) with the backend's
-own words: gloo's ``Timed out waiting ...`` or ``Connection closed by peer``, nothing about ``save_state``. Three
+train on -- ends on the rank in the library's call with a clear error
+(`ndparallel.distributed.agreement.monitored_barrier`); the others fail inside a raw collective of their training step
+(an FSDP2 all-gather, a DDP all-reduce) with the backend's own words: gloo's ``Timed out waiting ...`` or ``Connection
+closed by peer``, nothing about ``save_state``. Three
 layers turn those into errors that name the cause, and nothing of them runs while training goes well:
 
 - `watched(call, ranks)`: around the Accelerator's own per-step collectives (gather, reduce, reduce_loss,
@@ -126,7 +127,7 @@ def watched(call: str, ranks: Callable[[], Sequence[int]] | Sequence[int] | None
             timeout: datetime.timedelta | float | None = None) -> _Watch:
     """A context manager around one of the Accelerator's per-step collectives (``with watched("reduce", ...):``).
 
-    While the collective works: a local count and `ndparallel.runtime.heartbeat` (about a microsecond, no
+    While the collective works: a local count and `ndparallel.distributed.runtime.heartbeat` (about a microsecond, no
     communication). When the backend raises (a collective timeout -- gloo raises RuntimeError ``Timed out waiting
     ...`` after the process group's timeout -- or a peer's connection closing), `CollectiveTimeoutError` with
     `failure_report` over `ranks` (their global ranks, or a callable giving them, asked only then; default every rank),

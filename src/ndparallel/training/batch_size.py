@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .agreement import monitored_barrier
+from ..distributed.agreement import monitored_barrier
 
 _OOM_MESSAGES = (
     " out of memory.",  # CUDA, HIP, XPU

@@ -44,7 +44,6 @@ processes (augmentations) start again with the resumed pass, so they are not the
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -56,7 +55,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .loss import BatchInfo, GradientState, TokenTotal, count_loss_tokens
-from .runtime import group_name, resolve_group
+from ..distributed.runtime import group_name, resolve_group
 
 
 def uneven_refusal(holding: int, shards: int, why: str) -> str:
@@ -102,6 +101,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 obj.set_epoch(epoch)
             if hasattr(obj, "generator"):  # RandomSampler, SubsetRandomSampler, WeightedRandomSampler
                 obj.generator = torch.Generator().manual_seed((self.seed + epoch) % 2**63)
+            if hasattr(obj, "initial_seed"):  # SeedableRandomSampler, which seeds its generator again from this
+                obj.initial_seed = self.seed
             obj = getattr(obj, "sampler", None)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -275,7 +276,7 @@ class PreparedDataLoader:
     """A data loader that yields this rank's share of each global batch, on this rank's device.
 
     It also reads one gradient-accumulation window of batches ahead to tell the Accelerator where windows end
-    and how many loss tokens each batch and window hold (see `ndparallel.loss`). Attributes it does not define
+    and how many loss tokens each batch and window hold (see `ndparallel.training.loss`). Attributes it does not define
     are looked up on the wrapped `torch.utils.data.DataLoader`.
     """
 
@@ -561,34 +562,3 @@ class PreparedDataLoader:
 
 
 _END = object()
-
-
-def prepared_loader_class(stateful: bool) -> type[PreparedDataLoader]:
-    """The class `prepare` makes a data loader into: `PreparedDataLoader`, or with
-    ``DataLoaderConfiguration(use_stateful_dataloader=True)`` and torchdata installed, a subclass that is also a
-    ``torchdata.stateful_dataloader.StatefulDataLoader`` -- what Accelerate prepares then, so code that checks for
-    one finds one. Its behaviour is `PreparedDataLoader`'s (which has ``state_dict`` / ``load_state_dict`` either way);
-    the torchdata class contributes only its type."""
-    if not stateful:
-        return PreparedDataLoader
-    try:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-    except ImportError:  # Accelerate refuses the setting without torchdata; ndparallel's loaders are stateful anyway
-        return PreparedDataLoader
-    return _stateful_class(StatefulDataLoader)
-
-
-@functools.cache
-def _stateful_class(stateful_dataloader: type) -> type[PreparedDataLoader]:
-    return type("StatefulPreparedDataLoader", (PreparedDataLoader, stateful_dataloader),
-                {"__doc__": PreparedDataLoader.__doc__, "__module__": __name__})
-
-
-def __getattr__(name: str) -> Any:
-    """``ndparallel.data.StatefulPreparedDataLoader``, made on first use (torchdata is optional): where pickle finds
-    the class of a loader prepared with ``use_stateful_dataloader=True``."""
-    if name == "StatefulPreparedDataLoader":
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        return _stateful_class(StatefulDataLoader)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """The layout: the axes of the world, their sizes and the views by purpose -- declared once, here.
 
-Everything that needs the layout computes from this module: the mesh (`ndparallel.mesh` builds one process group per
-view), the config's checks (`ndparallel.config.ParallelismConfig`), the data path and the checkpoint resharding
-(through the mesh's views) and the planner (`ndparallel.planner`, which has no mesh). It imports nothing of the
-package and no torch.
+Everything that needs the layout computes from this module: the mesh (`ndparallel.distributed.mesh` builds one process
+group per view), the config's checks (`ndparallel.configuration.parallelism.ParallelismConfig`), the data path and the
+checkpoint resharding (through the mesh's views) and the planner (`ndparallel.planner`, which has no mesh). It imports
+nothing of the package and no torch.
 
 Axes, outermost first: ``pp, dp_replicate, dp_shard, cp, sp, tp`` (pipeline stages outermost: they span the slowest
 links with the least traffic; TP innermost: it needs the fastest). Their product is the world size. Views by purpose:

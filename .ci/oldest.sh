@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The Trainer integration against the oldest transformers it supports, with the TRL / PEFT / Accelerate that go with
+# it (.ci/oldest.txt). A venv that sees the main environment's packages (torch and the rest are not installed twice)
+# gets exactly .ci/oldest.txt's wheels, without dependencies, which shadow the main environment's; the wheels are kept
+# in $NDPARALLEL_OLDEST_WHEELS (downloaded once, about 10 s; installed from there without the network after).
+# It runs the tests that read what differs between transformers minors: the version range, a Trainer and an
+# SFTTrainer with LoRA under tensor parallelism (compute_loss's multiplier reads the tp size one way before 5.19,
+# another after), and a checkpoint resumed into another layout. The whole of tests/integrations passes there too:
+# NDPARALLEL_OLDEST_ALL=1 runs it (about 6 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+VENV=${NDPARALLEL_OLDEST_VENV:-${TMPDIR:-/tmp}/ndparallel-oldest}
+WHEELS=${NDPARALLEL_OLDEST_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/ndparallel/oldest-wheels}
+pip=("$PY" -m pip --disable-pip-version-check --quiet)
+"$PY" -m venv --clear --without-pip --system-site-packages "$VENV"
+install=("${pip[@]}" --python "$VENV/bin/python" install --no-compile --no-deps --no-index --find-links "$WHEELS"
+         -r .ci/oldest.txt)
+if ! "${install[@]}" 2>/dev/null; then
+  "${pip[@]}" download --no-deps --dest "$WHEELS" -r .ci/oldest.txt
+  "${install[@]}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+"$VENV/bin/python" - <<PYEOF
+from importlib.metadata import version  # what the venv resolves first, without importing it
+print("oldest supported:", *(f"{name} {version(name)}" for name in ("transformers", "trl", "peft", "accelerate", "torch")))
+assert version("transformers") == "$(sed -n 's/^transformers==//p' .ci/oldest.txt)", version("transformers")
+PYEOF
+if [ -n "${NDPARALLEL_OLDEST_ALL:-}" ]; then
+  exec "$VENV/bin/python" -m pytest tests/integrations -m "not slow" -p no:cacheprovider
+fi
+t=tests/integrations/test_trainer.py
+"$VENV/bin/python" -m pytest -p no:cacheprovider -q \
+  "$t::test_unsupported_transformers_versions_are_refused_with_the_range" \
+  "$t::test_the_trainer_trains_as_one_process[tp 2--]" \
+  "$t::test_sft_trainer_trains_as_one_process[tp 2-padded; LoRA on every projection (\`peft_config\`)]" \
+  "$t::test_checkpoints_resume_exactly_into_another_layout"
