@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install ndparallel (editable) with the Hugging Face extra (`hf`: transformers). Each option adds the extra of its
 # name from pyproject.toml: --trainer (the Trainer, TRL and PEFT at the versions tested), --fp8 (torchao),
-# --tracking (tensorboard), --bench (matplotlib for benchmark plots), --test (the test dependencies); for example
+# --tracking (tensorboard), --bench (matplotlib for benchmark plots), --docs (the documentation site: mkdocs),
+# --test (the test dependencies, the docs site's included: tests/project/test_docs_site.py builds it); for example
 # `bash scripts/install.sh --trainer --fp8`.
 # A torch >= 2.12 (the oldest the suite passes on, pyproject.toml's floor) that is already installed is kept as it
 # is (a GPU build stays a GPU build); otherwise the torch version we test on is installed. Pinning it matters: an
@@ -12,8 +13,8 @@ PY=${PYTHON:-python}
 extras="hf"
 for option in "$@"; do
   case "$option" in
-    --trainer|--fp8|--tracking|--bench|--test) extras="$extras,${option#--}" ;;
-    *) echo "install.sh: unknown option '$option'; the options are --trainer --fp8 --tracking --bench --test" >&2
+    --trainer|--fp8|--tracking|--bench|--docs|--test) extras="$extras,${option#--}" ;;
+    *) echo "install.sh: unknown option '$option'; the options are --trainer --fp8 --tracking --bench --docs --test" >&2
        exit 2 ;;
   esac
 done

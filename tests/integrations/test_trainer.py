@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script (README regeneration): the import paths conftest.py gives pytest
+if __name__ == "__main__":  # run as a script (docs table regeneration): the import paths conftest.py gives pytest
     _tests = Path(__file__).resolve().parents[1]
     sys.path[:0] = [str(_tests), str(_tests / "scripts")]
 
@@ -102,7 +102,7 @@ def describe(sizes: dict[str, int]) -> str:
     return " x ".join(f"{axis} {size}" for axis, size in sizes.items())
 
 
-# The matrix, as data: the README's table (<!-- trainer:start -->) is rendered from it (`render_table`).
+# The matrix, as data: docs/trainer.md's table (<!-- trainer:start -->) is rendered from it (`render_table`).
 LAYOUTS = [  # (sizes, options of trainer_run.train, slow)
     ({"dp_shard": 2}, {}, False),
     ({"tp": 2}, {}, False),
@@ -155,7 +155,7 @@ def render_table() -> str:
 
 def test_readme_table_is_rendered_from_the_matrix():
     assert read_section("trainer", "tests/integrations/test_trainer.py") == render_table(), \
-        "README.md's Trainer table is stale: run `python tests/integrations/test_trainer.py`"
+        "docs/trainer.md's table is stale: run `python tests/integrations/test_trainer.py`"
 
 
 @pytest.mark.parametrize("sizes,options", [_param((sizes, options), slow, describe(sizes) + "-" + _options(options))
@@ -388,5 +388,4 @@ def test_save_pretrained_on_the_main_process_only_fails_at_once_naming_it(tmp_pa
 
 
 if __name__ == "__main__":
-    write_section("trainer", render_table(), "tests/integrations/test_trainer.py")
-    print("wrote the Trainer table of README.md")
+    print(f"wrote the Trainer table of {write_section('trainer', render_table(), 'tests/integrations/test_trainer.py')}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script (README regeneration): the import paths conftest.py gives pytest
+if __name__ == "__main__":  # run as a script (docs table regeneration): the import paths conftest.py gives pytest
     _tests = Path(__file__).resolve().parents[1]
     sys.path[:0] = [str(_tests), str(_tests / "scripts")]
 
@@ -25,7 +25,7 @@ from readme_sections import read_section, write_section  # noqa: E402
 
 TOL = 1e-5
 
-# The matrix, as data: the README's table (<!-- adapters:start -->) is rendered from it.
+# The matrix, as data: docs/adapters.md's table (<!-- adapters:start -->) is rendered from it.
 CASES = [  # (model, sizes, options, slow)
     ("llama", {"tp": 2}, {}, False),
     ("llama", {"tp": 2}, {"sequence_parallel": True}, False),
@@ -78,7 +78,7 @@ def render_table() -> str:
 
 def test_readme_table_is_rendered_from_the_matrix():
     assert read_section("adapters", "tests/parallel/test_adapters.py") == render_table(), \
-        "README.md's adapter table is stale: run `python tests/parallel/test_adapters.py`"
+        "docs/adapters.md's table is stale: run `python tests/parallel/test_adapters.py`"
 
 
 @pytest.mark.parametrize("name,sizes,options", [
@@ -178,8 +178,7 @@ def test_adapters_that_cannot_be_split_exactly_are_refused_on_every_rank(case, p
 
 
 if __name__ == "__main__":
-    write_section("adapters", render_table(), "tests/parallel/test_adapters.py")
-    print("wrote the adapter table of README.md")
+    print(f"wrote the adapter table of {write_section('adapters', render_table(), 'tests/parallel/test_adapters.py')}")
 
 
 def loaded(sizes: dict[str, int], base_dir: str, adapter_dir: str | None, every_rank_meta: bool) -> dict:

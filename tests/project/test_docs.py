@@ -1,4 +1,4 @@
-"""Every code block of README.md and docs/*.md runs as written.
+"""Every code block of README.md and docs/**/*.md (the documentation site's pages) runs as written.
 
 Blocks are fenced with a language: ``python`` blocks run, ``bash`` blocks are commands (tests/project/
 test_readme_commands.py runs them, each after its install in a fresh environment), ``text`` blocks are output,
@@ -24,7 +24,7 @@ import pytest
 from harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"(?:<!-- run: (?P<marker>[^>]*) -->\n)?^```(?P<lang>\S*)\n(?P<code>.*?)^```$", re.S | re.M)
 LANGUAGES = ("python", "bash", "text")
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 INSTALL = "bash scripts/install.sh"
 # What the copy of the repository holds: what the install and the commands read.
 PROJECT = ["src", "scripts", "examples", "pyproject.toml", "README.md"]

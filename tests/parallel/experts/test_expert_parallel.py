@@ -1,5 +1,5 @@
 """Expert parallelism for each mixture-of-experts family under each layout, against the single-process reference --
-and the README's expert-parallel table, rendered from the same matrix.
+and the expert-parallel table of docs/expert_parallel.md, rendered from the same matrix.
 
 `CASES` is the matrix: a tiny model of each family (tests/scripts/tiny_models.py) under ep 2, ep 4, ep 2 with the
 experts sharded over 2 more ranks (dp_shard 4), ep 2 x tp 2, ep 2 x cp 2, ep 2 x sp 2, pp 2 x ep 2 and ep 2 with
@@ -12,7 +12,7 @@ tokens, so it is the micro-step's, as in one process (`ndparallel.parallel.moe`)
 AdamW's update hardly depends on the gradient's scale, so losses alone would not see an expert gradient off by a
 factor (such as ep): `test_sgd_trains_the_single_process_parameters` compares SGD-trained parameters (1e-6), and
 `test_the_parameter_check_catches_an_expert_gradient_off_by_ep` shows it fails when the experts' gradient is not
-divided by ep. `python tests/parallel/experts/test_expert_parallel.py` rewrites the README table from `CASES`.
+divided by ep. `python tests/parallel/experts/test_expert_parallel.py` rewrites that table from `CASES`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script (README regeneration): the import paths conftest.py gives pytest
+if __name__ == "__main__":  # run as a script (docs table regeneration): the import paths conftest.py gives pytest
     _tests = Path(__file__).resolve().parents[2]
     sys.path[:0] = [str(_tests), str(_tests / "parallel"), str(_tests / "scripts")]
 
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import accelerate_style  # noqa: E402
 from harness import assert_refused, outcomes, run_ranks  # noqa: E402
-from readme_sections import README, read_section, write_section  # noqa: E402
+from readme_sections import read_section, write_section  # noqa: E402
 from test_parity import GLOBAL_BATCH, data_parallel_size, reference, run_layout  # noqa: E402
 from ndparallel.parallel.tensor.families import FAMILIES  # noqa: E402
 
@@ -62,7 +62,7 @@ class Case:
     model: str  # a key of ROWS
     layout: str  # a key of LAYOUTS
     refused: str | None = None  # the error (regex) every rank must raise; None: trains like the reference
-    reason: str = ""  # why it is refused, for the README
+    reason: str = ""  # why it is refused, for the docs table
 
 
 def _case(model: str, layout: str) -> Case:
@@ -89,7 +89,7 @@ def _marked(cases: list[Case]) -> list:
     return [pytest.param(c, id=_id(c), marks=() if (c.model, c.layout) in fast else pytest.mark.slow) for c in cases]
 
 
-# ---- the README table -------------------------------------------------------------------------------------------
+# ---- the docs table ----------------------------------------------------------------------------------------------
 def render_table(cases: list[Case] = CASES) -> str:
     lines = [
         "Expert parallelism (`tests/parallel/experts/test_expert_parallel.py`, which holds this table as data): each "
@@ -114,7 +114,7 @@ def render_table(cases: list[Case] = CASES) -> str:
 
 def test_readme_table_is_rendered_from_the_matrix():
     written = read_section("experts", "tests/parallel/experts/test_expert_parallel.py")
-    assert written == render_table(), ("README.md's expert-parallel table is stale: run "
+    assert written == render_table(), ("docs/expert_parallel.md's table is stale: run "
                                        "`python tests/parallel/experts/test_expert_parallel.py`")
 
 
@@ -314,5 +314,5 @@ def test_ranks_that_receive_no_tokens_still_train_exactly(layout):
 
 
 if __name__ == "__main__":
-    write_section("experts", render_table(), "tests/parallel/experts/test_expert_parallel.py")
-    print(f"wrote the expert-parallel table of {README}")
+    path = write_section("experts", render_table(), "tests/parallel/experts/test_expert_parallel.py")
+    print(f"wrote the expert-parallel table of {path}")

@@ -1,11 +1,11 @@
-"""Popular causal-LM families under every layout, against the single-process reference -- and the README's support
+"""Popular causal-LM families under every layout, against the single-process reference -- and the docs' support
 table, rendered from the same matrix so the two cannot drift.
 
 `CASES` is the matrix: a tiny model of each family (tests/scripts/tiny_models.py: FAMILIES) under FSDP2 2, TP 2,
 FSDP2 2 x TP 2, CP 2 and Ulysses SP 2. A case either trains 6 AdamW steps with clipping through the Accelerate-style
 script (tests/scripts/accelerate_style.py) and matches the reference's per-step losses within 1e-5 (fp32; as in
 tests/parallel/test_parity.py, reduce-scatters and split matmuls sum floats in another order), or must be refused on every rank
-with the error given. `python tests/parallel/tensor/test_families.py` rewrites the README table from `CASES`.
+with the error given. `python tests/parallel/tensor/test_families.py` rewrites that table (docs/supported.md) from `CASES`.
 
 Beyond the matrix: the tie of input and output embeddings survives prepare, save_state / load_state under another
 layout, and save_model; every style transformers' own plans use for these families resolves; what a layout cannot
@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script (README regeneration): the import paths conftest.py gives pytest
+if __name__ == "__main__":  # run as a script (docs table regeneration): the import paths conftest.py gives pytest
     _tests = Path(__file__).resolve().parents[2]
     sys.path[:0] = [str(_tests), str(_tests / "parallel"), str(_tests / "scripts")]
 
@@ -29,7 +29,7 @@ import transformers  # noqa: E402
 
 import accelerate_style  # noqa: E402
 from harness import assert_refused, outcomes, run_ranks  # noqa: E402
-from readme_sections import README, read_section, write_section  # noqa: E402
+from readme_sections import read_section, write_section  # noqa: E402
 from ndparallel import TorchTensorParallelConfig  # noqa: E402
 from ndparallel.parallel.tensor import plan_styles, tensor_parallel_styles  # noqa: E402
 from test_parity import max_param_diff, reference, run_layout  # noqa: E402
@@ -65,7 +65,7 @@ class Case:
     model: str  # a key of tiny_models.FAMILIES
     layout: str  # a key of LAYOUTS
     refused: str | None = None  # the error (regex) every rank must raise; None: trains like the reference
-    reason: str = ""  # why it is refused, for the README
+    reason: str = ""  # why it is refused, for the docs table
 
 
 CASES = [Case(model, layout) for model in ("llama_tied", "qwen3", "phi3", "gpt2", "olmo2", "qwen3_moe", "mixtral")
@@ -82,7 +82,7 @@ def _id(case: Case) -> str:
     return f"{case.model}-{case.layout}"
 
 
-# ---- the README table -------------------------------------------------------------------------------------------
+# ---- the docs table ----------------------------------------------------------------------------------------------
 def _cell(cases: list[Case]) -> str:
     parts = []
     for case in cases:
@@ -93,7 +93,7 @@ def _cell(cases: list[Case]) -> str:
 
 
 def render_table(cases: list[Case] = CASES) -> str:
-    """The README section between the markers, rendered from `cases`."""
+    """The docs section between the markers, rendered from `cases`."""
     lines = [
         "Families (`tests/parallel/tensor/test_families.py`, which holds this table as data): each tiny model trains 6 "
         "AdamW steps "
@@ -115,12 +115,12 @@ def readme_section() -> str:
     return read_section("families", "tests/parallel/tensor/test_families.py")
 
 
-def write_readme() -> None:
-    write_section("families", render_table(), "tests/parallel/tensor/test_families.py")
+def write_readme():
+    return write_section("families", render_table(), "tests/parallel/tensor/test_families.py")
 
 
 def test_readme_table_is_rendered_from_the_matrix():
-    assert readme_section() == render_table(), "README.md's family table is stale: run `python tests/parallel/tensor/test_families.py`"
+    assert readme_section() == render_table(), "docs/supported.md's family table is stale: run `python tests/parallel/tensor/test_families.py`"
 
 
 def test_every_cell_of_the_matrix_is_decided():
@@ -342,5 +342,4 @@ def test_the_tie_survives_prepare_checkpoints_resharding_and_save_model(tmp_path
 
 
 if __name__ == "__main__":
-    write_readme()
-    print(f"wrote the family table of {README}")
+    print(f"wrote the family table of {write_readme()}")
