@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ndparallel.planner import get_hardware, load_model  # noqa: E402
 from ndparallel.planner.longest import QUANTUM, _setting, longest  # noqa: E402
-from ndparallel.planner.memory import estimate  # noqa: E402
+from ndparallel.planner.footprint import estimate  # noqa: E402
 from ndparallel.planner.offload import host_bytes  # noqa: E402
 from ndparallel.planner.search import Request  # noqa: E402
 

@@ -12,7 +12,7 @@ tiled MLPs -- and **plain** -- FSDP2 with activation checkpointing and the model
 
 (a) at each --seqs length: ``torch.cuda.max_memory_reserved`` and ``max_memory_allocated`` over one step (after a
     warm-up step that creates the optimizer's state), against the planner's predicted peak and allocated
-    (`ndparallel.planner.memory.estimate` with this GPU's profile, its fragmentation constant included), and the
+    (`ndparallel.planner.footprint.estimate` with this GPU's profile, its fragmentation constant included), and the
     tokens/s of --timed steps (median);
 (b) the longest sequence, a multiple of 4096 up to --max-seq, whose step runs without a CUDA out-of-memory error,
     for each setting (doubling, then --bisect halvings).
@@ -124,7 +124,7 @@ def run(model: str, setting: str, seq: int, args: argparse.Namespace, timed: int
 def predicted(model: str, setting: str, seq: int, vocab: int, gpu: str) -> tuple[float, float]:
     """(predicted peak, allocated) bytes of one step on one GPU (the planner's `estimate`)."""
     from ndparallel.planner import Layout, Recipe, get_hardware, spec_from_config
-    from ndparallel.planner.memory import estimate
+    from ndparallel.planner.footprint import estimate
 
     spec = spec_from_config(config(model, seq, vocab).to_dict(), model)
     memory = estimate(spec, Layout(), Recipe(seq, 1, 1, "bf16", True, **FEATURES[setting]),

@@ -6,7 +6,7 @@ Each case of `CASES` (every layout of benchmarks/run.py in fp32, three in bf16 w
 with activation checkpointing) runs on forked gloo ranks (tests/harness.py): the library with an FSDP2 plugin, one
 warm-up optimizer step, then one counted step -- the bytes and calls of every collective (comm_count's
 CollectiveCounter), the model states per rank just before zero_grad, and the bytes saved for backward in the first
-micro-step. The planner predicts the same from the model's config (`ndparallel.planner.memory.estimate`,
+micro-step. The planner predicts the same from the model's config (`ndparallel.planner.footprint.estimate`,
 `ndparallel.planner.comm.transfers`); the table shows both and their ratio. tests/planner/test_planner.py asserts them.
 """
 
@@ -32,7 +32,7 @@ from harness import run_ranks  # noqa: E402
 from ndparallel.configuration.parallelism import ParallelismConfig  # noqa: E402
 from ndparallel.planner import Layout, Recipe, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import by_kind, transfers  # noqa: E402
-from ndparallel.planner.memory import estimate  # noqa: E402
+from ndparallel.planner.footprint import estimate  # noqa: E402
 
 
 class SavedActivations:

@@ -6,7 +6,7 @@ A Qwen3-MoE with one dense layer (``mlp_only_layers=[0]``) and sparse ones, buil
 `CASES` on forked gloo ranks (tests/harness.py) through `planner_check.measure`: the library with an FSDP2 plugin and
 ``ep_size``, one warm-up optimizer step, then one counted step -- the bytes and calls of every collective, the model
 states per rank just before zero_grad, the bytes saved for backward in the first micro-step. The planner predicts
-the same from the model's config (`ndparallel.planner.memory.estimate`, `ndparallel.planner.comm.transfers`, with
+the same from the model's config (`ndparallel.planner.footprint.estimate`, `ndparallel.planner.comm.transfers`, with
 ep); the table shows both. The all-to-alls' bytes and the saved activations depend on the routing (a rank receives
 what the others' tokens choose), so the measured figure is the mean over the ranks -- which for the all-to-alls'
 payload is the planner's figure exactly (every rank sends its own tokens' pairs, and returns what it received).
@@ -30,7 +30,7 @@ import workloads  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from ndparallel.planner import Layout, Recipe, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import transfers  # noqa: E402
-from ndparallel.planner.memory import estimate  # noqa: E402
+from ndparallel.planner.footprint import estimate  # noqa: E402
 from planner_check import TABLE_HEADER, measure, table_row  # noqa: E402
 
 # (name, workloads layout, ep, mixed precision, accumulation steps, activation checkpointing): the experts inside the

@@ -27,7 +27,7 @@ import dataclasses
 import statistics
 
 from ndparallel.planner import Layout, ModelSpec, Request, Recipe, evaluate, get_hardware, load_model
-from ndparallel.planner.memory import Memory, estimate, layer_activations, stage_layers
+from ndparallel.planner.footprint import Memory, estimate, layer_activations, stage_layers
 
 
 def gpt(name: str, hidden: int, heads: int, layers: int) -> ModelSpec:

@@ -28,7 +28,7 @@ from ndparallel.launch.launcher import read_config_file  # noqa: E402
 from ndparallel.planner import Layout, Request, Recipe, get_hardware, load_model  # noqa: E402
 from ndparallel.planner.comm import by_kind, by_link, transfers  # noqa: E402
 from ndparallel.planner.layouts import Constraints, all_layouts, valid_layouts  # noqa: E402
-from ndparallel.planner.memory import estimate  # noqa: E402
+from ndparallel.planner.footprint import estimate  # noqa: E402
 from ndparallel.planner.search import evaluate  # noqa: E402
 
 GiB = 2**30

@@ -18,7 +18,7 @@ from planner_published import MEMORY_ROWS, memory_table  # noqa: E402
 from ndparallel.cli import main  # noqa: E402
 from ndparallel.planner import Layout, Recipe, get_hardware, load_model  # noqa: E402
 from ndparallel.planner.longest import QUANTUM, _fits, longest_for  # noqa: E402
-from ndparallel.planner.memory import estimate  # noqa: E402
+from ndparallel.planner.footprint import estimate  # noqa: E402
 from ndparallel.planner.search import Request  # noqa: E402
 from ndparallel.planner.recipe import loss_chunk_rows  # noqa: E402
 

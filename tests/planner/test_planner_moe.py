@@ -30,7 +30,7 @@ from ndparallel.cli import main  # noqa: E402
 from ndparallel.planner import Layout, Request, Recipe, get_hardware, load_model, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import by_kind, transfers  # noqa: E402
 from ndparallel.planner.layouts import Constraints, valid_layouts  # noqa: E402
-from ndparallel.planner.memory import estimate  # noqa: E402
+from ndparallel.planner.footprint import estimate  # noqa: E402
 from ndparallel.planner.mixture import EP_TYPES, TP_NOT_MODELLED  # noqa: E402
 from ndparallel.planner.search import evaluate  # noqa: E402
 

@@ -12,7 +12,7 @@ import torch
 from harness import run_ranks
 from ndparallel.cli import main
 from ndparallel.planner import Layout, Recipe, get_hardware, load_model, spec_from_config
-from ndparallel.planner.memory import estimate, state_elements
+from ndparallel.planner.footprint import estimate, state_elements
 from ndparallel.planner.offload import host_bytes, host_traffic, pinned
 from ndparallel.planner.search import Request, best_row, evaluate
 from tiny_models import build_model

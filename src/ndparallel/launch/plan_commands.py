@@ -255,7 +255,7 @@ def _expert_figures(args: argparse.Namespace, layout: Any, recipe: Any) -> Any:
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
     from ..planner import Layout, Recipe, get_hardware, load_model, report
     from ..planner.layouts import Constraints, reasons
-    from ..planner.memory import estimate
+    from ..planner.footprint import estimate
 
     try:
         layout = Layout(**{name.removesuffix("_size"): getattr(args, name) for name in AXIS_FIELDS}, ep=args.ep_size)

@@ -1,10 +1,11 @@
 """``ndparallel plan``: predict memory, bytes and step time of every layout for a model and a cluster, and rank them.
 
 One module per concern: `hardware` (GPU profiles, data), `model` (a Hugging Face config.json), `mixture` and
-`experts` (the mixture-of-experts part of a model, expert parallelism's figures), `layouts` (enumeration and the
-library's refusals; the sizes themselves are `ndparallel.distributed.layout.Layout`), `expert_costs` (what experts add
-per layout), `memory`, `offload` (FSDP2's CPU offload), `comm`, `timing` (the cost model), `search` (the best setting
-per layout, the ranking) and `report` (table, JSON, explanation). docs/planner.md has the formulas.
+`experts` (the mixture-of-experts part of a model, expert parallelism's figures), `recipe` (how one step runs),
+`layouts` (enumeration and the library's refusals; the sizes themselves are `ndparallel.distributed.layout.Layout`),
+`expert_costs` (what experts add per layout), `footprint` (the bytes each rank holds), `offload` (FSDP2's CPU
+offload), `comm`, `timing` (the cost model), `search` (the best recipe per layout, the ranking) and `report` (table,
+JSON, explanation). docs/planner.md has the formulas.
 """
 
 from .hardware import Hardware, get_hardware

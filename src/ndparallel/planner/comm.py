@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from ..distributed.layout import Layout, view_axes
 from .layouts import cross_node
-from .memory import kv_width_local, local_shape, shard_numel, stage_layers, stage_root, state_elements
+from .footprint import kv_width_local, local_shape, shard_numel, stage_layers, stage_root, state_elements
 from .model import ModelSpec
 from .expert_costs import expert_elements, figures
 from .recipe import FP32, Recipe, loss_chunk_rows

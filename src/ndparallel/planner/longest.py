@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layouts import Constraints, Layout, all_layouts, expert_layouts, reasons
-from .memory import Memory, estimate
+from .footprint import Memory, estimate
 from .offload import host_bytes
 from .search import OPTIONS, Request
 from .recipe import Recipe

@@ -10,7 +10,7 @@ from typing import IO, Any
 from .comm import KINDS, by_kind, by_link
 from .hardware import GiB
 from ..distributed.layout import Layout
-from .memory import Memory
+from .footprint import Memory
 from .model import ModelSpec
 from .expert_costs import figures
 from .offload import host_bytes

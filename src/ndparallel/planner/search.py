@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from .comm import Transfer, transfers
 from .hardware import GiB, Hardware
 from .layouts import Constraints, Layout, explain_no_layout, reasons, valid_layouts
-from .memory import Memory, estimate
+from .footprint import Memory, estimate
 from .offload import host_bytes
 from .model import ModelSpec
 from .recipe import Recipe, human_bytes

@@ -36,7 +36,7 @@ from .comm import Transfer
 from .hardware import Hardware
 from ..distributed.layout import Layout
 from .expert_costs import expert_elements
-from .memory import stage_root, state_elements
+from .footprint import stage_root, state_elements
 from .model import ModelSpec
 from .offload import host_traffic
 from .recipe import FP32, OPTIMIZER_STATES, Recipe, local_shape, shard_numel
