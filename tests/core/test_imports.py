@@ -2,7 +2,7 @@
 ``if TYPE_CHECKING:`` included.
 
 The graph is read from the source (ast), not by importing: an edge A -> B for every ``import`` / ``from ... import``
-in module A that executes module B, B's packages included (importing ``ndparallel.parallel.sequence.layout`` runs
+in module A that executes module B, B's packages included (importing ``ndparallel.parallel.sequence.positions`` runs
 ``ndparallel.parallel`` and ``ndparallel.parallel.sequence`` first), except A's own packages, which are already being
 imported when A runs -- unless A takes a name they define (``from .. import __version__``), which needs them run.
 

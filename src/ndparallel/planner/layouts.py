@@ -8,7 +8,7 @@ or at the first batch; the planner says it before anything runs):
   the LM head is split along the vocabulary), and stays inside a node unless allowed across;
 - sp x tp divides num_attention_heads (Ulysses gives each rank whole heads: `parallel.sequence.ulysses.check_heads`);
 - the sequence splits: a multiple of 2 x cp (the load-balanced layout's chunks), each cp rank's share a multiple of
-  sp (`parallel.sequence.layout`);
+  sp (`parallel.sequence.positions`);
 - cp/sp attention computes no logit soft-capping;
 - dp_replicate x dp_shard divides the global batch's samples (each data-parallel rank gets whole samples);
 - pipeline stages (`parallel.pipeline`): at least one decoder layer per stage, and each micro-step's rows split into

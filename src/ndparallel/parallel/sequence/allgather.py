@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .communication import gather_pair, reduce_scatter_pair
 from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish, fused_gradients
-from .layout import SequenceLayout
+from .positions import SequenceLayout
 from .masking import DocumentMask, plan_block
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .allgather import allgather_attention
-from .layout import SequenceLayout, SequenceShards
+from .positions import SequenceLayout, SequenceShards
 from .masking import DocumentMask
 from .ring import ring_attention
 from .ulysses import ulysses_attention

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import SequenceLayout
+from .positions import SequenceLayout
 
 SEQ_DIM = 2
 

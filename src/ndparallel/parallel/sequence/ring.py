@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .communication import Ring
 from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish, fused_gradients
-from .layout import SequenceLayout
+from .positions import SequenceLayout
 from .masking import DocumentMask, plan_block
 
 _KV_TAG, _GRAD_TAG = 7, 8  # P2P tags: K/V blocks and their gradients may be in flight between the same peers

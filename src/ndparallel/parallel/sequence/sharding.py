@@ -3,7 +3,7 @@ are sharded.
 
 `SequenceSharding` is the one place that knows the geometry: built from the mesh and the
 `TorchContextParallelConfig` when the Accelerator starts, it gives the layout of a sequence length
-(`layout`), counts the loss tokens of this rank's shard for the data loader (`count_loss_tokens`), shards buffers in
+(`positions`), counts the loss tokens of this rank's shard for the data loader (`count_loss_tokens`), shards buffers in
 place for ``Accelerator.maybe_context_parallel`` (`sharded`), and computes attention over the shards (`attend`).
 
 While a `sharded` block is open, the process-wide `active()` state says so, and `context_parallel_attention` -- the
@@ -28,7 +28,7 @@ from ...configuration.handlers import TorchContextParallelConfig
 from ...training.loss import count_loss_tokens
 from ...distributed.mesh import ParallelMesh
 from .attention import sequence_parallel_attention
-from .layout import SequenceLayout, SequenceShards
+from .positions import SequenceLayout, SequenceShards
 from .masking import DocumentMask, balanced_assignment, document_ids
 
 
