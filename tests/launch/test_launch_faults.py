@@ -124,16 +124,14 @@ def test_a_node_rank_claimed_twice_and_a_node_that_never_arrives(tmp_path):
 
 @pytest.mark.slow
 def test_a_stalled_rank_is_reported_and_the_job_exits_non_zero():
-    started = time.time()
     proc = launch("--nproc-per-node", "2", "--stall-timeout", "2", SCRIPT, "stall")
+    # Rank 1 sleeps 600 s: ending within communicate's 120 s means the stall watch stopped it (no speed is timed).
     _, err = proc.communicate(timeout=120)
-    elapsed = time.time() - started
     assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
     assert "ndparallel launch: rank 1 (host " in err and ") made no progress for 2 s (--stall-timeout 2): its last " \
         "library call was 'training step', entered " in err, err[-3000:]
     assert "The other ranks of this node were last heard: rank 0 in 'barrier' " in err
     assert "ndparallel launch: rank(s) [1] were stopped for making no progress (--stall-timeout)" in err
-    assert elapsed < 40, elapsed
 
 
 def test_the_stalled_rank_named_is_the_one_stuck_in_its_own_code():
