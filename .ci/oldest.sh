@@ -3,7 +3,7 @@
 # it (.ci/oldest.txt). A venv that sees the main environment's packages (torch and the rest are not installed twice)
 # gets exactly .ci/oldest.txt's wheels, without dependencies, which shadow the main environment's; the wheels are kept
 # in $NDPARALLEL_OLDEST_WHEELS (downloaded once, about 10 s; installed from there without the network after).
-# It runs the tests that read what differs between transformers minors: the version range, a Trainer and an
+# It runs the tests that read what differs between transformers minors: the version policy, a Trainer and an
 # SFTTrainer with LoRA under tensor parallelism (compute_loss's multiplier reads the tp size one way before 5.19,
 # another after), and a checkpoint resumed into another layout. The whole of tests/integrations passes there too:
 # NDPARALLEL_OLDEST_ALL=1 runs it (about 6 minutes on 2 cores).
@@ -31,7 +31,8 @@ if [ -n "${NDPARALLEL_OLDEST_ALL:-}" ]; then
 fi
 t=tests/integrations/test_trainer.py
 "$VENV/bin/python" -m pytest -p no:cacheprovider -q \
-  "$t::test_unsupported_transformers_versions_are_refused_with_the_range" \
+  "$t::test_older_transformers_are_refused_newer_ones_warned_about" \
+  "$t::test_a_trainer_subclass_that_bypasses_a_hook_is_refused_by_name" \
   "$t::test_the_trainer_trains_as_one_process[tp 2--]" \
   "$t::test_sft_trainer_trains_as_one_process[tp 2-padded; LoRA on every projection (\`peft_config\`)]" \
   "$t::test_checkpoints_resume_exactly_into_another_layout"

@@ -9,7 +9,28 @@
 # unpinned `torch` may pull gigabytes of CUDA packages onto a machine that has no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+# The interpreter: $PYTHON if set, else `python`, else `python3` (Debian and Ubuntu have no `python` by default).
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if command -v python >/dev/null 2>&1; then PY=python
+  elif command -v python3 >/dev/null 2>&1; then PY=python3
+  else echo "install.sh: neither python nor python3 is on PATH: install Python >= 3.10, or set PYTHON=/path/to/python" >&2
+       exit 127
+  fi
+fi
+# A system Python that its distribution manages (PEP 668: Debian, Ubuntu, Fedora...) refuses pip installs outside a
+# virtual environment: say so before pip does, with the two commands that make and enter one.
+if "$PY" - <<'PYEOF'
+import os, sys, sysconfig
+managed = os.path.isfile(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED"))
+sys.exit(0 if managed and sys.prefix == sys.base_prefix else 1)
+PYEOF
+then
+  echo "install.sh: $PY is the system's Python, whose packages its distribution manages (PEP 668): pip refuses to" \
+       "install into it. Make a virtual environment and run this again inside it:" \
+       "$PY -m venv ~/.venvs/ndparallel && . ~/.venvs/ndparallel/bin/activate" >&2
+  exit 1
+fi
 extras="hf"
 for option in "$@"; do
   case "$option" in

@@ -306,15 +306,117 @@ def test_an_ndparallel_parallelism_config_in_training_arguments_opts_in(tmp_path
     assert_same_run(results, reference(tmp_path_factory))
 
 
-def test_unsupported_transformers_versions_are_refused_with_the_range():
-    from ndparallel.integrations.trainer import SUPPORTED_TRANSFORMERS, check_version
+def test_older_transformers_are_refused_newer_ones_warned_about():
+    """The version policy: older than the floor is refused with it; a patch or pre-release of a tested minor is
+    tested; a newer minor (or major) than the newest tested gives a warning that names the tested range."""
+    from ndparallel.integrations.trainer import TESTED_TRANSFORMERS, check_version
 
-    for version in ("5.16.0", "5.16.1", "5.20.2", "5.24.0"):
-        check_version(version)
-    for version in ("5.15.1", "5.25.0", "6.0.0"):
-        with pytest.raises(RuntimeError, match=rf"supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, but "
-                                               rf"transformers {version} is installed"):
+    oldest, newest = TESTED_TRANSFORMERS
+    for version in ("5.15.1", "5.15.99", "4.57.0"):
+        with pytest.raises(RuntimeError, match=rf"needs transformers >= {oldest} \(tested: {oldest} to {newest}\), "
+                                               rf"but transformers {version} is installed"):
             check_version(version)
+    for version in ("5.16.0", "5.16.1", "5.20.2", "5.24.0", "5.25.0", "5.25.3", "5.25.0rc1"):
+        assert check_version(version) is None, version
+    for version in ("5.26.0", "5.26.0.dev0", "6.0.0"):
+        warning = check_version(version)
+        assert warning is not None and f"transformers {version} is newer than any" in warning
+        assert f"({oldest} to {newest})" in warning and "pip install 'transformers<5.26'" in warning
+
+
+def _fake_transformers_trainer(**methods):
+    """A stand-in for ``transformers.trainer`` whose Trainer has the hooked methods with the expected parameters,
+    but where `methods` says otherwise (None: the method is gone)."""
+    import types
+
+    from ndparallel.integrations.trainer import HOOKS
+
+    def stand_in(parameters):
+        namespace: dict = {}
+        exec(f"def method({', '.join(parameters)}): return 'original'", namespace)  # noqa: S102
+        return namespace["method"]
+
+    body = {name: stand_in(expected) for name, (_, expected) in HOOKS.items()}
+    body["__init__"] = lambda self, args: setattr(self, "args", args)
+    for name, parameters in methods.items():
+        if parameters is None:
+            del body[name]
+        else:
+            body[name] = stand_in(parameters)
+    module = types.ModuleType("transformers.trainer")
+    module.Trainer = type("Trainer", (), body)
+    module.Accelerator = object
+    module.skip_first_batches = stand_in(("dataloader", "num_batches"))
+    return module
+
+
+def test_a_hook_that_is_gone_or_changed_is_refused_by_name_when_a_layout_is_asked_for():
+    """Capability, not version number: where a hooked method is gone or takes other parameters, nothing is replaced,
+    and a Trainer asked for a layout is refused naming each; without a layout it runs as transformers made it."""
+    import types
+
+    from ndparallel import ParallelismConfig
+    from ndparallel.integrations.trainer import hook_problems, install
+
+    assert hook_problems(_fake_transformers_trainer()) == []
+    module = _fake_transformers_trainer(_get_num_items_in_batch=None, _wrap_model=("self", "model", "training"))
+    assert hook_problems(module) == [
+        "Trainer._get_num_items_in_batch is gone",
+        "Trainer._wrap_model takes (self, model, training), where the integration was written for "
+        "(self, model, training, dataloader)"]
+    install(module)
+    assert module.Trainer.save_model(None, None, False) == "original"  # nothing replaced
+    with pytest.raises(RuntimeError, match=r"cannot take over this Trainer \(transformers .*\): Trainer\."
+                                           r"_get_num_items_in_batch is gone; Trainer\._wrap_model takes"):
+        module.Trainer(types.SimpleNamespace(parallelism_config=ParallelismConfig(cp_size=2))
+                       ).create_accelerator_and_postprocess()
+    plain = module.Trainer(types.SimpleNamespace(parallelism_config=None))
+    assert plain.create_accelerator_and_postprocess() == "original"
+
+
+def test_a_trainer_subclass_that_bypasses_a_hook_is_refused_by_name():
+    """TRL's trainers, Axolotl's and users' subclasses: an override that calls the Trainer's own keeps the hook (TRL's
+    GRPOTrainer._load_optimizer_and_scheduler does); one that does not would silently bypass it, and is refused."""
+    import transformers.trainer as module
+
+    from ndparallel.integrations.trainer import check_support
+
+    attach_integrations()
+
+    class KeepsTheHook(module.Trainer):
+        def save_model(self, output_dir=None, _internal_call=False):
+            return super().save_model(output_dir, _internal_call)
+
+    class Bypasses(KeepsTheHook):
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            return None
+
+    assert check_support(object.__new__(KeepsTheHook), module) is None
+    with pytest.raises(RuntimeError, match=r"test_trainer\..*Bypasses\._load_optimizer_and_scheduler overrides it "
+                                           r"without calling the Trainer's own"):
+        check_support(object.__new__(Bypasses), module)
+
+
+def newer_transformers_than_tested(output_dir: str) -> dict:
+    """A Trainer run under a transformers that says it is newer than any tested: the warnings each rank gave."""
+    import warnings
+
+    import transformers
+
+    transformers.__version__ = "5.99.0"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = train_job(output_dir, {"per_device": GLOBAL_BATCH // 2})
+    out["warnings"] = [str(w.message) for w in caught if "is newer than any" in str(w.message)]
+    return out
+
+
+@pytest.mark.slow
+def test_a_newer_transformers_than_tested_runs_with_one_warning_on_the_main_process(tmp_path, tmp_path_factory):
+    results = run_ranks(newer_transformers_than_tested, 2, str(tmp_path), env=layout_env(dp_shard=2), timeout=600)
+    assert [len(result["warnings"]) for result in results] == [1, 0]
+    assert "transformers 5.99.0 is newer than any" in results[0]["warnings"][0]
+    assert_same_run(results, reference(tmp_path_factory))
 
 
 def launched_history(tmp_path: Path, name: str, launcher: list[str], script: str, *flags: str) -> list[dict]:
