@@ -52,11 +52,12 @@ def test_ranks_end_with_their_launcher(tmp_path, sig):
         time.sleep(0.5)  # the ranks are running their loop
         killed = time.time()
         proc.send_signal(sig)
+        # The ranks loop forever: gone within 15 s means their launcher took them (a parent-death signal or the
+        # SIGTERM it passes on, at once; the fallback watch, within a second), with room for a loaded machine.
         while any(running(pid) for pid in pids) and time.time() - killed < 15:
             time.sleep(0.1)
-        gone = time.time() - killed
-        assert not any(running(pid) for pid in pids), f"ranks {pids} outlived their launcher ({sig.name})"
-        assert gone < 5, f"the ranks took {gone:.1f} s to stop"
+        assert not any(running(pid) for pid in pids), \
+            f"ranks {pids} outlived their launcher ({sig.name}) by {time.time() - killed:.1f} s"
     finally:
         for pid in [*pids, proc.pid]:
             if running(pid):
@@ -80,19 +81,20 @@ def _serving(port: int, proc: subprocess.Popen, within: float = 120) -> None:
 def test_two_nodes_with_node_rank_0_on_one_host(tmp_path):
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "120", SCRIPT,
+    # The rendezvous would wait 600 s (--rdzv-timeout): the second node 0 ending within communicate's 120 s means it
+    # was refused at once, however long a loaded machine takes to start its interpreter (not timed).
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "600", SCRIPT,
               "loop", "--pid-dir", str(tmp_path)]
     first = launch("--node-rank", "0", *common)
     try:
         _serving(port, first)
-        started = time.time()
         second = launch("--node-rank", "0", *common)
-        out = second.communicate(timeout=60)[1]
+        out = second.communicate(timeout=120)[1]
         assert second.returncode == 1, out
         assert (f"ndparallel launch: error: port {port} of --rdzv-endpoint {endpoint} is already in use on this "
                 "machine: another launch with --node-rank 0 holds it (two nodes claim node rank 0?), or another "
                 "program does; give each of the 2 nodes its own --node-rank in 0..1, node 0 on 127.0.0.1") in out, out
-        assert "Traceback" not in out and time.time() - started < 30
+        assert "Traceback" not in out
     finally:
         first.send_signal(signal.SIGTERM)  # still waiting for its node 1: it stops there
         first.communicate(timeout=60)
@@ -107,8 +109,10 @@ def test_a_node_rank_claimed_twice_and_a_node_that_never_arrives(tmp_path):
     endpoint = f"127.0.0.1:{port}"
     common = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "10", SCRIPT,
               "loop", "--pid-dir", str(tmp_path)]
-    started = time.time()
     procs = [launch("--node-rank", str(rank), *common) for rank in (0, 1, 1)]
+    # Ending within communicate's 120 s, each with the verdict "timed out after 10 s (--rdzv-timeout)", is the
+    # behaviour: a launch that ignored --rdzv-timeout would wait the default 300 s. The time interpreters take to
+    # start on a loaded machine is not timed.
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [1, 1, 1], errors
     taken = [e for e in errors if "node rank 1 is already taken by " in e]
@@ -119,7 +123,7 @@ def test_a_node_rank_claimed_twice_and_a_node_that_never_arrives(tmp_path):
         assert ("; 2 of 3 nodes arrived (node ranks [0, 1]); node rank(s) [2] never did. Start the missing node(s) "
                 f"with --rdzv-endpoint {endpoint} --nnodes 3") in e, e
         assert "Traceback" not in e
-    assert time.time() - started < 60 and not list(tmp_path.iterdir())
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow
