@@ -96,8 +96,9 @@ def test_api_reference_shows_every_field_of_each_configuration_class(built_site)
 
 
 def test_api_reference_shows_accelerator_constructor_and_real_member_signatures(built_site):
-    """Accelerator's page shows its constructor with each of its parameters, and no member's signature is the line of
-    source that made it (``device = property(lambda self: ...)``, ``clear = free_memory``)."""
+    """Accelerator's page shows its constructor with each of its parameters and an entry for each public attribute, and
+    no member's signature is the line of source that made it (``device = property(lambda self: ...)``,
+    ``clear = free_memory``)."""
     import inspect
 
     import ndparallel
@@ -109,8 +110,13 @@ def test_api_reference_shows_accelerator_constructor_and_real_member_signatures(
     parameters = [p for p in inspect.signature(ndparallel.Accelerator).parameters]
     absent = [p for p in parameters if not _has_parameter(signature, p)]
     assert not absent, f"Accelerator's constructor signature in the API reference lacks {absent}: {signature}"
-    raw = [s for s in _signatures(_reference_section(site, "Accelerator"))[1:] if re.match(r"\w+(: [^=]+)? = ", s)]
+    section = _reference_section(site, "Accelerator")
+    raw = [s for s in _signatures(section)[1:] if re.match(r"\w+(: [^=]+)? = ", s)]
     assert not raw, f"{len(raw)} member signatures of Accelerator's page are source lines, e.g. {raw[:5]}"
+    # every public attribute of the class has an entry (``a, b = ...`` in a class body is invisible to griffe)
+    entries = set(re.findall(r'id="ndparallel\.Accelerator\.(\w+)"', section))
+    undocumented = [name for name in dir(ndparallel.Accelerator) if not name.startswith("_") and name not in entries]
+    assert not undocumented, f"Accelerator's page has no entry for {undocumented}"
 
 
 FACES = ["ndparallel", "ndparallel.utils", "ndparallel.state", "ndparallel.data_loader", "ndparallel.big_modeling",
