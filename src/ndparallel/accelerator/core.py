@@ -85,7 +85,9 @@ def _weak(obj: Any) -> Callable[[], Any]:
 class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, CheckpointingMixin):
     """Trains models with the parallelisms of a `ParallelismConfig` (plain DDP over every process without one).
 
-    Accelerate's arguments, in Accelerate's order:
+    Its arguments are Accelerate's, in Accelerate's order, then ndparallel's own (keyword-only).
+
+    Args:
         device_placement: move batches of prepared data loaders to this rank's device.
         split_batches: shorthand for ``dataloader_config=DataLoaderConfiguration(split_batches=...)``.
         mixed_precision: "no", "bf16", "fp16" or "fp8" (None: ``$NDPARALLEL_MIXED_PRECISION``, then
@@ -96,30 +98,35 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         cpu: train on the CPU with gloo even where CUDA is available.
         dataloader_config: a `DataLoaderConfiguration` (split_batches, even_batches, non_blocking, data_seed,
             dispatch_batches: refused for iterable datasets).
+        deepspeed_plugin: refused when given.
         fsdp_plugin: FSDP2 settings (fields it leaves unset: from ``FSDP_*``). FSDP2 wraps the model when parameters
             are sharded (``dp_shard * cp * sp > 1``), when a plugin is given (or ``ACCELERATE_USE_FSDP`` is set)
             and there is more than one process -- on one process only for CPU offload, a mixed-precision policy or
             meta-device loading; otherwise its activation checkpointing and autocast apply to the plain model --, or
             when tensor parallelism meets data parallelism (torch's DDP takes no DTensor parameters, so replication
             is FSDP2 over a shard group of one).
+        torch_tp_plugin: refused when given.
+        megatron_lm_plugin: refused when given.
+        rng_types: accepted and ignored (prepared loaders seed their samplers alike on every rank).
         log_with: trackers (`ndparallel.tracking`): names, `LoggerType`s, `GeneralTracker` objects, or "all".
-        project_dir / project_config: where checkpoints and logs go (`ProjectConfiguration`).
+        project_dir: where checkpoints and logs go (sets the directories of `project_config`).
+        project_config: where checkpoints and logs go, and how checkpoints are named (`ProjectConfiguration`).
         gradient_accumulation_plugin: a `GradientAccumulationPlugin` (num_steps, sync_each_batch).
         step_scheduler_with_optimizer: True (default): the LR scheduler steps only when the optimizer stepped, then
             once per data-parallel rank (once with split_batches), as Accelerate's; False: every call to its
             ``step()`` steps it once.
         kwargs_handlers: `InitProcessGroupKwargs`, `DistributedDataParallelKwargs`, `GradScalerKwargs`,
             `AutocastKwargs`, `GradientAccumulationPlugin`.
+        dynamo_backend: compilation (`ndparallel.parallel.compile`) with this backend: shorthand for
+            ``dynamo_plugin=TorchDynamoPlugin(backend=...)``, not to be given with it.
+        dynamo_plugin: compilation (`TorchDynamoPlugin`, `ndparallel.parallel.compile`); neither given: the
+            environment's ``NDPARALLEL_DYNAMO_*`` / ``ACCELERATE_DYNAMO_*``.
+        deepspeed_plugins: refused when given.
         parallelism_config: sizes of each parallelism; sizes it leaves unset are read from what the launcher passed
             (`ParallelismConfig.from_env`). All sizes 1 (or no config): DDP over every process.
-        rng_types: accepted and ignored (prepared loaders seed their samplers alike on every rank).
-        dynamo_backend / dynamo_plugin: compilation (`TorchDynamoPlugin`, `ndparallel.parallel.compile`).
-        deepspeed_plugin(s), megatron_lm_plugin, torch_tp_plugin: refused when given.
-
-    ndparallel's own:
-        loss_weighting: "auto" (default: token-weighted for causal language models, see `ndparallel.training.loss`),
-        "tokens"
-            (the loss is a mean over shifted LM tokens whatever the model), or "mean" (Accelerate's meaning).
+        loss_weighting: ndparallel's own: "auto" (default: token-weighted for causal language models, see
+            `ndparallel.training.loss`), "tokens" (the loss is a mean over shifted LM tokens whatever the model), or
+            "mean" (Accelerate's meaning).
     """
 
     def __init__(self, device_placement: bool = True, split_batches: bool | None = None,

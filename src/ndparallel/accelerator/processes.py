@@ -70,10 +70,14 @@ class ProcessesMixin:
 
     dp_replicate_rank = _axis_property("dp_replicate", "rank")
     dp_replicate_size = _axis_property("dp_replicate", "size")
-    dp_shard_rank, dp_shard_size = _axis_property("dp_shard", "rank"), _axis_property("dp_shard", "size")
-    cp_rank, cp_size = _axis_property("cp", "rank"), _axis_property("cp", "size")
-    sp_rank, sp_size = _axis_property("sp", "rank"), _axis_property("sp", "size")
-    tp_rank, tp_size = _axis_property("tp", "rank"), _axis_property("tp", "size")
+    dp_shard_rank = _axis_property("dp_shard", "rank")
+    dp_shard_size = _axis_property("dp_shard", "size")
+    cp_rank = _axis_property("cp", "rank")
+    cp_size = _axis_property("cp", "size")
+    sp_rank = _axis_property("sp", "rank")
+    sp_size = _axis_property("sp", "size")
+    tp_rank = _axis_property("tp", "rank")
+    tp_size = _axis_property("tp", "size")
     # Accelerate's names: data_parallel_rank is the coordinate along dp_replicate, data_parallel_shard_rank along
     # dp_shard (the coordinate among all ranks with distinct samples is mesh.rank("batch")).
     data_parallel_rank = _axis_property("dp_replicate", "rank")
@@ -85,7 +89,8 @@ class ProcessesMixin:
 
     # Accelerate raises here (it has no pipeline parallelism); ndparallel answers the stage's coordinate.
     pipeline_parallel_rank = _axis_property("pp", "rank")
-    pp_rank, pp_size = _axis_property("pp", "rank"), _axis_property("pp", "size")
+    pp_rank = _axis_property("pp", "rank")
+    pp_size = _axis_property("pp", "size")
 
     @property
     def should_save_model(self) -> bool:

@@ -148,8 +148,8 @@ class TrainingStepMixin:
                                no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
         """Shard `buffers` in place along `buffer_seq_dims` over ``cp x sp`` for the block; a no-op without CP/SP.
 
-        Inside, each buffer holds this rank's part of every sequence (load-balanced: chunks r and 2*cp-1-r of
-        2*cp; with sp > 1, a contiguous 1/sp of that; see `ndparallel.parallel.sequence.SequenceShards`) and the
+        Inside, each buffer holds this rank's part of every sequence (load-balanced: chunks r and ``2*cp-1-r``
+        of ``2*cp``; with sp > 1, a contiguous 1/sp of that; see `ndparallel.parallel.sequence.SequenceShards`) and the
         prepared model's attention spans the whole sequence. On exit, buffers not in `no_restore_buffers` get their
         full contents back. Pass ``shift_labels`` (labels shifted by one *before* sharding) rather than ``labels``,
         and ``position_ids``; run backward inside too. Nothing here communicates: bad input raises on every rank

@@ -17,13 +17,14 @@ import torch
 class TorchTensorParallelConfig:
     """How tensor parallelism is applied.
 
-    plan: a dict from module-name pattern to style (see `ndparallel.parallel.tensor`); None means the model's
-        own or a built-in plan.
-    sequence_parallel: Megatron-style sequence parallelism of norms and dropout between TP regions.
-    loss_parallel: keep the LM head's logits split over the vocabulary and compute the cross-entropy on the
-        shards (torch's ``loss_parallel``): no rank ever holds the full (batch, seq, vocab) logits. The model's
-        ``logits`` output is then a DTensor sharded on its last dimension.
-    enable_async_tp: Accelerate's field; accepted and ignored with a warning (no asynchronous TP here).
+    Attributes:
+        plan: a dict from module-name pattern to style (see `ndparallel.parallel.tensor`); None means the model's
+            own or a built-in plan.
+        sequence_parallel: Megatron-style sequence parallelism of norms and dropout between TP regions.
+        loss_parallel: keep the LM head's logits split over the vocabulary and compute the cross-entropy on the
+            shards (torch's ``loss_parallel``): no rank ever holds the full (batch, seq, vocab) logits. The model's
+            ``logits`` output is then a DTensor sharded on its last dimension.
+        enable_async_tp: Accelerate's field; accepted and ignored with a warning (no asynchronous TP here).
     """
 
     plan: dict[str, str] | None = None
@@ -60,16 +61,18 @@ def strategy_from_env(environ: Mapping[str, str]) -> str:
 class TorchContextParallelConfig:
     """How context parallelism (cp_size > 1) shards sequences and computes attention over them.
 
-    cp_comm_strategy: "allgather" (default: all-gather K/V over cp; their gradients are reduce-scattered back) or
-        "ring" (pass K/V blocks around the ring with point-to-point sends, merge partial results by log-sum-exp;
-        memory stays 1/cp of the sequence; Accelerate's name for it is "alltoall"). Both are exact; see
-        `ndparallel.parallel.sequence`.
-    load_balance: rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks, so causal attention costs every rank
-        the same (sequence length must be a multiple of 2*cp); False: rank r holds chunk r of cp (a multiple of cp).
-    balance_documents: for packed or padded rows (whose attention work the load-balanced layout does not even out),
-        deal 4*cp equal chunks of each batch over the cp ranks by their attention work instead, when that is more
-        even (`ndparallel.parallel.sequence.masking.balanced_assignment`; batches from the prepared data loader,
-        sequence length a multiple of 4*cp). Exact either way; only the balance changes.
+    Attributes:
+        cp_comm_strategy: "allgather" (default: all-gather K/V over cp; their gradients are reduce-scattered back)
+            or "ring" (pass K/V blocks around the ring with point-to-point sends, merge partial results by
+            log-sum-exp; memory stays 1/cp of the sequence; Accelerate's name for it is "alltoall"). Both are exact;
+            see `ndparallel.parallel.sequence`.
+        load_balance: rank r holds chunks r and ``2*cp-1-r`` of ``2*cp`` equal chunks, so causal attention costs
+            every rank the same (sequence length must be a multiple of ``2*cp``); False: rank r holds chunk r of cp
+            (a multiple of cp).
+        balance_documents: for packed or padded rows (whose attention work the load-balanced layout does not even
+            out), deal ``4*cp`` equal chunks of each batch over the cp ranks by their attention work instead, when
+            that is more even (`ndparallel.parallel.sequence.masking.balanced_assignment`; batches from the prepared
+            data loader, sequence length a multiple of ``4*cp``). Exact either way; only the balance changes.
     """
 
     cp_comm_strategy: str | None = None
@@ -102,17 +105,18 @@ class PipelineParallelConfig:
     """How pipeline parallelism (pp_size > 1) splits the model and schedules its micro-batches
     (`ndparallel.parallel.pipeline`).
 
-    schedule: "1f1b" (default), "gpipe", "interleaved_1f1b", "zero_bubble" (interleaved, backward split into input
-        and weight gradients) or "zbv" (zero bubble over two stages per rank in a V), torch's schedules.
-    microbatches: micro-batches each rank's batch is cut into (its rows must divide by it); None: one per stage
-        of the pipeline (pp_size * stages_per_rank), the fewest that keep every stage busy.
-    stages_per_rank: model chunks each rank holds (virtual stages); None: 1, or 2 for the interleaved schedules.
-    split: where stages begin -- None: balanced by parameter count; a list of decoder-layer indices (a Hugging
-        Face causal LM: stage s > 0 begins at layer ``split[s-1]``); or a list of module names (any model whose
-        forward runs its top-level children in order, such as an ``nn.Sequential``: stage s > 0 begins at child
-        ``split[s-1]``). One entry fewer than the pipeline's stages.
-    loss_fn: ``loss_fn(output, labels) -> mean loss`` for models that compute no loss of their own (not needed for
-        Hugging Face causal LMs, whose own loss function is used).
+    Attributes:
+        schedule: "1f1b" (default), "gpipe", "interleaved_1f1b", "zero_bubble" (interleaved, backward split into
+            input and weight gradients) or "zbv" (zero bubble over two stages per rank in a V), torch's schedules.
+        microbatches: micro-batches each rank's batch is cut into (its rows must divide by it); None: one per stage
+            of the pipeline (pp_size * stages_per_rank), the fewest that keep every stage busy.
+        stages_per_rank: model chunks each rank holds (virtual stages); None: 1, or 2 for the interleaved schedules.
+        split: where stages begin -- None: balanced by parameter count; a list of decoder-layer indices (a Hugging
+            Face causal LM: stage s > 0 begins at layer ``split[s-1]``); or a list of module names (any model whose
+            forward runs its top-level children in order, such as an ``nn.Sequential``: stage s > 0 begins at child
+            ``split[s-1]``). One entry fewer than the pipeline's stages.
+        loss_fn: ``loss_fn(output, labels) -> mean loss`` for models that compute no loss of their own (not needed
+            for Hugging Face causal LMs, whose own loss function is used).
     """
 
     schedule: str = "1f1b"

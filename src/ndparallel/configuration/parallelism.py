@@ -80,21 +80,28 @@ def _env_values(unset: frozenset[str], environ: Mapping[str, str]) -> dict[str, 
 class ParallelismConfig:
     """Sizes of each parallelism; their product must equal the world size.
 
-    Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, sp, tp.
-    - dp_replicate_size: replicas that each hold full (or HSDP-sharded) parameters (DDP / the replicate
-      dimension of HSDP).
-    - dp_shard_size: ranks across which FSDP2 shards parameters and which see different samples.
-    - cp_size / sp_size: context parallel (ring / all-gather attention) and Ulysses sequence parallel.
-    - tp_size: tensor parallel.
-    - cp_backend: "torch" (Accelerate's only value; context parallelism is ndparallel's own either way).
-    - sp_backend: "ndparallel" (default: Ulysses built in) or Accelerate's "deepspeed", refused when sp_size > 1;
-      sp_handler (Accelerate's DeepSpeed settings) likewise.
-    - tp_handler / cp_handler: `TorchTensorParallelConfig` / `TorchContextParallelConfig`.
-    - pp_size: pipeline stages (ndparallel's; Accelerate has no pipeline axis); pp_handler: a
-      `PipelineParallelConfig` (schedule, micro-batches, split).
-    - ep_size: expert parallelism (ndparallel's): the experts of a mixture-of-experts model are split over ep ranks,
-      which exchange tokens all-to-all (`ndparallel.parallel.experts`). Not an axis of its own: ep ranks are taken
-      from dp_shard x cp x sp (innermost first), which ep_size must divide, so it does not change the world size.
+    Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, sp, tp. Fields left None mean sizes of 1 and the
+    default handlers, or what the environment sets for them (``NDPARALLEL_<FIELD>``, then Accelerate's
+    ``PARALLELISM_CONFIG_<FIELD>``; `from_env`).
+
+    Attributes:
+        dp_replicate_size: replicas that each hold full (or HSDP-sharded) parameters (DDP / the replicate
+            dimension of HSDP).
+        dp_shard_size: ranks across which FSDP2 shards parameters and which see different samples.
+        tp_size: tensor parallel.
+        cp_size: context parallel (ring / all-gather attention).
+        cp_backend: "torch" (Accelerate's only value; context parallelism is ndparallel's own either way).
+        sp_size: Ulysses sequence parallel.
+        sp_backend: "ndparallel" (default: Ulysses built in) or Accelerate's "deepspeed", refused when sp_size > 1.
+        tp_handler: a `TorchTensorParallelConfig`.
+        cp_handler: a `TorchContextParallelConfig`.
+        sp_handler: Accelerate's DeepSpeed settings; refused when sp_size > 1.
+        pp_size: pipeline stages (ndparallel's; Accelerate has no pipeline axis).
+        pp_handler: a `PipelineParallelConfig` (schedule, micro-batches, split).
+        ep_size: expert parallelism (ndparallel's): the experts of a mixture-of-experts model are split over ep
+            ranks, which exchange tokens all-to-all (`ndparallel.parallel.experts`). Not an axis of its own: ep ranks
+            are taken from dp_shard x cp x sp (innermost first), which ep_size must divide, so it does not change the
+            world size.
     """
 
     dp_replicate_size: int | None = None

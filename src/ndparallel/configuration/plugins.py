@@ -75,32 +75,34 @@ def _parse_enum(value: Any, kind: type[enum.Enum], what: str) -> enum.Enum:
 
 @dataclass
 class FullyShardedDataParallelPlugin:
-    """Settings of FSDP2 (`torch.distributed.fsdp.fully_shard`), with every field of Accelerate's plugin.
+    """Settings of FSDP2 (`torch.distributed.fsdp.fully_shard`), with every field of Accelerate's plugin. FSDP1's
+    settings (`FSDP1_ONLY`) are accepted and ignored with one warning.
 
-    - fsdp_version: 2 (FSDP1 is refused).
-    - auto_wrap_policy: "transformer_based_wrap" (default: each transformer block, then the root),
-      "size_based_wrap" (every module holding at least `min_num_params` parameters not already wrapped, bottom-up),
-      "no_wrap" (the root only), or a callable ``policy(module=, recurse=False, nonwrapped_numel=)`` as torch's FSDP1
-      wrap policies take. Accelerate's upper-case spellings work.
-    - transformer_cls_names_to_wrap: block class names (a list or a comma-separated string); default: the model's
-      ``_no_split_modules``. min_num_params: for "size_based_wrap" (0 means no wrapping, as in Accelerate).
-    - reshard_after_forward: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2); a bool or
-      "true"/"false". It applies to the wrapped blocks; the root module keeps its parameters until the backward
-      that starts with them either way (torch's choice for the root, `ndparallel.parallel.data_parallel`).
-    - mixed_precision_policy: a ``MixedPrecisionPolicy``, a dict of its fields (dtypes may be "bf16"...), a dtype
-      name, or None to derive it from the Accelerator's ``mixed_precision`` (compute in it, reduce in fp32).
-    - cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU; a bool, "true"/"false",
-      ``CPUOffloadPolicy`` (on) or ``OffloadPolicy()`` (off).
-    - activation_checkpointing: recompute blocks' activations in backward: True (every block), or which blocks and
-      what to keep -- "selective" (keep matmul and attention outputs), an int k (every k-th block), a dict or an
-      `ActivationCheckpointing` (`parse_activation_checkpointing`).
-    - ignored_modules: modules (or a regex over module names) whose parameters FSDP leaves alone.
-    - state_dict_type: how `save_state` writes models and optimizers: "SHARDED_STATE_DICT" (each rank its shards,
-      with torch.distributed.checkpoint) or "FULL_STATE_DICT" (rank 0 gathers and writes one file each); torch's
-      ``StateDictType`` enum works too.
-    - cpu_ram_efficient_loading: accept models whose parameters are on the meta device in ``prepare`` and load
-      their weights after sharding (see `ndparallel.checkpoint.load_pretrained`).
-    - FSDP1's settings (`FSDP1_ONLY`): accepted, ignored with one warning.
+    Attributes:
+        fsdp_version: 2 (FSDP1 is refused).
+        auto_wrap_policy: "transformer_based_wrap" (default: each transformer block, then the root),
+            "size_based_wrap" (every module holding at least `min_num_params` parameters not already wrapped,
+            bottom-up), "no_wrap" (the root only), or a callable ``policy(module=, recurse=False, nonwrapped_numel=)``
+            as torch's FSDP1 wrap policies take. Accelerate's upper-case spellings work.
+        transformer_cls_names_to_wrap: block class names (a list or a comma-separated string); default: the model's
+            ``_no_split_modules``.
+        min_num_params: for "size_based_wrap" (0 means no wrapping, as in Accelerate).
+        reshard_after_forward: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2); a bool or
+            "true"/"false". It applies to the wrapped blocks; the root module keeps its parameters until the backward
+            that starts with them either way (torch's choice for the root, `ndparallel.parallel.data_parallel`).
+        mixed_precision_policy: a ``MixedPrecisionPolicy``, a dict of its fields (dtypes may be "bf16"...), a dtype
+            name, or None to derive it from the Accelerator's ``mixed_precision`` (compute in it, reduce in fp32).
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU; a bool, "true"/"false",
+            ``CPUOffloadPolicy`` (on) or ``OffloadPolicy()`` (off).
+        activation_checkpointing: recompute blocks' activations in backward: True (every block), or which blocks and
+            what to keep -- "selective" (keep matmul and attention outputs), an int k (every k-th block), a dict or
+            an `ActivationCheckpointing` (`parse_activation_checkpointing`).
+        ignored_modules: modules (or a regex over module names) whose parameters FSDP leaves alone.
+        state_dict_type: how `save_state` writes models and optimizers: "SHARDED_STATE_DICT" (each rank its shards,
+            with torch.distributed.checkpoint) or "FULL_STATE_DICT" (rank 0 gathers and writes one file each);
+            torch's ``StateDictType`` enum works too.
+        cpu_ram_efficient_loading: accept models whose parameters are on the meta device in ``prepare`` and load
+            their weights after sharding (see `ndparallel.checkpoint.load_pretrained`).
     """
 
     fsdp_version: int | None = None
@@ -451,18 +453,20 @@ class GradientAccumulationPlugin(KwargsHandler):
 class DataLoaderConfiguration:
     """How prepared data loaders split and deliver batches (Accelerate's fields).
 
-    - split_batches: the loader's batch is the *global* batch, split over the ranks of ``batch`` (its size must
-      divide); False (default): each rank draws batches of the loader's size.
-    - even_batches: True (default) pads a partial last global batch with samples from the start, so every rank gets
-      a batch (``gather_for_metrics`` drops the repeats); False gives the ranks what is left, unevenly.
-    - use_seedable_sampler / data_seed: every random sampler draws from a generator seeded alike on all ranks
-      (always so here); ``data_seed`` fixes that seed.
-    - non_blocking: copy batches to the device asynchronously (with ``pin_memory=True`` loaders).
-    - dispatch_batches: True is taken for map-style datasets, whose ranks each read the batch rank 0 would have sent
-      them (every rank reads its own share; rank 0 does not read for all); refused at `prepare` for an iterable
-      dataset, whose order only rank 0's reading would fix.
-    - use_stateful_dataloader: prepared loaders have ``state_dict`` / ``load_state_dict`` either way; with it (and
-      torchdata installed) they are also torchdata's ``StatefulDataLoader`` by type, as Accelerate's are.
+    Attributes:
+        split_batches: the loader's batch is the *global* batch, split over the ranks of ``batch`` (its size must
+            divide); False (default): each rank draws batches of the loader's size.
+        dispatch_batches: True is taken for map-style datasets, whose ranks each read the batch rank 0 would have
+            sent them (every rank reads its own share; rank 0 does not read for all); refused at `prepare` for an
+            iterable dataset, whose order only rank 0's reading would fix.
+        even_batches: True (default) pads a partial last global batch with samples from the start, so every rank
+            gets a batch (``gather_for_metrics`` drops the repeats); False gives the ranks what is left, unevenly.
+        use_seedable_sampler: every random sampler draws from a generator seeded alike on all ranks (always so
+            here).
+        data_seed: fixes the seed of those generators.
+        non_blocking: copy batches to the device asynchronously (with ``pin_memory=True`` loaders).
+        use_stateful_dataloader: prepared loaders have ``state_dict`` / ``load_state_dict`` either way; with it (and
+            torchdata installed) they are also torchdata's ``StatefulDataLoader`` by type, as Accelerate's are.
     """
 
     split_batches: bool = False
@@ -490,14 +494,18 @@ __all__ = [
 class TorchDynamoPlugin(KwargsHandler):
     """Compile the prepared model with ``torch.compile`` (Accelerate's plugin: same fields and meaning).
 
-    backend: a Dynamo backend ("inductor", "aot_eager", ... `torch._dynamo.list_backends()`), or "no" (no
-        compilation, the default); Accelerate's upper-case enum names work too.
-    mode, fullgraph, dynamic, options: ``torch.compile``'s.
-    disable: compile nothing (for tests).
-    use_regional_compilation: compile each transformer block (the classes the FSDP wrap policy uses: the model's
-        ``_no_split_modules`` or ``transformer_cls_names_to_wrap``) on its own, before FSDP wraps it -- the blocks
-        share one compiled graph, so the cold start compiles one block instead of the whole model; the rest of the
-        model runs eagerly. Otherwise the whole prepared model is compiled.
+    Attributes:
+        backend: a Dynamo backend ("inductor", "aot_eager", ... `torch._dynamo.list_backends()`), or "no" (no
+            compilation, the default); Accelerate's upper-case enum names work too.
+        mode: ``torch.compile``'s.
+        fullgraph: ``torch.compile``'s.
+        dynamic: ``torch.compile``'s.
+        options: ``torch.compile``'s.
+        disable: compile nothing (for tests).
+        use_regional_compilation: compile each transformer block (the classes the FSDP wrap policy uses: the model's
+            ``_no_split_modules`` or ``transformer_cls_names_to_wrap``) on its own, before FSDP wraps it -- the
+            blocks share one compiled graph, so the cold start compiles one block instead of the whole model; the
+            rest of the model runs eagerly. Otherwise the whole prepared model is compiled.
     """
 
     backend: Any = None

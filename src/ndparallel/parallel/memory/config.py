@@ -20,15 +20,18 @@ TILED_MLP_ENV = "NDPARALLEL_TILED_MLP"
 class MemoryKwargs(KwargsHandler):
     """What a prepared causal LM does to train long sequences in less memory (README, "Long sequences").
 
-    chunked_loss: the LM head and the loss over chunks of tokens, so no more than 128 MiB of the ``tokens x
-        vocabulary`` fp32 logits exist at once (`ndparallel.parallel.memory.loss_head`); training forwards with labels then return ``outputs.logits = None``.
-        "auto" (default): on wherever it is exact (transformers causal LMs with their own ``ForCausalLMLoss`` and a
-        plain linear head); True: required, refused with the reason where it cannot be; False: off.
-    loss_chunk_size: tokens per chunk of the chunked loss (None: the fewest equal chunks of at most 128 MiB of fp32
-        logits each -- one, a single matrix multiply, wherever all the logits fit).
-    tiled_mlp: each decoder block's MLP computed over tiles of the sequence and recomputed tile by tile in backward,
-        so its ``tokens x intermediate`` activations exist for one tile at a time (`tiled_mlp`). Default False.
-    mlp_tile_size: tokens per MLP tile (None: the model's hidden size, at least 1024).
+    Attributes:
+        chunked_loss: the LM head and the loss over chunks of tokens, so no more than 128 MiB of the ``tokens x
+            vocabulary`` fp32 logits exist at once (`ndparallel.parallel.memory.loss_head`); training forwards with
+            labels then return ``outputs.logits = None``. "auto" (default): on wherever it is exact (transformers
+            causal LMs with their own ``ForCausalLMLoss`` and a plain linear head); True: required, refused with the
+            reason where it cannot be; False: off.
+        loss_chunk_size: tokens per chunk of the chunked loss (None: the fewest equal chunks of at most 128 MiB of
+            fp32 logits each -- one, a single matrix multiply, wherever all the logits fit).
+        tiled_mlp: each decoder block's MLP computed over tiles of the sequence and recomputed tile by tile in
+            backward, so its ``tokens x intermediate`` activations exist for one tile at a time (`tiled_mlp`).
+            Default False.
+        mlp_tile_size: tokens per MLP tile (None: the model's hidden size, at least 1024).
     """
 
     chunked_loss: bool | str = "auto"
