@@ -108,11 +108,14 @@ LAYOUTS = [  # (sizes, options of trainer_run.train, slow)
     ({"tp": 2}, {}, False),
     ({"cp": 2}, {}, False),
     ({"sp": 2}, {}, False),
+    ({"cp": 2}, {"loss_kwargs": False}, False),
+    ({"sp": 2}, {"loss_kwargs": False}, False),
     ({"pp": 2}, {}, False),
     ({"dp_shard": 2}, {"accumulation": 2}, False),
     ({"dp_shard": 2}, {"accumulation": 2, "average_tokens": False}, False),
     ({"dp_replicate": 2, "dp_shard": 2}, {}, True),
     ({"cp": 2, "sp": 2}, {}, True),
+    ({"cp": 2, "sp": 2}, {"loss_kwargs": False}, True),
     ({"dp_shard": 2, "tp": 2}, {}, True),
     ({"pp": 2, "dp_shard": 2}, {"accumulation": 2}, True),
 ]
@@ -132,7 +135,8 @@ def _param(values: tuple, slow: bool, name: str):
 
 
 def _options(options: dict) -> str:
-    words = {"accumulation": "gradient accumulation {}", "average_tokens": "average_tokens_across_devices={}"}
+    words = {"accumulation": "gradient accumulation {}", "average_tokens": "average_tokens_across_devices={}",
+             "loss_kwargs": "the model takes no `num_items_in_batch` (`accepts_loss_kwargs = False`): no token count"}
     return ", ".join(words[k].format(v) for k, v in options.items()) or "-"
 
 

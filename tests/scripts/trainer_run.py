@@ -18,7 +18,11 @@ from tiny_models import TokenDataset, build_model
 def train(output_dir: str, *, steps: int = 6, per_device: int = 2, accumulation: int = 1, seq_len: int = 16,
           samples: int = 48, average_tokens: bool = True, optim: str = "adamw_torch", model: str = "llama",
           eval_steps: int | None = None, save_steps: int | None = None, resume: str | bool | None = None,
-          predict: bool = False, save_to: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+          predict: bool = False, save_to: str | None = None, loss_kwargs: bool = True,
+          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`loss_kwargs=False`: the model says it takes no loss keywords (``accepts_loss_kwargs = False``, as a model
+    whose forward has no ``num_items_in_batch`` does, and as Axolotl sets it): the Trainer then counts no tokens and
+    each micro-batch's loss is the model's own mean."""
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -31,7 +35,10 @@ def train(output_dir: str, *, steps: int = 6, per_device: int = 2, accumulation:
         dataloader_drop_last=True, **(extra or {}))
     torch.manual_seed(0)
     evaluation = TokenDataset(8, seq_len, uneven_labels=True)
-    trainer = Trainer(model=build_model(model), args=args,
+    net = build_model(model)
+    if not loss_kwargs:
+        net.accepts_loss_kwargs = False
+    trainer = Trainer(model=net, args=args,
                       train_dataset=TokenDataset(samples, seq_len, uneven_labels=True),
                       eval_dataset=evaluation if eval_steps else None, compute_metrics=token_accuracy)
     trainer.train(resume_from_checkpoint=resume)

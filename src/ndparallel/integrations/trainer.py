@@ -25,7 +25,11 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    ``position_ids`` added, then every sequence tensor of the batch sharded by `Accelerator.maybe_context_parallel`
    (cp and sp alike; padded and packed rows included: ndparallel keeps their masks). TRL's padding-free fields
    (``cu_seq_lens_*``, ``max_length_*``) are dropped after a check that they describe the rows ``position_ids``
-   restarts at: ndparallel reads the documents from ``position_ids``. Evaluation and prediction run whole rows on
+   restarts at: ndparallel reads the documents from ``position_ids``. When the Trainer counts no tokens (a model that
+   takes no ``num_items_in_batch``: ``model_accepts_loss_kwargs`` False), each rank's loss is its model's mean over
+   its shard of the rows; the model's loss is then weighted (a forward hook while the batch is sharded: a subclass's
+   own ``compute_loss`` keeps it) by the shard's share of the rows' loss tokens, n_r * G / n over the G ranks of
+   cp x sp, so the ranks' average is the rows' mean, as in one process. Evaluation and prediction run whole rows on
    every rank of cp x sp (the logits ``compute_metrics`` reads are whole, as in one process; the loss's count for
    them divides over the ``batch`` ranks, whose losses the Trainer averages).
 4. Saving and resuming. `save_model` gathers the full weights on every rank (collective) and the main process writes
@@ -59,13 +63,14 @@ import functools
 import inspect
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from .. import checkpoint
 from ..configuration import plugins
@@ -292,9 +297,40 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         ids, length = inputs["input_ids"], inputs["input_ids"].shape[1]
         buffers = [value for key, value in inputs.items() if isinstance(value, torch.Tensor) and value.dim() >= 2
                    and value.shape[1] == length and value.shape[0] == ids.shape[0]]
-        return functools.partial(acc.maybe_context_parallel, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                 no_restore_buffers=set(buffers)), inputs
+        return functools.partial(_sequence_sharded, acc, model, buffers, inputs.get("shift_labels")), inputs
     return wrapper
+
+
+@contextlib.contextmanager
+def _sequence_sharded(acc: Any, model: nn.Module, buffers: list[torch.Tensor], labels: torch.Tensor | None) -> Any:
+    """`Accelerator.maybe_context_parallel` over the batch's sequence tensors; and, for a forward of `model` given no
+    ``num_items_in_batch`` (the Trainer counts no tokens: a model that takes none), its loss -- the mean over this
+    rank's shard of the rows -- weighted by the shard's share of the rows' loss tokens, n_r * G / n over the G ranks of
+    cp x sp, so that the ranks' average is the rows' mean (item 3). Device tensors: nothing is read on the host."""
+    whole = (labels != IGNORE_INDEX).sum() if isinstance(labels, torch.Tensor) else None
+    with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                    no_restore_buffers=set(buffers)):
+        handle = None
+        if whole is not None and acc.mesh.size("pp") == 1:  # pipeline stages weigh their loss inside the model
+            ranks = acc.sequence_sharding.cp_size * acc.sequence_sharding.sp_size
+            share = (labels != IGNORE_INDEX).sum().double() * ranks / whole.clamp(min=1).double()  # labels: the shard
+            handle = model.register_forward_hook(functools.partial(_weigh_mean_loss, share), with_kwargs=True)
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+
+
+def _weigh_mean_loss(share: torch.Tensor, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+    if kwargs.get("num_items_in_batch") is not None:  # a summed loss over the Trainer's count: exact as it is
+        return None
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        output["loss"] = output["loss"] * share.to(output["loss"].dtype)
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
+        return (output[0] * share.to(output[0].dtype), *output[1:])
+    return None
 
 
 _FLASH_FIELDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
