@@ -486,6 +486,48 @@ def test_an_unmodified_sft_script_under_ndparallel_launch(tmp_path):
     assert max(abs(a - b) for a, b in zip(losses_of(sp), losses_of(one))) < TOL
 
 
+def trained_from_a_split_load(path: str, output_dir: str, split: bool) -> dict:
+    """A Trainer on a model loaded as Accelerate's example and Axolotl load it under tensor parallelism:
+    ``from_pretrained(tp_plan="auto")`` (transformers splits it on a mesh of its own); then save_model."""
+    attach_integrations()
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+    from tiny_models import TokenDataset
+
+    args = TrainingArguments(output_dir=output_dir, max_steps=3, per_device_train_batch_size=GLOBAL_BATCH,
+                             learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    model = LlamaForCausalLM.from_pretrained(path, **({"tp_plan": "auto"} if split else {}))
+    torch.manual_seed(0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(12, 16, uneven_labels=True))
+    trainer.train()
+    trainer.save_model(os.path.join(output_dir, "saved"))
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "params": trainer_run.full_parameters(trainer.model)}
+
+
+@pytest.mark.slow
+def test_a_model_transformers_split_on_load_trains_and_saves_under_tp(tmp_path):
+    """from_pretrained(tp_plan="auto") under tp 2: prepare gathers the model and splits it again on ndparallel's mesh,
+    clearing what records transformers' split (config.distributed_config), so save_model -- the main process writes
+    -- does not end in a barrier no other rank joins. The losses are one process's, the saved weights the trained ones,
+    loadable by plain transformers."""
+    from tiny_models import build_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    build_model("llama").save_pretrained(tmp_path / "init")
+    ref = run_ranks(trained_from_a_split_load, 1, str(tmp_path / "init"), str(tmp_path / "ref"), False)[0]
+    got = run_ranks(trained_from_a_split_load, 2, str(tmp_path / "init"), str(tmp_path / "tp"), True,
+                    env=layout_env(tp=2), timeout=120)[0]
+    assert len(got["losses"]) == len(ref["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < TOL, (got["losses"], ref["losses"])
+    saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "saved").named_parameters())
+    assert "distributed_config" not in (tmp_path / "tp" / "saved" / "config.json").read_text()
+    assert saved.keys() == got["params"].keys()
+    assert max((saved[k].detach() - got["params"][k]).abs().max().item() for k in saved) == 0
+    assert max((got["params"][k] - ref["params"][k]).abs().max().item() for k in saved) < TOL
+
+
 def saved_on_the_main_process_only(output_dir: str) -> tuple[str, float]:
     """The idiom of a script written for plain DDP, where every rank holds the whole model: the error, and the seconds
     from the save (or the wait) to it."""
