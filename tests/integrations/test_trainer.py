@@ -228,6 +228,14 @@ def test_resume_with_data_loader_workers_continues_the_epoch_it_stopped_in(tmp_p
             (step, resumed[0]["losses"], full[0]["losses"])
 
 
+def test_ranks_reading_the_same_rows_as_different_dataset_classes_train_as_one_process(tmp_path, tmp_path_factory):
+    """dp_shard 2, rank 1 reading the training rows as a datasets.Dataset (as loaded from rank 0's cache), rank 0 as
+    the torch dataset that made them: prepare's agreement check compares the datasets' kind and length, not their
+    class, and the run trains as one process does."""
+    results = run_layout(tmp_path, {"dp_shard": 2}, cached_on=1)
+    assert_same_run(results, reference(tmp_path_factory))
+
+
 def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path, tmp_path_factory):
     """load_best_model_at_end: the parameters at the end are the best checkpoint's, as in one process. "Best" is the
     highest evaluation loss here, so it is not the last checkpoint (whose parameters the run ends with anyway)."""

@@ -19,10 +19,11 @@ def train(output_dir: str, *, steps: int = 6, per_device: int = 2, accumulation:
           samples: int = 48, average_tokens: bool = True, optim: str = "adamw_torch", model: str = "llama",
           eval_steps: int | None = None, save_steps: int | None = None, resume: str | bool | None = None,
           predict: bool = False, save_to: str | None = None, loss_kwargs: bool = True,
-          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+          cached_on: int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """`loss_kwargs=False`: the model says it takes no loss keywords (``accepts_loss_kwargs = False``, as a model
     whose forward has no ``num_items_in_batch`` does, and as Axolotl sets it): the Trainer then counts no tokens and
-    each micro-batch's loss is the model's own mean."""
+    each micro-batch's loss is the model's own mean. `cached_on`: that rank reads the same training rows as a
+    ``datasets.Dataset`` (as one loaded from another rank's cache), the others as the dataset that made them."""
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -38,8 +39,13 @@ def train(output_dir: str, *, steps: int = 6, per_device: int = 2, accumulation:
     net = build_model(model)
     if not loss_kwargs:
         net.accepts_loss_kwargs = False
-    trainer = Trainer(model=net, args=args,
-                      train_dataset=TokenDataset(samples, seq_len, uneven_labels=True),
+    train_rows = TokenDataset(samples, seq_len, uneven_labels=True)
+    if cached_on is not None and int(os.environ.get("RANK", "0")) == cached_on:
+        from datasets import Dataset
+
+        train_rows = Dataset.from_dict({"input_ids": train_rows.input_ids.tolist(),
+                                        "labels": train_rows.labels.tolist()}).with_format("torch")
+    trainer = Trainer(model=net, args=args, train_dataset=train_rows,
                       eval_dataset=evaluation if eval_steps else None, compute_metrics=token_accuracy)
     trainer.train(resume_from_checkpoint=resume)
     history = trainer.state.log_history
