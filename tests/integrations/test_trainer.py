@@ -108,11 +108,13 @@ LAYOUTS = [  # (sizes, options of trainer_run.train, slow)
     ({"tp": 2}, {}, False),
     ({"cp": 2}, {}, False),
     ({"sp": 2}, {}, False),
-    ({"cp": 2}, {"loss_kwargs": False}, False),
-    ({"sp": 2}, {"loss_kwargs": False}, False),
+    ({"cp": 2}, {"loss_kwargs": False}, True),
+    ({"sp": 2}, {"loss_kwargs": False}, True),
     ({"pp": 2}, {}, False),
     ({"dp_shard": 2}, {"accumulation": 2}, False),
     ({"dp_shard": 2}, {"accumulation": 2, "average_tokens": False}, False),
+    ({"dp_shard": 2}, {"resets_state": True}, True),
+    ({"cp": 2}, {"resets_state": True}, True),
     ({"dp_replicate": 2, "dp_shard": 2}, {}, True),
     ({"cp": 2, "sp": 2}, {}, True),
     ({"cp": 2, "sp": 2}, {"loss_kwargs": False}, True),
@@ -136,7 +138,9 @@ def _param(values: tuple, slow: bool, name: str):
 
 def _options(options: dict) -> str:
     words = {"accumulation": "gradient accumulation {}", "average_tokens": "average_tokens_across_devices={}",
-             "loss_kwargs": "the model takes no `num_items_in_batch` (`accepts_loss_kwargs = False`): no token count"}
+             "loss_kwargs": "the model takes no `num_items_in_batch` (`accepts_loss_kwargs = False`): no token count",
+             "resets_state": "a Trainer subclass that resets Accelerate's state before its Accelerator is built and "
+                             "writes `state._shared_state` (as Axolotl's)"}
     return ", ".join(words[k].format(v) for k, v in options.items()) or "-"
 
 
@@ -228,6 +232,7 @@ def test_resume_with_data_loader_workers_continues_the_epoch_it_stopped_in(tmp_p
             (step, resumed[0]["losses"], full[0]["losses"])
 
 
+@pytest.mark.slow
 def test_ranks_reading_the_same_rows_as_different_dataset_classes_train_as_one_process(tmp_path, tmp_path_factory):
     """dp_shard 2, rank 1 reading the training rows as a datasets.Dataset (as loaded from rank 0's cache), rank 0 as
     the torch dataset that made them: prepare's agreement check compares the datasets' kind and length, not their

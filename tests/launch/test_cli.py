@@ -174,8 +174,8 @@ def test_a_cpu_launch_tells_accelerate_and_transformers_it_runs_on_the_cpu():
 def test_script_arguments_that_prefix_launcher_flags_go_to_the_script():
     """The Trainer's --fsdp (a prefix of the launcher's --fsdp_* flags) after SCRIPT is the script's, not an ambiguous
     abbreviation of a launcher flag."""
-    args = build_parser().parse_args(["launch", "--nproc-per-node", "2", SCRIPT, "--fsdp", "full_shard", "--fsdp_version",
-                                      "2", "--nproc", "4"])
+    args = build_parser().parse_args(["launch", "--nproc-per-node", "2", SCRIPT, "--fsdp", "full_shard",
+                                      "--fsdp_version", "2", "--nproc", "4"])
     assert args.script_args == ["--fsdp", "full_shard", "--fsdp_version", "2", "--nproc", "4"]
     assert args.nproc_per_node == 2
 

@@ -11,7 +11,9 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    accumulates gradients itself (its Accelerator gets one micro-step per window) and normalises the loss itself,
    so ndparallel's `backward` adds no weighting of its own (``loss_weighting="mean"``: a factor of one). The
    Trainer trains and evaluates the model `prepare` returned (`_wrap_model`), which keeps its place on record across
-   the Trainer's ``free_memory()`` at every ``train()``.
+   the Trainer's ``free_memory()`` at every ``train()``. Accelerate's ``PartialState``, which the Trainer's arguments
+   read, is configured again if a Trainer subclass reset it to have the Accelerator configure it (Axolotl's does:
+   `_configure_accelerate_state`), and ``accelerator.state`` keeps what is written to its ``_shared_state``.
 2. The loss's token count (`_get_num_items_in_batch`). The Trainer divides each micro-batch's summed token loss by
    a count X and, with ``average_tokens_across_devices``, multiplies it by M = processes / tp (DDP averages
    gradients over processes); its own X counts tokens over every process and divides by tp * cp * sp. ndparallel
@@ -166,7 +168,11 @@ def build_accelerator(trainer: Any, kwargs: dict[str, Any]) -> Any:
 
 class _TrainerView:
     """What the Trainer reads of ``accelerator.state``: ndparallel's state, with no FSDP or DeepSpeed plugin for the
-    Trainer to take its own FSDP routes for (saving and resuming go through ndparallel here)."""
+    Trainer to take its own FSDP routes for (saving and resuming go through ndparallel here).
+
+    Accelerate's ``AcceleratorState`` keeps its attributes in the dict ``_shared_state`` (its ``__dict__``); so does
+    the view: what a Trainer subclass writes there, or assigns, reads back from the view (Axolotl's mixin sets
+    ``distributed_type`` both ways), and ndparallel's state underneath stays as it is."""
 
     fsdp_plugin = None
     deepspeed_plugin = None
@@ -174,8 +180,25 @@ class _TrainerView:
     def __init__(self, state: Any) -> None:
         self._state = state
 
+    @property
+    def _shared_state(self) -> dict[str, Any]:
+        return self.__dict__
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._state, name)
+        return getattr(self.__dict__["_state"], name)
+
+
+def _configure_accelerate_state(device: torch.device) -> None:
+    """Accelerate's ``PartialState`` configured, as an Accelerate Accelerator leaves it. The Trainer's arguments read
+    the process's place from it (``args.distributed_state`` shares its state), and a Trainer subclass may have reset
+    it just before the Accelerator is built so that Accelerate's configures it anew (Axolotl's ``AxolotlTrainer``
+    does): then it is configured again here, on the process group that runs."""
+    from accelerate.state import PartialState as AcceleratePartialState
+
+    if AcceleratePartialState._shared_state:
+        return
+    backend = dist.get_backend() if dist.is_initialized() else None
+    AcceleratePartialState(cpu=device.type == "cpu", **({"backend": backend} if backend else {}))
 
 
 class TrainerAccelerator(Accelerator):
@@ -185,6 +208,7 @@ class TrainerAccelerator(Accelerator):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        _configure_accelerate_state(self.device)
         self.gradient_state.plugin_kwargs = {"num_steps": self.gradient_accumulation_steps,
                                              "sync_each_batch": self._settings.sync_each_batch}
         self.state = _TrainerView(self.state)
