@@ -30,6 +30,17 @@ from ndparallel.distributed.runtime import DEFAULT_TIMEOUT, init_runtime, resolv
 from tiny_models import build_model
 
 
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rows) -> None:
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.rows[i]
+
+
 def _disagreements() -> dict:
     rank = init_runtime(cpu=True).rank
     plugin = FullyShardedDataParallelPlugin()
@@ -50,6 +61,9 @@ def _disagreements() -> dict:
             [same_model, DataLoader(list(range(10)), batch_size=2 + rank)]), "prepare()"),
         "dataset_length": lambda: check_agreement(dataloader_fingerprint(DataLoader(list(range(10 + rank)))),
                                                   "prepare()"),
+        # The same rows as another class (rank 0 tokenized them, rank 1 loaded them from its cache): one dataset.
+        "same_rows_other_class": lambda: check_agreement(dataloader_fingerprint(DataLoader(
+            list(range(10)) if rank == 0 else Rows(range(10)))), "prepare()"),
         "model_shapes": lambda: check_agreement(model_fingerprint(build_model("llama", hidden_size=32 * (1 + rank))),
                                                 "prepare()"),
         "model_depth": lambda: check_agreement(model_fingerprint(build_model("llama", num_hidden_layers=2 + rank)),
@@ -99,8 +113,8 @@ def test_a_disagreement_raises_the_same_error_naming_it_on_every_rank(disagreeme
 
 def test_ranks_that_agree_pass_and_the_checks_are_quick(disagreements):
     for out in disagreements:
-        assert out["same"] == out["same_prepare"] == ("no error", "")
-        # Timed inside the ranks around the nine checks only (about 0.2 s here): none waits for the timeout (10
+        assert out["same"] == out["same_prepare"] == out["same_rows_other_class"] == ("no error", "")
+        # Timed inside the ranks around the ten checks only (about 0.2 s here): none waits for the timeout (10
         # minutes), with a wide margin for a loaded machine.
         assert out["seconds"] < 10
 

@@ -108,11 +108,16 @@ LAYOUTS = [  # (sizes, options of trainer_run.train, slow)
     ({"tp": 2}, {}, False),
     ({"cp": 2}, {}, False),
     ({"sp": 2}, {}, False),
+    ({"cp": 2}, {"loss_kwargs": False}, True),
+    ({"sp": 2}, {"loss_kwargs": False}, True),
     ({"pp": 2}, {}, False),
     ({"dp_shard": 2}, {"accumulation": 2}, False),
     ({"dp_shard": 2}, {"accumulation": 2, "average_tokens": False}, False),
+    ({"dp_shard": 2}, {"resets_state": True}, True),
+    ({"cp": 2}, {"resets_state": True}, True),
     ({"dp_replicate": 2, "dp_shard": 2}, {}, True),
     ({"cp": 2, "sp": 2}, {}, True),
+    ({"cp": 2, "sp": 2}, {"loss_kwargs": False}, True),
     ({"dp_shard": 2, "tp": 2}, {}, True),
     ({"pp": 2, "dp_shard": 2}, {"accumulation": 2}, True),
 ]
@@ -132,7 +137,10 @@ def _param(values: tuple, slow: bool, name: str):
 
 
 def _options(options: dict) -> str:
-    words = {"accumulation": "gradient accumulation {}", "average_tokens": "average_tokens_across_devices={}"}
+    words = {"accumulation": "gradient accumulation {}", "average_tokens": "average_tokens_across_devices={}",
+             "loss_kwargs": "the model takes no `num_items_in_batch` (`accepts_loss_kwargs = False`): no token count",
+             "resets_state": "a Trainer subclass that resets Accelerate's state before its Accelerator is built and "
+                             "writes `state._shared_state` (as Axolotl's)"}
     return ", ".join(words[k].format(v) for k, v in options.items()) or "-"
 
 
@@ -222,6 +230,15 @@ def test_resume_with_data_loader_workers_continues_the_epoch_it_stopped_in(tmp_p
         assert len(resumed[0]["losses"]) == 6
         assert max(abs(a - b) for a, b in zip(full[0]["losses"], resumed[0]["losses"])) < TOL, \
             (step, resumed[0]["losses"], full[0]["losses"])
+
+
+@pytest.mark.slow
+def test_ranks_reading_the_same_rows_as_different_dataset_classes_train_as_one_process(tmp_path, tmp_path_factory):
+    """dp_shard 2, rank 1 reading the training rows as a datasets.Dataset (as loaded from rank 0's cache), rank 0 as
+    the torch dataset that made them: prepare's agreement check compares the datasets' kind and length, not their
+    class, and the run trains as one process does."""
+    results = run_layout(tmp_path, {"dp_shard": 2}, cached_on=1)
+    assert_same_run(results, reference(tmp_path_factory))
 
 
 def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path, tmp_path_factory):
@@ -419,15 +436,23 @@ def test_a_newer_transformers_than_tested_runs_with_one_warning_on_the_main_proc
     assert_same_run(results, reference(tmp_path_factory))
 
 
-def launched_history(tmp_path: Path, name: str, launcher: list[str], script: str, *flags: str) -> list[dict]:
-    """Run an example script as a user would; return the Trainer's log history (trainer_state.json)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NDPARALLEL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+def launched(tmp_path: Path, name: str, launcher: list[str], script: str, *flags: str,
+             use_cpu: bool = True) -> tuple[list[dict], str]:
+    """Run an example script as a user would; return the Trainer's log history (trainer_state.json) and what the run
+    printed."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("NDPARALLEL_", "RANK", "WORLD_SIZE", "MASTER_", "ACCELERATE_"))}
     out = tmp_path / name
-    proc = subprocess.run([*launcher, str(ROOT / "examples" / script), "--output_dir", str(out), "--use_cpu",
-                           "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", *flags],
+    proc = subprocess.run([*launcher, str(ROOT / "examples" / script), "--output_dir", str(out),
+                           *(["--use_cpu"] if use_cpu else []), "--report_to", "none", "--logging_steps", "1",
+                           "--disable_tqdm", "true", *flags],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return json.loads((out / "trainer_state.json").read_text())["log_history"], proc.stdout
+
+
+def launched_history(tmp_path: Path, name: str, launcher: list[str], script: str, *flags: str) -> list[dict]:
+    return launched(tmp_path, name, launcher, script, *flags)[0]
 
 
 def losses_of(history: list[dict]) -> list[float]:
@@ -447,6 +472,23 @@ def test_an_unmodified_trainer_script_under_ndparallel_launch(tmp_path):
     assert abs(cp[-1]["eval_loss"] - one[-1]["eval_loss"]) < TOL
 
 
+@pytest.mark.slow
+def test_a_cpu_launch_without_use_cpu_logs_once_from_the_main_process(tmp_path):
+    """`ndparallel launch --cpu` of examples/trainer_clm.py without --use_cpu, with the Trainer's --fsdp: the Trainer
+    knows it runs distributed (the launcher exports ACCELERATE_USE_CPU, as Accelerate's does), so --fsdp is accepted
+    and only the main process logs -- each step's loss once, the one process's loss on the same global batch."""
+    flags = ["--max_steps", "3", "--per_device_train_batch_size", "4"]
+    one = launched_history(tmp_path, "one", [sys.executable], "trainer_clm.py", *flags)
+    history, printed = launched(tmp_path, "fsdp", [*LAUNCH, "--cpu", "--dp-shard-size", "2"], "trainer_clm.py",
+                                "--max_steps", "3", "--per_device_train_batch_size", "2", "--fsdp", "full_shard",
+                                use_cpu=False)
+    logged = [line for line in printed.splitlines() if line.startswith("{'loss'")]
+    assert len(logged) == len(losses_of(history)) == len(losses_of(one)) == 3, printed
+    assert max(abs(a - b) for a, b in zip(losses_of(history), losses_of(one))) < TOL
+    assert [entry["epoch"] for entry in history if "loss" in entry] == [entry["epoch"] for entry in one
+                                                                         if "loss" in entry]
+
+
 def test_an_unmodified_sft_script_under_ndparallel_launch(tmp_path):
     """examples/sft.py with --packing, launched with --sp-size 2, against `python` of it."""
     flags = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--bf16", "false", "--packing",
@@ -455,6 +497,48 @@ def test_an_unmodified_sft_script_under_ndparallel_launch(tmp_path):
     sp = launched_history(tmp_path, "sp", [*LAUNCH, "--sp-size", "2"], "sft.py", *flags)
     assert len(losses_of(sp)) == len(losses_of(one)) == 3
     assert max(abs(a - b) for a, b in zip(losses_of(sp), losses_of(one))) < TOL
+
+
+def trained_from_a_split_load(path: str, output_dir: str, split: bool) -> dict:
+    """A Trainer on a model loaded as Accelerate's example and Axolotl load it under tensor parallelism:
+    ``from_pretrained(tp_plan="auto")`` (transformers splits it on a mesh of its own); then save_model."""
+    attach_integrations()
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+    from tiny_models import TokenDataset
+
+    args = TrainingArguments(output_dir=output_dir, max_steps=3, per_device_train_batch_size=GLOBAL_BATCH,
+                             learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    model = LlamaForCausalLM.from_pretrained(path, **({"tp_plan": "auto"} if split else {}))
+    torch.manual_seed(0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(12, 16, uneven_labels=True))
+    trainer.train()
+    trainer.save_model(os.path.join(output_dir, "saved"))
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "params": trainer_run.full_parameters(trainer.model)}
+
+
+@pytest.mark.slow
+def test_a_model_transformers_split_on_load_trains_and_saves_under_tp(tmp_path):
+    """from_pretrained(tp_plan="auto") under tp 2: prepare gathers the model and splits it again on ndparallel's mesh,
+    clearing what records transformers' split (config.distributed_config), so save_model -- the main process writes
+    -- does not end in a barrier no other rank joins. The losses are one process's, the saved weights the trained ones,
+    loadable by plain transformers."""
+    from tiny_models import build_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    build_model("llama").save_pretrained(tmp_path / "init")
+    ref = run_ranks(trained_from_a_split_load, 1, str(tmp_path / "init"), str(tmp_path / "ref"), False)[0]
+    got = run_ranks(trained_from_a_split_load, 2, str(tmp_path / "init"), str(tmp_path / "tp"), True,
+                    env=layout_env(tp=2), timeout=120)[0]
+    assert len(got["losses"]) == len(ref["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < TOL, (got["losses"], ref["losses"])
+    saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "saved").named_parameters())
+    assert "distributed_config" not in (tmp_path / "tp" / "saved" / "config.json").read_text()
+    assert saved.keys() == got["params"].keys()
+    assert max((saved[k].detach() - got["params"][k]).abs().max().item() for k in saved) == 0
+    assert max((got["params"][k] - ref["params"][k]).abs().max().item() for k in saved) < TOL
 
 
 def saved_on_the_main_process_only(output_dir: str) -> tuple[str, float]:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ndparallel.launch.cli import build_parser, main
@@ -48,8 +49,11 @@ def test_an_accelerate_config_file_becomes_the_same_launch(tmp_path):
     assert (p.nproc_per_node, p.nnodes) == (8, 1)
     assert p.parallelism.sizes() == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 2}
     assert p.env["NDPARALLEL_MIXED_PRECISION"] == "bf16"
+    # on a machine without CUDA the launch is a CPU run, which says so as `accelerate launch` does
+    assert p.env.get("ACCELERATE_USE_CPU") == (None if torch.cuda.is_available() else "true")
     # the FSDP plugin's fields, as `accelerate launch` exports them
-    assert {k: v for k, v in p.env.items() if k.startswith(("FSDP_", "ACCELERATE_"))} == {
+    exported = {k: v for k, v in p.env.items() if k.startswith(("FSDP_", "ACCELERATE_")) and k != "ACCELERATE_USE_CPU"}
+    assert exported == {
         "ACCELERATE_USE_FSDP": "true", "FSDP_ACTIVATION_CHECKPOINTING": "false",
         "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
         "FSDP_OFFLOAD_PARAMS": "false", "FSDP_RESHARD_AFTER_FORWARD": "true",

@@ -162,6 +162,24 @@ def test_module_multinode_and_unquoted_no(tmp_path):
     assert p.rendezvous is not None and (p.rendezvous.nnodes, p.rendezvous.node_rank) == (2, 1)
 
 
+def test_a_cpu_launch_tells_accelerate_and_transformers_it_runs_on_the_cpu():
+    """As Accelerate's launcher does: ACCELERATE_USE_CPU, which transformers' TrainingArguments read to build a
+    distributed CPU state (without it, a Trainer script given no --use_cpu takes every rank for a process of its own).
+    A GPU launch leaves the variable alone."""
+    assert plan("--cpu", "--nproc-per-node", "2", SCRIPT).env["ACCELERATE_USE_CPU"] == "true"
+    if torch.cuda.is_available():
+        assert "ACCELERATE_USE_CPU" not in plan("--nproc-per-node", "2", SCRIPT).env
+
+
+def test_script_arguments_that_prefix_launcher_flags_go_to_the_script():
+    """The Trainer's --fsdp (a prefix of the launcher's --fsdp_* flags) after SCRIPT is the script's, not an ambiguous
+    abbreviation of a launcher flag."""
+    args = build_parser().parse_args(["launch", "--nproc-per-node", "2", SCRIPT, "--fsdp", "full_shard",
+                                      "--fsdp_version", "2", "--nproc", "4"])
+    assert args.script_args == ["--fsdp", "full_shard", "--fsdp_version", "2", "--nproc", "4"]
+    assert args.nproc_per_node == 2
+
+
 def test_config_file_handlers_are_warned_about(tmp_path):
     path = write_yaml(tmp_path / "c.yaml", {"parallelism": {"cp_size": 2, "cp_handler": {"cp_comm_strategy": "ring"}}})
     p = plan("--config-file", path, SCRIPT)

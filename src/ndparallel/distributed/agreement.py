@@ -14,7 +14,8 @@ train silently apart. This module turns each into an error that names the cause,
 - fingerprint helpers for what must agree: `accelerator_fingerprint` (parallelism config, plugin, mixed precision,
   accumulation, versions), `model_fingerprint` (parameter and buffer names, shapes, dtypes),
   `optimizer_fingerprint` (type, parameter groups and hyperparameters), `dataloader_fingerprint` (batch size,
-  dataset length, sampler kind), `prepare_fingerprint` (all of the objects given to one ``prepare``).
+  dataset kind and length -- not its class --, sampler kind), `prepare_fingerprint` (all of the objects given to one
+  ``prepare``).
 - `monitored_barrier(name, timeout, digest=None)`: a barrier through the default process group's store (so the
   same on gloo and NCCL) that, when ranks reach *different* named calls, fails at once, and when some rank does not
   arrive within `timeout`, fails on every rank that did -- saying which ranks arrived, which did not, and the last
@@ -243,13 +244,18 @@ def optimizer_fingerprint(optimizer: Any) -> dict[str, Any]:
 
 
 def dataloader_fingerprint(loader: Any) -> dict[str, Any]:
-    """Batch size, drop_last, dataset type and length (None when unknown) and the kinds of sampler."""
+    """Batch size, drop_last, the dataset's kind (map-style or iterable: they are dealt to ranks differently) and
+    length (None when unknown), and the kinds of sampler. Not the dataset's class: the same rows may come as different
+    classes on different ranks (tokenized on one, loaded from its cache on the others)."""
+    from torch.utils.data import IterableDataset
+
     base = getattr(loader, "base_loader", loader)  # a PreparedDataLoader's
     try:
         length = len(base.dataset)
     except TypeError:
         length = None
-    return {"batch_size": base.batch_size, "drop_last": base.drop_last, "dataset": type(base.dataset).__name__,
+    kind = "iterable" if isinstance(base.dataset, IterableDataset) else "map-style"
+    return {"batch_size": base.batch_size, "drop_last": base.drop_last, "dataset": kind,
             "dataset_length": length, "sampler": type(base.sampler).__name__ if base.sampler is not None else None,
             "batch_sampler": type(base.batch_sampler).__name__ if base.batch_sampler is not None else None}
 

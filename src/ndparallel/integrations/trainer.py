@@ -11,7 +11,9 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    accumulates gradients itself (its Accelerator gets one micro-step per window) and normalises the loss itself,
    so ndparallel's `backward` adds no weighting of its own (``loss_weighting="mean"``: a factor of one). The
    Trainer trains and evaluates the model `prepare` returned (`_wrap_model`), which keeps its place on record across
-   the Trainer's ``free_memory()`` at every ``train()``.
+   the Trainer's ``free_memory()`` at every ``train()``. Accelerate's ``PartialState``, which the Trainer's arguments
+   read, is configured again if a Trainer subclass reset it to have the Accelerator configure it (Axolotl's does:
+   `_configure_accelerate_state`), and ``accelerator.state`` keeps what is written to its ``_shared_state``.
 2. The loss's token count (`_get_num_items_in_batch`). The Trainer divides each micro-batch's summed token loss by
    a count X and, with ``average_tokens_across_devices``, multiplies it by M = processes / tp (DDP averages
    gradients over processes); its own X counts tokens over every process and divides by tp * cp * sp. ndparallel
@@ -25,7 +27,11 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    ``position_ids`` added, then every sequence tensor of the batch sharded by `Accelerator.maybe_context_parallel`
    (cp and sp alike; padded and packed rows included: ndparallel keeps their masks). TRL's padding-free fields
    (``cu_seq_lens_*``, ``max_length_*``) are dropped after a check that they describe the rows ``position_ids``
-   restarts at: ndparallel reads the documents from ``position_ids``. Evaluation and prediction run whole rows on
+   restarts at: ndparallel reads the documents from ``position_ids``. When the Trainer counts no tokens (a model that
+   takes no ``num_items_in_batch``: ``model_accepts_loss_kwargs`` False), each rank's loss is its model's mean over
+   its shard of the rows; the model's loss is then weighted (a forward hook while the batch is sharded: a subclass's
+   own ``compute_loss`` keeps it) by the shard's share of the rows' loss tokens, n_r * G / n over the G ranks of
+   cp x sp, so the ranks' average is the rows' mean, as in one process. Evaluation and prediction run whole rows on
    every rank of cp x sp (the logits ``compute_metrics`` reads are whole, as in one process; the loss's count for
    them divides over the ``batch`` ranks, whose losses the Trainer averages).
 4. Saving and resuming. `save_model` gathers the full weights on every rank (collective) and the main process writes
@@ -59,13 +65,14 @@ import functools
 import inspect
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from .. import checkpoint
 from ..configuration import plugins
@@ -161,7 +168,11 @@ def build_accelerator(trainer: Any, kwargs: dict[str, Any]) -> Any:
 
 class _TrainerView:
     """What the Trainer reads of ``accelerator.state``: ndparallel's state, with no FSDP or DeepSpeed plugin for the
-    Trainer to take its own FSDP routes for (saving and resuming go through ndparallel here)."""
+    Trainer to take its own FSDP routes for (saving and resuming go through ndparallel here).
+
+    Accelerate's ``AcceleratorState`` keeps its attributes in the dict ``_shared_state`` (its ``__dict__``); so does
+    the view: what a Trainer subclass writes there, or assigns, reads back from the view (Axolotl's mixin sets
+    ``distributed_type`` both ways), and ndparallel's state underneath stays as it is."""
 
     fsdp_plugin = None
     deepspeed_plugin = None
@@ -169,8 +180,25 @@ class _TrainerView:
     def __init__(self, state: Any) -> None:
         self._state = state
 
+    @property
+    def _shared_state(self) -> dict[str, Any]:
+        return self.__dict__
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._state, name)
+        return getattr(self.__dict__["_state"], name)
+
+
+def _configure_accelerate_state(device: torch.device) -> None:
+    """Accelerate's ``PartialState`` configured, as an Accelerate Accelerator leaves it. The Trainer's arguments read
+    the process's place from it (``args.distributed_state`` shares its state), and a Trainer subclass may have reset
+    it just before the Accelerator is built so that Accelerate's configures it anew (Axolotl's ``AxolotlTrainer``
+    does): then it is configured again here, on the process group that runs."""
+    from accelerate.state import PartialState as AcceleratePartialState
+
+    if AcceleratePartialState._shared_state:
+        return
+    backend = dist.get_backend() if dist.is_initialized() else None
+    AcceleratePartialState(cpu=device.type == "cpu", **({"backend": backend} if backend else {}))
 
 
 class TrainerAccelerator(Accelerator):
@@ -180,6 +208,7 @@ class TrainerAccelerator(Accelerator):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        _configure_accelerate_state(self.device)
         self.gradient_state.plugin_kwargs = {"num_steps": self.gradient_accumulation_steps,
                                              "sync_each_batch": self._settings.sync_each_batch}
         self.state = _TrainerView(self.state)
@@ -292,9 +321,40 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         ids, length = inputs["input_ids"], inputs["input_ids"].shape[1]
         buffers = [value for key, value in inputs.items() if isinstance(value, torch.Tensor) and value.dim() >= 2
                    and value.shape[1] == length and value.shape[0] == ids.shape[0]]
-        return functools.partial(acc.maybe_context_parallel, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                 no_restore_buffers=set(buffers)), inputs
+        return functools.partial(_sequence_sharded, acc, model, buffers, inputs.get("shift_labels")), inputs
     return wrapper
+
+
+@contextlib.contextmanager
+def _sequence_sharded(acc: Any, model: nn.Module, buffers: list[torch.Tensor], labels: torch.Tensor | None) -> Any:
+    """`Accelerator.maybe_context_parallel` over the batch's sequence tensors; and, for a forward of `model` given no
+    ``num_items_in_batch`` (the Trainer counts no tokens: a model that takes none), its loss -- the mean over this
+    rank's shard of the rows -- weighted by the shard's share of the rows' loss tokens, n_r * G / n over the G ranks of
+    cp x sp, so that the ranks' average is the rows' mean (item 3). Device tensors: nothing is read on the host."""
+    whole = (labels != IGNORE_INDEX).sum() if isinstance(labels, torch.Tensor) else None
+    with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                    no_restore_buffers=set(buffers)):
+        handle = None
+        if whole is not None and acc.mesh.size("pp") == 1:  # pipeline stages weigh their loss inside the model
+            ranks = acc.sequence_sharding.cp_size * acc.sequence_sharding.sp_size
+            share = (labels != IGNORE_INDEX).sum().double() * ranks / whole.clamp(min=1).double()  # labels: the shard
+            handle = model.register_forward_hook(functools.partial(_weigh_mean_loss, share), with_kwargs=True)
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+
+
+def _weigh_mean_loss(share: torch.Tensor, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+    if kwargs.get("num_items_in_batch") is not None:  # a summed loss over the Trainer's count: exact as it is
+        return None
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        output["loss"] = output["loss"] * share.to(output["loss"].dtype)
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
+        return (output[0] * share.to(output[0].dtype), *output[1:])
+    return None
 
 
 _FLASH_FIELDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="{launch,config,env,merge-weights,plan,estimate-memory}")
 
+    # allow_abbrev=False: a script argument such as the Trainer's --fsdp, a prefix of launcher flags (--fsdp_version...),
+    # would otherwise be refused as an ambiguous abbreviation although it comes after SCRIPT.
     launch = sub.add_parser("launch", help="start a training script on N processes (wraps torchrun)",
+                            allow_abbrev=False,
                             description="Check the parallelism sizes, then start SCRIPT on every rank with "
                                         "torchrun. Precedence: flag > --config-file > default. accelerate launch's "
                                         "flags and config files are accepted too (ndparallel.launch.accelerate_launch).")

@@ -10,7 +10,8 @@ defaults. The YAML file has two sections (``ndparallel config`` writes it):
 
 The launched ranks receive their settings as environment variables (``ParallelismConfig()`` and the
 Accelerator read them): ``NDPARALLEL_<SIZE_FIELD>``, ``NDPARALLEL_MIXED_PRECISION``,
-``NDPARALLEL_GRADIENT_ACCUMULATION_STEPS``, ``NDPARALLEL_CPU``; and, for the machinery below,
+``NDPARALLEL_GRADIENT_ACCUMULATION_STEPS``, ``NDPARALLEL_CPU`` (with ``ACCELERATE_USE_CPU``, as Accelerate's launcher
+exports it: transformers' ``TrainingArguments`` read it); and, for the machinery below,
 ``NDPARALLEL_LAUNCHER_PID`` and (with ``--stall-timeout``) ``NDPARALLEL_HEARTBEAT_DIR``.
 
 Beyond torchrun:
@@ -291,6 +292,9 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
         env.update({var: None for var in stale})
     if cpu:
         env[CPU_ENV] = "1"
+        # What Accelerate's launcher exports for a CPU run, and what transformers' TrainingArguments read to build a
+        # distributed CPU state: without it a Trainer script (no --use_cpu) takes every rank for a process of its own.
+        env["ACCELERATE_USE_CPU"] = "true"
     if settings["mixed_precision"] is not None:
         env[MIXED_PRECISION_ENV] = settings["mixed_precision"]
     if settings["gradient_accumulation_steps"] is not None:

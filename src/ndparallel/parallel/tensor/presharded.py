@@ -5,8 +5,11 @@ transformers >= 5 builds a tensor-parallel mesh of its own for such a model (it 
 makes its parameters DTensors on it, and replaces the ``forward`` of the modules it split. Layouts need all
 parallelisms on one mesh (FSDP2 shards TP's DTensors over the mesh they live on), so `gather_presharded` turns such a
 model back into an ordinary one: every DTensor parameter gathered to its full value, every replaced ``forward``
-removed. `ndparallel.parallel.parallelize` then applies the layout as to any model -- the same plan (the model's
-own, which transformers used too), on the Accelerator's mesh. It costs one gather of the weights at ``prepare``.
+removed, and what records transformers' split (``_tp_size``, ``config.distributed_config``...) cleared: the model then
+saves as an ordinary one (transformers' ``save_pretrained`` ends in a barrier of every rank while its config holds a
+``distributed_config``). `ndparallel.parallel.parallelize` then applies the layout as to any model -- the same plan
+(the model's own, which transformers used too), on the Accelerator's mesh. It costs one gather of the weights at
+``prepare``.
 Any other DTensor parameter (a model ndparallel or another library parallelised) is left alone and refused by the
 tensor-parallel check.
 """
@@ -47,4 +50,13 @@ def gather_presharded(model: nn.Module) -> nn.Module:
             del module.forward  # the class's own forward again
     model._tp_size = None
     model._device_mesh = None
+    # What else says "transformers split this model" (transformers >= 5.2x): its config's DistributedConfig, which
+    # makes save_pretrained end in a barrier on every rank (a hang when only the main process saves, as the Trainer
+    # does), and the flag the Trainer reads to skip its Accelerator's prepare. Both are false of the model now.
+    if getattr(getattr(model, "config", None), "distributed_config", None) is not None:
+        model.config.distributed_config = None
+    if "_is_distributed_loading_by_transformers" in vars(model):
+        model._is_distributed_loading_by_transformers = False
+    if "_mesh_manager" in vars(model):
+        model._mesh_manager = None
     return model
