@@ -6,6 +6,12 @@ from .checkpoint import ProjectConfiguration
 from .configuration.parallelism import ParallelismConfig
 from .configuration.handlers import TorchContextParallelConfig, TorchTensorParallelConfig
 from .training.data import move_to_device as send_to_device
+from .distributed.devices import (
+    get_accelerator_free_memory,
+    get_distributed_backend,
+    get_torch_accelerator_backend,
+    normalize_device,
+)
 from .distributed.gather_reduce import (
     DistributedOperationException,
     broadcast,
@@ -57,6 +63,10 @@ __all__ = [
     "find_executable_batch_size",
     "gather",
     "gather_object",
+    "get_accelerator_free_memory",
+    "get_distributed_backend",
+    "get_torch_accelerator_backend",
+    "normalize_device",
     "pad_across_processes",
     "progress_bar",
     "reduce",

@@ -113,7 +113,7 @@ def _plugin_policy() -> dict:
     given = FullyShardedDataParallelPlugin(mixed_precision_policy="fp16", reshard_after_forward=False)
     acc.state.fsdp_plugin = given
     out["assigned"] = (acc.fsdp_plugin is given, given.mixed_precision_policy == MixedPrecisionPolicy(
-        param_dtype=torch.float16, reduce_dtype=torch.float16, output_dtype=torch.float16))
+        param_dtype=torch.float16, reduce_dtype=torch.float16))
     plain = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2))
     try:
         plain.state.fsdp_plugin = FullyShardedDataParallelPlugin()

@@ -440,23 +440,18 @@ def test_fsdp_errors(kwargs, error, match):
     "policy, expected",
     [
         (None, None),
-        # A name means what it means in Accelerate: compute, reduce and output in that dtype (issue 25)
-        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                      output_dtype=torch.bfloat16)),
-        ("BF16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                      output_dtype=torch.bfloat16)),
-        ("fp16", MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16,
-                                      output_dtype=torch.float16)),
-        ("fp8", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                     output_dtype=torch.bfloat16)),
+        # A name means what it means in Accelerate 1.16: compute and reduce in that dtype, outputs not cast
+        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+        ("BF16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+        ("fp16", MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)),
+        ("fp8", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
         ({"param_dtype": "bfloat16", "reduce_dtype": "fp32"},
          MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
         ({"param_dtype": torch.float16, "output_dtype": "float32", "cast_forward_inputs": False},
          MixedPrecisionPolicy(param_dtype=torch.float16, output_dtype=torch.float32, cast_forward_inputs=False)),
         ({}, MixedPrecisionPolicy()),
         (MixedPrecisionPolicy(param_dtype=torch.bfloat16), MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
-        (torch.bfloat16, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                              output_dtype=torch.bfloat16)),
+        (torch.bfloat16, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
     ],
 )
 def test_mixed_precision_policy_valid(policy, expected):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -44,7 +45,7 @@ from ..training.data import PreparedDataLoader
 from ..training.loader_types import prepared_loader_class, shuffle_seed
 from ..training.loss import GradientState, is_causal_lm
 from ..distributed.mesh import ParallelMesh
-from ..training.optim import AcceleratedOptimizer, AcceleratedScheduler
+from ..training.optim import AcceleratedOptimizer, AcceleratedScheduler, switch_parameters
 from ..parallel.sequence import SequenceSharding
 from ..configuration.plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 from ..training.prepared import PreparedObjects
@@ -72,6 +73,16 @@ def _setting(field: str, doc: str, settable: bool = False) -> property:
         setattr(self._settings, field, value)
 
     return property(get, set_ if settable else None, doc=doc)
+
+
+def _storage_key(param: torch.Tensor) -> int:
+    """A key of a parameter's storage that holds no reference to it: its local tensor's data pointer (a DTensor's
+    shard's), or ``id()`` for a meta parameter (whose data pointers are all 0)."""
+    if param.is_meta:
+        return id(param)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    inner = getattr(local, "_tensor", None)  # a wrapper subclass (torchao's float8 weight) has data pointer 0
+    return inner.data_ptr() if isinstance(inner, torch.Tensor) and local.data_ptr() == 0 else local.data_ptr()
 
 
 def _weak(obj: Any) -> Callable[[], Any]:
@@ -382,6 +393,66 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
                 "prepare(): the optimizer already has state (it stepped before prepare), and its parameters were "
                 "replaced by sharded ones; build the optimizer, prepare it, then train"
             )
+
+    def parameters_by_name(self, *objects: Any, drop_refs: bool = False) -> dict[str, Any]:
+        """The parameters of the models among `objects` (anything else is skipped), by name: each model as
+        ``unwrap_model(model, keep_torch_compile=False)`` gives it, so a prepared or compiled model has its own
+        names; with several models, each name starts with the model's position among them (``"0.weight"``).
+        `drop_refs=True` gives, instead of each parameter, a key of its storage that holds no reference to it (the
+        data pointer of its local tensor; ``id()`` of a meta parameter). Taken before the parameters are replaced,
+        it is what `remap_optimizer_parameters` takes (Accelerate's private ``_get_named_parameters``)."""
+        models = [obj for obj in objects if isinstance(obj, nn.Module)]
+        named: dict[str, Any] = {}
+        for index, model in enumerate(models):
+            inner = self.unwrap_model(model, keep_torch_compile=False)
+            for name, param in inner.named_parameters(prefix=str(index) if len(models) > 1 else ""):
+                named[name] = _storage_key(param) if drop_refs else param
+        return named
+
+    _get_named_parameters = parameters_by_name
+
+    def remap_optimizer_parameters(self, old_named_parameters: dict[str, torch.Tensor], *objects: Any) -> int:
+        """Point the optimizers among `objects` at the parameters the models among `objects` hold now, by name.
+
+        `old_named_parameters` is `parameters_by_name` of the same models taken before their parameters were
+        replaced; each of those parameters that another one now stands for under its name is replaced in every
+        param group of every optimizer given (prepared or not), its state moving with it where it fits
+        (`ndparallel.training.optim.switch_parameters`). `prepare` does this itself for the optimizers it prepares,
+        whenever their model is prepared; this is for what it cannot see: an optimizer it did not prepare, or
+        parameters replaced after it (``model.to(...)`` under
+        ``torch.__future__.set_overwrite_module_params_on_conversion(True)``). Returns how many parameters were
+        replaced in the optimizers (0: nothing had changed). Accelerate's private ``_remap_optimizer_parameters``.
+        """
+        new = self.parameters_by_name(*objects)
+        models = [obj for obj in objects if isinstance(obj, nn.Module)]
+        split = any(not parallel.interface(m._orig_mod if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+                                           else m).holds_every_parameter for m in models)
+        replaced: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        missing = []
+        for name, old in old_named_parameters.items():
+            if not isinstance(old, torch.Tensor):
+                raise TypeError(f"remap_optimizer_parameters: {name!r} maps to a {type(old).__name__}, not a "
+                                "parameter: take the names with parameters_by_name(model) (without drop_refs)")
+            if name in new:
+                if new[name] is not old:
+                    replaced[id(old)] = (old, new[name])
+            elif split:  # a pipeline stage another rank holds: dropped from this rank's optimizer, as prepare does
+                replaced[id(old)] = (old, None)
+            else:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"remap_optimizer_parameters: the models given have no parameter named {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''} (they have {sorted(new)[:5]} ...): pass the "
+                             "models the names were taken from, in the same order")
+        count = 0
+        for obj in objects:
+            if isinstance(obj, AcceleratedOptimizer):
+                obj = obj.optimizer
+            if isinstance(obj, torch.optim.Optimizer):
+                count += switch_parameters(obj, replaced)
+        return count
+
+    _remap_optimizer_parameters = remap_optimizer_parameters
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> PreparedDataLoader:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -347,8 +346,11 @@ class ParallelismConfig:
                 self.pp_handler) if f.name != "loss_fn"}
         return out
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
+    def to_json(self) -> dict[str, Any]:
+        """As Accelerate 1.16's: a dict of plain values that ``json.dumps`` takes (Accelerate 1.15's returned None,
+        ndparallel's before 1.16 a JSON string): `to_dict`'s sizes and handlers, with ``cp_backend`` and
+        ``sp_backend``; `from_dict` rebuilds the config from it."""
+        return {**self.to_dict(), "cp_backend": self.cp_backend, "sp_backend": self.sp_backend}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelismConfig:

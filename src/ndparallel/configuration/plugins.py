@@ -316,8 +316,9 @@ class FullyShardedDataParallelPlugin:
 
     @staticmethod
     def _parse_mp_policy(policy: Any) -> MixedPrecisionPolicy | None:
-        """As Accelerate's: a name ("bf16", "fp16", "fp32", "fp8") or dtype computes, reduces and outputs in that
-        dtype; a dict gives ``MixedPrecisionPolicy``'s fields (dtypes by name too)."""
+        """As Accelerate's (1.16): a name ("bf16", "fp16", "fp32", "fp8") or dtype computes and reduces in that dtype
+        and leaves outputs as computed (Accelerate 1.15 also cast outputs to it: ``output_dtype``, which rounded a
+        loss computed in fp32 inside the model); a dict gives ``MixedPrecisionPolicy``'s fields (dtypes by name too)."""
         if policy is None or isinstance(policy, MixedPrecisionPolicy):
             return policy
         if isinstance(policy, (str, torch.dtype)):
@@ -325,7 +326,7 @@ class FullyShardedDataParallelPlugin:
                 dtype = PLUGIN_PRECISIONS[policy.lower()]
             else:
                 dtype = parse_dtype(policy, "mixed_precision_policy")
-            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
+            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         if isinstance(policy, dict):
             valid = {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
             unknown = sorted(set(policy) - valid)

@@ -33,11 +33,14 @@ def _local_and_key(grad: torch.Tensor) -> tuple[torch.Tensor, tuple]:
 def total_grad_norm(grads: list[torch.Tensor], norm_type: float,
                     across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The total norm of `grads`; with `across` (pipeline stages, which hold different parameters), the parts of
-    every rank of that group add up too. A rank may hold no gradients (its part is then 0)."""
+    every rank of that group add up too. A rank may hold no gradients (its part is then 0). `norm_type` 0 is
+    torch's (`torch.nn.utils.get_total_norm`): the number of gradients with a nonzero element."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local, key = _local_and_key(g)
         groups.setdefault(key, []).append(local)
+    if norm_type == 0:
+        return _nonzero_gradients(groups, across, grads[0].device if grads else torch.device("cpu"))
     inf = math.isinf(norm_type)
     parts = []
     for (mesh, sharded), locals_ in groups.items():
@@ -65,6 +68,22 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float,
     if across is not None:
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=across)
     return total if inf else total ** (1.0 / norm_type)
+
+
+def _nonzero_gradients(groups: dict[tuple, list[torch.Tensor]], across: dist.ProcessGroup | None,
+                       device: torch.device) -> torch.Tensor:
+    """The 0-"norm" of `total_grad_norm`: how many gradients have a nonzero element. Each gradient's count of nonzero
+    elements is added over the dimensions it is sharded along before it is tested, so a shard of zeros does not
+    hide its peers' nonzero elements."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (mesh, sharded), locals_ in groups.items():
+        counts = torch.stack([torch.count_nonzero(t).to(torch.float32) for t in locals_])
+        for dim in sharded:
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        total = total + (counts > 0).sum().to(total.device, total.dtype)
+    if across is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=across)
+    return total
 
 
 @torch.no_grad()

@@ -26,6 +26,42 @@ def _uses_multi_tensor_kernels(group: dict[str, Any]) -> bool:
         p.device.type != "cpu" for p in group["params"])
 
 
+def switch_parameters(optimizer: torch.optim.Optimizer,
+                      replaced: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> int:
+    """Point `optimizer` (a torch optimizer, not a wrapper) at new parameters: `replaced` maps ``id(old)`` to
+    ``(old, new)``, new None for a parameter this rank no longer holds (dropped from its group). A replaced
+    parameter's state moves to the new one when every state tensor fits it (same shape, both plain or both
+    DTensors: the parameter moved or was re-created, not sharded), else the update would mix layouts: refused.
+    Returns the number of parameters replaced."""
+    count = 0
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            entry = replaced.get(id(p))
+            if entry is None or entry[0] is not p:
+                params.append(p)
+                continue
+            new, count = entry[1], count + 1
+            state = optimizer.state.pop(p, None)
+            if new is None:
+                continue
+            if state:
+                misfit = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and (
+                    v.shape != new.shape or isinstance(v, DTensor) != isinstance(new, DTensor))]
+                if misfit:
+                    optimizer.state[p] = state
+                    raise ValueError(
+                        f"remap_optimizer_parameters: the optimizer's state {misfit} of a parameter of shape "
+                        f"{tuple(p.shape)} does not fit the parameter that replaced it ({type(new).__name__} of shape "
+                        f"{tuple(new.shape)}): it stepped before its model was sharded; build the optimizer, prepare "
+                        "it with its model, then train")
+                optimizer.state[new] = {k: v.to(new.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                        for k, v in state.items()}
+            params.append(new)
+        group["params"] = params
+    return count
+
+
 @contextlib.contextmanager
 def uniform_param_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """For the optimizer step: split param groups that mix plain tensors with DTensors (tensor parallelism without
