@@ -54,9 +54,9 @@ LAYOUT_OPS = {
     ("pp", 1): 638 + 809 - 808,  # the schedule of 2 micro-batches over 2 stages, summed over the stages
     ("ep", 1): 1421 - 1070,  # FSDP2's; routing to the experts' ranks and back; the global load-balancing loss
 }
-# torch 2.11's own AdamW step over fully_shard's parameters dispatches more than 2.13's and 2.14's on this model: 215
-# ops against 191 (18 empty_strided, 6 more addcdiv_), measured with plain fully_shard (per layer and root, bf16
-# parameters) and torch.optim.AdamW, no ndparallel; the same in the library's step, so it is torch's machinery.
+# torch 2.11's own AdamW step over fully_shard's parameters dispatches more than 2.12.1's, 2.13's and 2.14.1's on this
+# model: 215 ops against 191 (18 empty_strided, 6 more addcdiv_), measured with plain fully_shard (per layer and root,
+# bf16 parameters) and torch.optim.AdamW, no ndparallel; the same in the library's step, so it is torch's machinery.
 OLD_TORCH_FSDP2_OPTIMIZER_OPS = 215 - 191 if torch.torch_version.TorchVersion(torch.__version__) < (2, 12) else 0
 # Collectives per optimizer step on each rank, by op and group size (the data loader's token count apart), by
 # (layout, accumulation steps).

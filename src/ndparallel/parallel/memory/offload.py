@@ -14,8 +14,8 @@ the checkpoint's own, so they see exactly those inputs, and never during the rec
   them, exercising the round trip).
 
 A tensor packed twice within one forward (the rotary tables every block receives) is offloaded once. Parameters,
-DTensors, empty tensors, tensors on another device and (on CUDA) tensors below ``min_bytes`` stay where they are. Exact: the values
-restored are those saved.
+DTensors, empty tensors, tensors on another device and (on CUDA) tensors below ``min_bytes`` stay where they are.
+Exact: the values restored are those saved.
 """
 
 from __future__ import annotations

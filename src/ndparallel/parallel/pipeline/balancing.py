@@ -39,9 +39,9 @@ from ..moe import gather_token_rows, load_balancing_function
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the router logits' dtype, by its index
 # A new schedule's first call runs each stage once more to learn the shapes it sends. Stages with
-# `_forward_metadata_inference` (torch 2.13, 2.14) run that call with gradients when the schedule trains, so the
-# training hook sees it and skips it; torch 2.11's (`_shape_inference`) run it under no_grad, where the hook adds
-# nothing anyway.
+# `_forward_metadata_inference` (torch 2.12.1, 2.13, 2.14.1) run that call with gradients when the schedule trains,
+# so the training hook sees it and skips it; torch 2.11's (`_shape_inference`) run it under no_grad, where the hook
+# adds nothing anyway.
 _SHAPE_CALL_WITH_GRAD = hasattr(pipelining.PipelineStage, "_forward_metadata_inference")
 
 
