@@ -385,8 +385,20 @@ class _Output(dict):
             raise AttributeError(name) from None
 
 
+# The zero-bubble schedules split each backward into input and weight gradients. torch 2.11's and 2.12.1's weight
+# step fails on a custom autograd function in a stage, such as the chunked loss's ("Attribute '_input_metadata' is
+# invalid for this instance of _C._FunctionBase"); torch 2.13 and 2.14.1 run them (tests/parallel/pipeline).
+SPLIT_BACKWARD_TORCH = (2, 13)
+
+
 def check_schedule(handler: PipelineParallelConfig, plan: StagePlan) -> None:
-    """Raise, before any collective, for micro-batch counts torch's schedules refuse."""
+    """Raise, before any collective, for schedules this torch cannot run and micro-batch counts torch's schedules
+    refuse."""
+    if handler.schedule in ("zero_bubble", "zbv") and \
+            torch.torch_version.TorchVersion(torch.__version__) < SPLIT_BACKWARD_TORCH:
+        raise ValueError(f"schedule {handler.schedule!r} needs torch >= 2.13 (installed: torch {torch.__version__}): "
+                         "older torch's split backward fails on a custom autograd function in a stage, such as the "
+                         "chunked loss's; use '1f1b' or 'interleaved_1f1b', or upgrade torch")
     m = handler.microbatches or plan.num_stages
     if handler.schedule in ("1f1b", "zbv") and m < plan.num_stages:
         raise ValueError(f"schedule {handler.schedule!r} needs at least as many micro-batches as stages: "
