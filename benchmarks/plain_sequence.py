@@ -71,12 +71,29 @@ def _heads_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
     return got.reshape(sp, b, hs, n, d).transpose(0, 1).reshape(b, sp * hs, n, d)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def make_attention(groups: SequenceGroups):
     """The attention function for transformers' `AttentionInterface` (its calling convention)."""
     try:
         from torch.distributed._functional_collectives import all_gather_single_autograd
     except ImportError:  # torch < 2.13: the same all-gather along dim 0 (its backward reduce-scatters), older name
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        def all_gather_single_autograd(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+            # torch 2.11's backward reduce-scatters the gradient as it comes, and refuses the permuted (non-contiguous)
+            # one `gather_keys` hands it
+            return _ContiguousGrad.apply(all_gather_tensor_autograd(t, dim, group))
 
     def gather_keys(t: torch.Tensor) -> torch.Tensor:  # [B, Hkv, n, D] -> [B, Hkv, cp * n, D], cp-rank order
         got = all_gather_single_autograd(t.permute(2, 0, 1, 3).contiguous(), 0, groups.cp_group)

@@ -4,7 +4,7 @@
 # --tracking (tensorboard), --bench (matplotlib for benchmark plots), --docs (the documentation site: mkdocs),
 # --test (the test dependencies, the docs site's included: tests/project/test_docs_site.py builds it); for example
 # `bash scripts/install.sh --trainer --fp8`.
-# A torch >= 2.12 (the oldest the suite passes on, pyproject.toml's floor) that is already installed is kept as it
+# A torch >= 2.11 (the oldest the suite passes on, pyproject.toml's floor) that is already installed is kept as it
 # is (a GPU build stays a GPU build); otherwise the torch version we test on is installed. Pinning it matters: an
 # unpinned `torch` may pull gigabytes of CUDA packages onto a machine that has no GPU.
 set -euo pipefail
@@ -42,7 +42,7 @@ done
 if ! "$PY" - <<'PYEOF' 2>/dev/null
 import sys, torch
 major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-sys.exit(0 if (major, minor) >= (2, 12) else 1)
+sys.exit(0 if (major, minor) >= (2, 11) else 1)
 PYEOF
 then
   echo "install.sh: installing torch==2.13.0" >&2

@@ -24,6 +24,7 @@ A logged step (``accelerator.reduce_loss(loss).item()`` against plain's ``loss.i
 from __future__ import annotations
 
 import pytest
+import torch
 # What the ranks import, imported once here before they fork: each forked rank of each test would import it again
 # (about 20 s of the 20-25 s a test took here; a rank's setup is then under a second).
 import transformers.models.llama.modeling_llama  # noqa: F401
@@ -53,6 +54,10 @@ LAYOUT_OPS = {
     ("pp", 1): 638 + 809 - 808,  # the schedule of 2 micro-batches over 2 stages, summed over the stages
     ("ep", 1): 1421 - 1070,  # FSDP2's; routing to the experts' ranks and back; the global load-balancing loss
 }
+# torch 2.11's own AdamW step over fully_shard's parameters dispatches more than 2.12.1's, 2.13's and 2.14.1's on this
+# model: 215 ops against 191 (18 empty_strided, 6 more addcdiv_), measured with plain fully_shard (per layer and root,
+# bf16 parameters) and torch.optim.AdamW, no ndparallel; the same in the library's step, so it is torch's machinery.
+OLD_TORCH_FSDP2_OPTIMIZER_OPS = 215 - 191 if torch.torch_version.TorchVersion(torch.__version__) < (2, 12) else 0
 # Collectives per optimizer step on each rank, by op and group size (the data loader's token count apart), by
 # (layout, accumulation steps).
 COLLECTIVES = {
@@ -89,7 +94,8 @@ def _check(layout: str, accum: int, ranks: list[dict], log: bool = False) -> Non
     world = LAYOUTS[layout][0]
     lib, plain = [r["library"] for r in ranks], [r["plain"] for r in ranks]
     split = layout in ("tp", "cp", "sp", "pp")  # ranks that share one micro-batch
-    extra_ops = LAYOUT_OPS[layout, accum] + (LOGGED_OPS * accum if log else 0)
+    extra_ops = LAYOUT_OPS[layout, accum] + (LOGGED_OPS * accum if log else 0) + \
+        (OLD_TORCH_FSDP2_OPTIMIZER_OPS if LAYOUTS[layout][2] else 0)
     for rank, (mine, theirs) in enumerate(zip(lib, plain)):
         where = f"{layout} accum {accum} rank {rank}"
         if layout != "pp":  # pipeline stages: summed below
@@ -147,5 +153,6 @@ def test_the_trainers_step_under_ndparallel_costs_what_the_stock_trainers_does()
         assert r["ndparallel"]
         assert r["syncs"] == plain["syncs"], (r["sync_sites"], plain["sync_sites"])
         assert r["flops"] == plain["flops"]
-        assert r["ops"] <= 1.05 * plain["ops"] + LAYOUT_OPS["fsdp2", 1], (r["ops"], plain["ops"])
+        assert r["ops"] <= 1.05 * plain["ops"] + LAYOUT_OPS["fsdp2", 1] + OLD_TORCH_FSDP2_OPTIMIZER_OPS, \
+            (r["ops"], plain["ops"])
         assert r["collectives"] == COLLECTIVES["fsdp2", 1], r["collectives"]

@@ -204,9 +204,9 @@ def _tied_source(model: nn.Module, name: str) -> str | None:
 def _load_files(model: nn.Module, path: Path) -> None:
     try:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
-    except ImportError as exc:  # a torch below ndparallel's floor (2.12)
+    except ImportError as exc:  # a torch below ndparallel's floor (2.11)
         raise CheckpointError(f"reading only each rank's slices of safetensors files needs torch's "
-                              f"HuggingFaceStorageReader ({exc}); ndparallel needs torch >= 2.12, or "
+                              f"HuggingFaceStorageReader ({exc}); ndparallel needs torch >= 2.11, or "
                               "load the real weights on rank 0 instead (from_pretrained)") from None
     expected = model_tensors(model)  # collective under pipeline stages
     unwrapped = interface(model).unwrapped()

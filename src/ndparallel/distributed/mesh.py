@@ -85,7 +85,7 @@ class ParallelMesh:
             import torch
 
             raise ValueError(f"ep_size={ep}: expert parallelism needs DeviceMesh._unflatten (it carves the ep ranks "
-                             f"out of fsdp), which torch {torch.__version__} lacks; ndparallel needs torch >= 2.12")
+                             f"out of fsdp), which torch {torch.__version__} lacks; ndparallel needs torch >= 2.11")
         split = self._views["fsdp"]._unflatten(0, (self.size("expert_shard"), ep), ("expert_shard", "ep"))
         self._views["ep"] = split["ep"]
         self._views["expert_shard"] = split["expert_shard"] if self.size("expert_shard") > 1 else None

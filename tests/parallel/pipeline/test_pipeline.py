@@ -21,13 +21,15 @@ import accelerate_style
 from harness import assert_refused, outcomes, run_ranks
 from ndparallel.configuration.handlers import PipelineParallelConfig
 from ndparallel.parallel.pipeline import StageLayers, cut_to_rank
-from ndparallel.parallel.pipeline.runner import check_schedule
+from ndparallel.parallel.pipeline.runner import SPLIT_BACKWARD_TORCH, check_schedule
 from ndparallel.parallel.pipeline.split import _balanced, plan_stages
 from reference import reference_run
 from tiny_models import VOCAB, build_model
 
 GLOBAL_BATCH = 8
 LAYERS = 4
+# torch below 2.13 refuses the zero-bubble schedules (`runner.SPLIT_BACKWARD_TORCH`)
+OLD_TORCH = torch.torch_version.TorchVersion(torch.__version__) < SPLIT_BACKWARD_TORCH
 
 
 # ---- tier 1: plans and refusals, no processes ---------------------------------------------------------------------
@@ -143,6 +145,15 @@ def test_schedules_needing_more_microbatches_are_refused():
     check_schedule(PipelineParallelConfig(schedule="gpipe", microbatches=2), plan)  # GPipe takes any count
 
 
+@pytest.mark.skipif(not OLD_TORCH, reason=f"torch {torch.__version__} runs the zero-bubble schedules")
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
+def test_zero_bubble_schedules_are_refused_below_torch_2_13(schedule):
+    plan = plan_stages(build_model("llama", num_hidden_layers=LAYERS), 2, PipelineParallelConfig(schedule=schedule))
+    with pytest.raises(ValueError, match=rf"schedule '{schedule}' needs torch >= 2\.13 \(installed: torch "
+                                         rf"{re.escape(torch.__version__)}\): older torch's split backward fails"):
+        check_schedule(PipelineParallelConfig(schedule=schedule, microbatches=4), plan)
+
+
 def test_a_config_file_carries_pp_size_and_says_its_pp_handler_stays_in_the_script(tmp_path):
     from ndparallel.launch.launcher import read_config_file
 
@@ -214,6 +225,9 @@ LAYOUTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name,world,flags,accum", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_pipeline_layouts_match_single_process(name, world, flags, accum):
+    if OLD_TORCH and ("zero_bubble" in flags or "zbv" in flags):
+        pytest.skip(f"torch {torch.__version__} refuses the zero-bubble schedules "
+                    "(test_zero_bubble_schedules_are_refused_below_torch_2_13)")
     assert_losses_match(run(world, flags, accum), reference(), name)
 
 

@@ -14,8 +14,8 @@ the checkpoint's own, so they see exactly those inputs, and never during the rec
   them, exercising the round trip).
 
 A tensor packed twice within one forward (the rotary tables every block receives) is offloaded once. Parameters,
-DTensors, tensors on another device and (on CUDA) tensors below ``min_bytes`` stay where they are. Exact: the values
-restored are those saved.
+DTensors, empty tensors, tensors on another device and (on CUDA) tensors below ``min_bytes`` stay where they are.
+Exact: the values restored are those saved.
 """
 
 from __future__ import annotations
@@ -75,10 +75,12 @@ class ActivationOffload:
 
     # ---- forward -------------------------------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Offloaded | _Kept:
-        if type(tensor) is not torch.Tensor or tensor.device.type != self.device.type or \
+        if type(tensor) is not torch.Tensor or tensor.device.type != self.device.type or tensor.numel() == 0 or \
                 tensor.numel() * tensor.element_size() < self.min_bytes:
             self.stats.kept += 1
-            return _Kept(tensor)  # also parameters (nn.Parameter), DTensors, other tensor subclasses
+            # also parameters (nn.Parameter), DTensors, other tensor subclasses, and empty tensors (torch 2.11's
+            # checkpoint saves an empty placeholder beside each block's inputs)
+            return _Kept(tensor)
         seen = self._seen.get(id(tensor))
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2].host is not None:
             seen[2].unpacks_left += 1

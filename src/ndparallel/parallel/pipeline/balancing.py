@@ -32,11 +32,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
 
 from ..experts.layout import family_experts
 from ..moe import gather_token_rows, load_balancing_function
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the router logits' dtype, by its index
+# A new schedule's first call runs each stage once more to learn the shapes it sends. Stages with
+# `_forward_metadata_inference` (torch 2.12.1, 2.13, 2.14.1) run that call with gradients when the schedule trains,
+# so the training hook sees it and skips it; torch 2.11's (`_shape_inference`) run it under no_grad, where the hook
+# adds nothing anyway.
+_SHAPE_CALL_WITH_GRAD = hasattr(pipelining.PipelineStage, "_forward_metadata_inference")
 
 
 def routers(model: nn.Module, stages: dict[int, nn.Module]) -> list[nn.Module]:
@@ -119,7 +125,7 @@ class BalancingTerm:
     def adding(self, fresh: bool) -> Iterator[None]:
         """Add the prepared gradients while the body runs the training schedule; `fresh`: the schedule's first call
         (each stage runs once more first, to learn its shapes)."""
-        self._skip = {id(r): int(fresh) for r in self.routers}
+        self._skip = {id(r): int(fresh and _SHAPE_CALL_WITH_GRAD) for r in self.routers}
         try:
             yield
         finally:

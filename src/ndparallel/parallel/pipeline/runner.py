@@ -209,7 +209,7 @@ class PipelineModel(nn.Module, PreparedModel):
         schedule = self._schedule(input_ids, inputs, loss_fn, train=True)
         fresh = not getattr(schedule, "_ndparallel_stepped", False)
         with self.balancing.adding(fresh) if aux is not None else nullcontext():
-            schedule.step(input_ids, target=target, return_outputs=False, **inputs)
+            self._step(schedule, input_ids, target=target, return_outputs=False, **inputs)
         schedule._ndparallel_stepped = True
         if self.tie_group is not None and self.sync_gradients():
             self._sum_tied_gradients()
@@ -235,7 +235,7 @@ class PipelineModel(nn.Module, PreparedModel):
         schedule = self._schedule(input_ids, inputs, None, train=False)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad(), self.balancing.recording() as records:
-            schedule.step(input_ids, **inputs)
+            self._step(schedule, input_ids, **inputs)
         return self.balancing.value(records, self.microbatches, inputs.get("attention_mask"),
                                     self.balancing.loss_group, factor=self.loss_factor())
 
@@ -244,7 +244,7 @@ class PipelineModel(nn.Module, PreparedModel):
                   items: float | None = None) -> Any:
         schedule = self._schedule(input_ids, inputs, None, train=False)
         with self.balancing.recording() if self.balancing is not None else nullcontext() as records:
-            logits = schedule.step(input_ids, **inputs)
+            logits = self._step(schedule, input_ids, **inputs)
         last = self._stage_rank(self.plan.num_stages - 1) == dist.get_rank()
         logits = self._broadcast_tensor(logits if last else None)
         loss = None
@@ -341,6 +341,12 @@ class PipelineModel(nn.Module, PreparedModel):
         return self._broadcast(out)
 
     # ---- schedules -------------------------------------------------------------------------------------------------
+    def _step(self, schedule: Any, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """One step of torch's schedule. Only the rank holding the first stage hands it the token ids (torchtitan
+        does the same): a later stage's inputs come from the stage before it, and torch 2.11's single-stage schedules
+        refuse positional inputs there ("Can't supply input args for shape inference on non-first stage")."""
+        return schedule.step(*((input_ids,) if 0 in self._stage_modules else ()), **kwargs)
+
     def _schedule(self, input_ids: torch.Tensor, inputs: dict, loss_fn: Callable | None, train: bool) -> Any:
         """torch's schedule over this rank's stages, built again when the micro-batches' shapes change (a stage
         learns the shapes it sends and receives on its first step)."""
@@ -379,8 +385,20 @@ class _Output(dict):
             raise AttributeError(name) from None
 
 
+# The zero-bubble schedules split each backward into input and weight gradients. torch 2.11's and 2.12.1's weight
+# step fails on a custom autograd function in a stage, such as the chunked loss's ("Attribute '_input_metadata' is
+# invalid for this instance of _C._FunctionBase"); torch 2.13 and 2.14.1 run them (tests/parallel/pipeline).
+SPLIT_BACKWARD_TORCH = (2, 13)
+
+
 def check_schedule(handler: PipelineParallelConfig, plan: StagePlan) -> None:
-    """Raise, before any collective, for micro-batch counts torch's schedules refuse."""
+    """Raise, before any collective, for schedules this torch cannot run and micro-batch counts torch's schedules
+    refuse."""
+    if handler.schedule in ("zero_bubble", "zbv") and \
+            torch.torch_version.TorchVersion(torch.__version__) < SPLIT_BACKWARD_TORCH:
+        raise ValueError(f"schedule {handler.schedule!r} needs torch >= 2.13 (installed: torch {torch.__version__}): "
+                         "older torch's split backward fails on a custom autograd function in a stage, such as the "
+                         "chunked loss's; use '1f1b' or 'interleaved_1f1b', or upgrade torch")
     m = handler.microbatches or plan.num_stages
     if handler.schedule in ("1f1b", "zbv") and m < plan.num_stages:
         raise ValueError(f"schedule {handler.schedule!r} needs at least as many micro-batches as stages: "

@@ -322,20 +322,40 @@ class ShardSequenceOutput(ParallelStyle):
         return style._apply(module, device_mesh)
 
 
+# torch 2.11's DTensor cannot flatten a sequence-split (batch, seq, features) activation into the (batch * seq,
+# features) rows a Linear multiplies ("Attempted to flatten multiple dimensions, with dimension 1 being sharded");
+# torch 2.12 and later can.
+_FLATTENS_SPLIT_SEQUENCE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
+
+
+def _split_along_sequence_only(x: Any) -> bool:
+    return isinstance(x, DTensor) and x.dim() >= 3 and any(p.is_shard(_SEQ) for p in x.placements) and \
+        not any(p.is_shard(0) for p in x.placements)
+
+
 class _Replicate(ParallelStyle):
     """Parameters become replicated DTensors; tensor inputs are wrapped as replicated, outputs made local (or kept as
-    DTensors, `use_local_output=False`)."""
+    DTensors, `use_local_output=False`). Where torch's DTensor cannot flatten a sequence-split input (torch 2.11, see
+    `_FLATTENS_SPLIT_SEQUENCE`), the module runs on it with batch and sequence swapped -- split along its first
+    dimension, which flattens -- and its output is swapped back: the same rows, the same products."""
 
     def __init__(self, use_local_output: bool = True) -> None:
         super().__init__()
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        swapped: list[bool] = []  # whether the running call's input was swapped
+
         def inputs(_mod, args, mesh):
-            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+            args = tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
                          if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+            swap = not _FLATTENS_SPLIT_SEQUENCE and bool(args) and _split_along_sequence_only(args[0])
+            swapped[:] = [swap]
+            return (args[0].transpose(0, _SEQ), *args[1:]) if swap else args
 
         def outputs(_mod, out, _mesh):
+            if swapped and swapped.pop() and isinstance(out, torch.Tensor):
+                out = out.transpose(0, _SEQ)
             return out.to_local() if isinstance(out, DTensor) and self.use_local_output else out
 
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
