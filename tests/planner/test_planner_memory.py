@@ -13,7 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from planner_check import PEAK_CASES, measure_peak, peak_case_name  # noqa: E402
+from planner_check import PEAK_CASES, peak_case_name  # noqa: E402
 from planner_published import MEMORY_ROWS, memory_table  # noqa: E402
 from ndparallel.cli import main  # noqa: E402
 from ndparallel.planner import Layout, Recipe, get_hardware, load_model  # noqa: E402
@@ -115,5 +115,23 @@ def test_predicted_peak_against_the_librarys_measured_peak_on_cpu(case):
     """One step's peak resident memory per rank above the state before it, against the prediction (no allocator
     fragmentation on the CPU; offloading moves nothing there). The prediction may be high by up to 25% (it counts
     every layer's rebuilt activations and two layers' FSDP2 buffers at once), never low by more than 5%."""
-    measured, predicted = measure_peak(case)
+    measured, predicted = _measure_peak_in_a_fresh_process(case)
     assert 0.75 <= measured / predicted <= 1.05, (peak_case_name(case), measured, predicted)
+
+
+def _measure_peak_in_a_fresh_process(case: tuple) -> tuple[int, float]:
+    """`measure_peak` with ranks forked from a new interpreter: ranks forked from this long-lived one inherit its heap,
+    whose free pages serve (or, fragmented, inflate) the step's small blocks, so the resident set they measure
+    depends on the tests before (the same case read 0.60 of the prediction from a parent with a used heap, 0.96 from
+    a fresh one)."""
+    import subprocess
+
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import torch; torch.set_num_threads(1); "
+            "from planner_check import PEAK_CASES, measure_peak, peak_case_name; "
+            "case = next(c for c in PEAK_CASES if peak_case_name(c) == sys.argv[2]); "
+            "print(json.dumps(measure_peak(case)))")
+    proc = subprocess.run([sys.executable, "-c", code, str(BENCH), peak_case_name(case)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured, predicted = json.loads(proc.stdout.strip().splitlines()[-1])
+    return measured, predicted

@@ -162,11 +162,25 @@ FAMILIES: dict[str, Family] = {
                                         shared="shared_expert, scaled by sigmoid(shared_expert_gate)",
                                         per_expert=_GATE_UP_DOWN)),
     # No auxiliary loss: a score-correction bias (a buffer) steers the routing instead; the first
-    # first_k_dense_replace layers are dense.
-    "deepseek_v3": Family(experts=Experts("n_routed_experts", "sigmoid scores, top groups (n_group, topk_group), "
-                                                              "top-k with the score-correction bias, scaled",
-                                          shared="shared_experts", balancing="none (score-correction bias)",
-                                          per_expert=_GATE_UP_DOWN)),
+    # first_k_dense_replace layers are dense. Its plan is the one transformers gave it up to 5.24: the dense and shared
+    # MLPs split, attention whole. 5.25's splits multi-head latent attention with a style of its own
+    # ('mla_kv_a_proj': the rotary keys' gradient summed over tp), which ndparallel does not apply yet.
+    "deepseek_v3": Family(
+        plan={
+            "layers.*.mlp.shared_experts.gate_proj": "colwise",
+            "layers.*.mlp.shared_experts.up_proj": "colwise",
+            "layers.*.mlp.shared_experts.down_proj": "rowwise",
+            "layers.*.mlp.gate_proj": "colwise",
+            "layers.*.mlp.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+        },
+        replaces_own_plan="transformers 5.25's plan splits multi-head latent attention with 'mla_kv_a_proj', a style "
+                          "ndparallel does not apply yet: attention stays whole on every tp rank, as with the plan "
+                          "transformers gave DeepSeek-V3 up to 5.24",
+        experts=Experts("n_routed_experts", "sigmoid scores, top groups (n_group, topk_group), top-k with the "
+                                            "score-correction bias, scaled",
+                        shared="shared_experts", balancing="none (score-correction bias)", per_expert=_GATE_UP_DOWN),
+    ),
     # Experts with biases and a clamped SwiGLU; the router has a bias and takes a softmax over its top-k logits. Its Hub
     # checkpoints store the experts stacked (no per-expert names).
     "gpt_oss": Family(experts=Experts("num_local_experts", "top-k of the logits (with a bias), softmax over those k",
