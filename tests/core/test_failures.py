@@ -98,6 +98,8 @@ def test_a_save_on_one_rank_fails_every_rank_naming_what_the_others_were_doing(t
     # a moment before or after this rank's report is written.
     assert re.search(rf"rank {saver} \([^)]*\): did not report being in a collective; (gave up )?waiting in "
                      r"monitored call 'save_state'", message), message
-    # The timeout, then the whole grace period (max(1 s, timeout / 10)) for a report the saver never posts; ending
-    # well before the longest grace period (30 s) ends it. Late is fine on a loaded machine.
-    assert TIMEOUT + 1.0 <= seconds < TIMEOUT + 1.0 + 10, seconds
+    # The timeout, then up to the grace period (max(1 s, timeout / 10)) for a report the saver never posts -- cut
+    # short once the saver has given up in save_state (no report is coming, and it is about to exit, after which the
+    # launcher would stop this rank before it printed); ending well before the longest grace period (30 s) ends it.
+    # Late is fine on a loaded machine.
+    assert TIMEOUT <= seconds < TIMEOUT + 1.0 + 10, seconds

@@ -17,7 +17,8 @@ layers turn those into errors that name the cause, and nothing of them runs whil
   report (from every rank's last monitored library call) after its traceback.
 
 The report (`failure_report`): this rank posts where it failed to the default store (`agreement.post_failure`), waits
-up to a grace period (`agreement.grace_period`) for the other ranks of the collective to post theirs, and names the
+up to a grace period (`agreement.grace_period`) for the other ranks of the collective to post theirs (or, for a rank
+in a monitored call, to give up waiting in it: that rank posts nothing more and exits), and names the
 call each rank was in, and for a rank that posted nothing, its last monitored call (a ``save_state`` it is waiting
 in). A rank waiting in a `monitored_barrier` that times out reads the same posts, so it names the training step the
 others were in. Within the timeout plus the grace period, on gloo; on NCCL where torch raises the failure (its
@@ -87,7 +88,11 @@ def failure_report(call: str, seq: int, started: float, exc: BaseException, rank
         store = world_store()
         post_failure(store, rank, seq, call, started)
         deadline = time.monotonic() + grace_period(resolve_timeout(timeout))
-        while len(failed_calls(store, ranks)) < len(ranks) and time.monotonic() < deadline:
+        # Wait for each other rank's own report, or for the sign that none is coming: a rank that gave up waiting in
+        # a monitored call (a save_state the others skipped) raises at once and exits -- and the launcher then stops
+        # this rank, so waiting out the grace period here would lose this rank's report.
+        while (len((set(failed_calls(store, ranks)) | _gave_up(store, world)) & set(ranks)) < len(ranks)
+               and time.monotonic() < deadline):
             time.sleep(0.05)  # polled: the store's own wait logs a warning when it times out
         posted, barriers = failed_calls(store, ranks), barrier_places(store, world)
     except Exception as lost:  # noqa: BLE001 - the store's host (rank 0 or the launcher) is gone
@@ -120,6 +125,11 @@ def failure_report(call: str, seq: int, started: float, exc: BaseException, rank
                      "collective call -- save_state, wait_for_everyone, gather / reduce -- under `if "
                      "accelerator.is_main_process:`, or an exception on that rank only: see its own output)")
     return f"{head}: {summary}.\n  " + "\n  ".join(lines) + "".join(f"\n{h[0].upper()}{h[1:]}." for h in hints)
+
+
+def _gave_up(store: Any, world: int) -> set[int]:
+    """The ranks whose last monitored call says they gave up waiting in it (`agreement.monitored_barrier`)."""
+    return {rank for rank, entry in barrier_places(store, world).items() if entry[2] == "gave up"}
 
 
 # ---- the Accelerator's per-step collectives ---------------------------------------------------------------------------
