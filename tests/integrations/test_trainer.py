@@ -347,13 +347,16 @@ def _fake_transformers_trainer(**methods):
     import types
 
     from ndparallel.integrations.trainer import HOOKS
+    from ndparallel.integrations.trainer_versions import EXPECTED_PARAMETERS
+
+    assert HOOKS.keys() == EXPECTED_PARAMETERS.keys()  # every replaced method is checked, and only those
 
     def stand_in(parameters):
         namespace: dict = {}
         exec(f"def method({', '.join(parameters)}): return 'original'", namespace)  # noqa: S102
         return namespace["method"]
 
-    body = {name: stand_in(expected) for name, (_, expected) in HOOKS.items()}
+    body = {name: stand_in(expected) for name, expected in EXPECTED_PARAMETERS.items()}
     body["__init__"] = lambda self, args: setattr(self, "args", args)
     for name, parameters in methods.items():
         if parameters is None:

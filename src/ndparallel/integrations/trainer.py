@@ -62,9 +62,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -83,11 +81,10 @@ from ..training.data import PreparedDataLoader
 from ..training.loss import IGNORE_INDEX, count_loss_tokens
 from ..training.prepared import PreparedObjects
 from ..launch.worker import launch_sizes
+from .trainer_versions import TESTED_TRANSFORMERS, check_support, check_version, hook_problems, warn_once  # noqa: F401
 
-TESTED_TRANSFORMERS = ("5.16", "5.25")  # the oldest minor supported (older is refused) and the newest minor tested
 CHECKPOINT_SUBDIR = "ndparallel"  # inside the Trainer's checkpoint-<step> folder
 _BUILDING: list[Any] = []  # the Trainer whose Accelerator is being built (create_accelerator_and_postprocess)
-_WARNED: set[str] = set()  # the versions already warned about in this process
 
 
 # ---- when ---------------------------------------------------------------------------------------------------------
@@ -99,33 +96,6 @@ def wanted(trainer: Any) -> bool:
 
 def taken_over(trainer: Any) -> bool:
     return isinstance(getattr(trainer, "accelerator", None), Accelerator)
-
-
-def check_version(version: str) -> str | None:
-    """Refuse a transformers older than the oldest supported minor; for one newer than the newest tested minor, the
-    warning to give (None within the tested range). Patch releases and pre-releases count as their minor."""
-    from packaging.version import Version
-
-    minor = Version(version).release[:2]
-    oldest, newest = (Version(bound).release[:2] for bound in TESTED_TRANSFORMERS)
-    tested = f"{TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1]}"
-    if minor < oldest:
-        raise RuntimeError(
-            f"ndparallel's Trainer integration needs transformers >= {TESTED_TRANSFORMERS[0]} (tested: {tested}), but "
-            f"transformers {version} is installed: pip install 'transformers>={TESTED_TRANSFORMERS[0]}', or run the "
-            "Trainer without ndparallel (no sizes, no ndparallel ParallelismConfig)")
-    if minor > newest:
-        return (f"transformers {version} is newer than any ndparallel's Trainer integration was tested with "
-                f"({tested}); every Trainer method it replaces is there as it expects, so the run goes on. If "
-                "something looks wrong, pin the newest tested release: pip install "
-                f"'transformers<{newest[0]}.{newest[1] + 1}'")
-    return None
-
-
-def _warn_once(message: str | None, main_process: bool) -> None:
-    if message is not None and main_process and message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 # ---- the Accelerator --------------------------------------------------------------------------------------------
@@ -255,7 +225,7 @@ def create_accelerator_and_postprocess(original: Callable[..., Any]) -> Callable
             original(self)
         finally:
             _BUILDING.pop()
-        _warn_once(warning, self.accelerator.is_main_process)
+        warn_once(warning, self.accelerator.is_main_process)
         self.is_fsdp_enabled = False  # its FSDP routes for saving and resuming are Accelerate's; ndparallel's here
     return wrapper
 
@@ -511,83 +481,19 @@ def skip_first_batches(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-# The Trainer's methods replaced here, with the parameters each was written for (the same in every minor from 5.16 to
-# 5.25); and the names of ``transformers.trainer`` replaced.
-HOOKS: dict[str, tuple[Callable[[Callable[..., Any]], Callable[..., Any]], tuple[str, ...]]] = {
-    "create_accelerator_and_postprocess": (create_accelerator_and_postprocess, ("self",)),
-    "_get_num_items_in_batch": (get_num_items_in_batch, ("self", "batch_samples", "device")),
-    "_prepare_context_parallel_inputs": (prepare_context_parallel_inputs, ("self", "model", "inputs")),
-    "save_model": (save_model, ("self", "output_dir", "_internal_call")),
-    "_save_optimizer_and_scheduler": (save_optimizer_and_scheduler, ("self", "output_dir")),
-    "_load_optimizer_and_scheduler": (load_optimizer_and_scheduler, ("self", "checkpoint")),
-    "_load_from_checkpoint": (load_from_checkpoint, ("self", "resume_from_checkpoint", "model")),
-    "_load_best_model": (load_best_model, ("self",)),
-    "_wrap_model": (wrap_model, ("self", "model", "training", "dataloader")),
-    "_prepare_input": (prepare_input, ("self", "data")),
+# The Trainer's methods replaced here (their parameters: `trainer_versions.EXPECTED_PARAMETERS`).
+HOOKS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
+    "_get_num_items_in_batch": get_num_items_in_batch,
+    "_prepare_context_parallel_inputs": prepare_context_parallel_inputs,
+    "save_model": save_model,
+    "_save_optimizer_and_scheduler": save_optimizer_and_scheduler,
+    "_load_optimizer_and_scheduler": load_optimizer_and_scheduler,
+    "_load_from_checkpoint": load_from_checkpoint,
+    "_load_best_model": load_best_model,
+    "_wrap_model": wrap_model,
+    "_prepare_input": prepare_input,
 }
-MODULE_HOOKS: dict[str, tuple[str, ...] | None] = {"Accelerator": None, "skip_first_batches": ("dataloader", "num_batches")}
-
-
-def _parameters(function: Any) -> tuple[str, ...] | None:
-    try:
-        return tuple(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return None
-
-
-def hook_problems(module: ModuleType) -> list[str]:
-    """What of ``transformers.trainer`` (`module`) is not as the integration's hooks were written for: each entry
-    names the method and what was expected. Empty when every hook fits."""
-    trainer = module.Trainer
-    wanted_names = [(trainer, f"Trainer.{name}", name, expected) for name, (_, expected) in HOOKS.items()]
-    wanted_names += [(module, f"transformers.trainer.{name}", name, expected) for name, expected in MODULE_HOOKS.items()]
-    problems = []
-    for owner, label, name, expected in wanted_names:
-        if not hasattr(owner, name):
-            problems.append(f"{label} is gone")
-            continue
-        found = _parameters(getattr(owner, name))
-        if expected is not None and found != expected:
-            problems.append(f"{label} takes ({', '.join(found or ('?',))}), where the integration was written for "
-                            f"({', '.join(expected)})")
-    return problems
-
-
-def _bypassing_overrides(cls: type, base: type) -> list[str]:
-    """The hooked methods that `cls` (a Trainer subclass: TRL's, Axolotl's, the user's) overrides without calling the
-    Trainer's own (its code neither calls ``super()`` nor names the method), which would bypass the hook."""
-    found = []
-    for name in HOOKS:
-        for klass in cls.__mro__:
-            if klass is base:
-                break
-            override = klass.__dict__.get(name)
-            if override is None:
-                continue
-            code = getattr(getattr(override, "__func__", override), "__code__", None)
-            if code is not None and not {"super", name} <= set(code.co_names):
-                found.append(f"{klass.__module__}.{klass.__qualname__}.{name}")
-            break
-    return found
-
-
-def check_support(trainer: Any, module: ModuleType | None = None) -> str | None:
-    """Before a Trainer is taken over: refuse a transformers older than supported, a hook that does not fit
-    (`hook_problems` of `module`, ``transformers.trainer`` by default) or that the Trainer's class bypasses; return
-    the warning for a newer transformers than tested."""
-    import transformers
-
-    if module is None:
-        import transformers.trainer as module
-    warning = check_version(transformers.__version__)
-    problems = hook_problems(module) + [f"{name} overrides it without calling the Trainer's own"
-                                        for name in _bypassing_overrides(type(trainer), module.Trainer)]
-    if problems:
-        raise RuntimeError(
-            f"ndparallel's Trainer integration cannot take over this Trainer (transformers {transformers.__version__}; "
-            f"tested {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1]}): " + "; ".join(problems) + ". Run it "
-            "without ndparallel (no sizes, no ndparallel ParallelismConfig), or with a tested transformers")
-    return warning
 
 
 def install(module: ModuleType) -> None:
@@ -607,7 +513,7 @@ def install(module: ModuleType) -> None:
             return wrapper
         trainer.create_accelerator_and_postprocess = refuse(trainer.create_accelerator_and_postprocess)
     else:
-        for name, (wrap, _) in HOOKS.items():
+        for name, wrap in HOOKS.items():
             setattr(trainer, name, wrap(getattr(trainer, name)))
         module.Accelerator = _accelerator_factory(module.Accelerator)
         module.skip_first_batches = skip_first_batches(module.skip_first_batches)
