@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 VENV=${NDPARALLEL_NEWEST_VENV:-${TMPDIR:-/tmp}/ndparallel-newest}
 PACKAGES=(transformers trl peft accelerate)
-"$PY" -m venv --clear --system-site-packages "$VENV"
+source .ci/overlay_venv.sh && overlay_venv "$VENV"
 # only-if-needed: the four move to their newest release; what they depend on moves only where they require it (torch
 # among them: a release that needs a newer torch than this machine installs fails here, and says so).
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade --upgrade-strategy only-if-needed \

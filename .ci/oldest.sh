@@ -13,7 +13,7 @@ PY=${PYTHON:-python}
 VENV=${NDPARALLEL_OLDEST_VENV:-${TMPDIR:-/tmp}/ndparallel-oldest}
 WHEELS=${NDPARALLEL_OLDEST_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/ndparallel/oldest-wheels}
 pip=("$PY" -m pip --disable-pip-version-check --quiet)
-"$PY" -m venv --clear --without-pip --system-site-packages "$VENV"
+source .ci/overlay_venv.sh && overlay_venv "$VENV" --without-pip
 install=("${pip[@]}" --python "$VENV/bin/python" install --no-compile --no-deps --no-index --find-links "$WHEELS"
          -r .ci/oldest.txt)
 if ! "${install[@]}" 2>/dev/null; then
