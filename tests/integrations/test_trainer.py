@@ -10,6 +10,7 @@ Tolerances: fp32, with gradients reduced in another order than one process sums 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -113,6 +114,7 @@ LAYOUTS = [  # (sizes, options of trainer_run.train, slow)
     ({"pp": 2}, {}, False),
     ({"dp_shard": 2}, {"accumulation": 2}, False),
     ({"dp_shard": 2}, {"accumulation": 2, "average_tokens": False}, False),
+    ({"cp": 2}, {"accumulation": 2}, False),  # the Trainer draws a window's batches before its first micro-step
     ({"dp_shard": 2}, {"resets_state": True}, True),
     ({"cp": 2}, {"resets_state": True}, True),
     ({"dp_replicate": 2, "dp_shard": 2}, {}, True),
@@ -415,6 +417,25 @@ def test_a_trainer_subclass_that_bypasses_a_hook_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"test_trainer\..*Bypasses\._load_optimizer_and_scheduler overrides it "
                                            r"without calling the Trainer's own"):
         check_support(object.__new__(Bypasses), module)
+
+
+def test_a_hook_another_library_replaced_on_the_trainer_is_refused_by_name(monkeypatch):
+    """A library that assigns its own method to ``Trainer`` after ndparallel attached (Axolotl's ``patch_prepare_cp``
+    empties ``_prepare_context_parallel_inputs``) would silently take the layout's step away: refused, naming it."""
+    import transformers.trainer as module
+
+    from ndparallel.integrations.trainer import check_support
+
+    attach_integrations()
+    assert check_support(object.__new__(module.Trainer), module) is None
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        return contextlib.nullcontext, inputs
+
+    monkeypatch.setattr(module.Trainer, "_prepare_context_parallel_inputs", _prepare_context_parallel_inputs)
+    with pytest.raises(RuntimeError, match=r"Trainer\._prepare_context_parallel_inputs was replaced after ndparallel "
+                                           r"attached \(by test_trainer\..*_prepare_context_parallel_inputs\)"):
+        check_support(object.__new__(module.Trainer), module)
 
 
 def newer_transformers_than_tested(output_dir: str) -> dict:

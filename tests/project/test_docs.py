@@ -26,7 +26,7 @@ from harness import run_ranks
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"(?:<!-- run: (?P<marker>[^>]*) -->\n)?^```(?P<lang>\S*)\n(?P<code>.*?)^```$", re.S | re.M)
-LANGUAGES = ("python", "bash", "text")
+LANGUAGES = ("python", "bash", "text", "yaml")
 
 _DATA = '''
 import torch

@@ -13,7 +13,9 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    Trainer trains and evaluates the model `prepare` returned (`_wrap_model`), which keeps its place on record across
    the Trainer's ``free_memory()`` at every ``train()``. Accelerate's ``PartialState``, which the Trainer's arguments
    read, is configured again if a Trainer subclass reset it to have the Accelerator configure it (Axolotl's does:
-   `_configure_accelerate_state`), and ``accelerator.state`` keeps what is written to its ``_shared_state``.
+   `_configure_accelerate_state`), and ``accelerator.state`` keeps what is written to its ``_shared_state``; its
+   ``fsdp_plugin`` is the Accelerator's once built (`_TrainerView`). A Trainer method hooked here that another library
+   replaces on ``Trainer`` afterwards is refused by name (`check_support`).
 2. The loss's token count (`_get_num_items_in_batch`). The Trainer divides each micro-batch's summed token loss by
    a count X and, with ``average_tokens_across_devices``, multiplies it by M = processes / tp (DDP averages
    gradients over processes); its own X counts tokens over every process and divides by tp * cp * sp. ndparallel
@@ -27,7 +29,9 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    ``position_ids`` added, then every sequence tensor of the batch sharded by `Accelerator.maybe_context_parallel`
    (cp and sp alike; padded and packed rows included: ndparallel keeps their masks). TRL's padding-free fields
    (``cu_seq_lens_*``, ``max_length_*``) are dropped after a check that they describe the rows ``position_ids``
-   restarts at: ndparallel reads the documents from ``position_ids``. When the Trainer counts no tokens (a model that
+   restarts at: ndparallel reads the documents from ``position_ids``. The Trainer draws a whole accumulation
+   window of batches before its first micro-step; each micro-step shards with what the data loader said of its own
+   batch (`TrainerAccelerator._start_batch`). When the Trainer counts no tokens (a model that
    takes no ``num_items_in_batch``: ``model_accepts_loss_kwargs`` False), each rank's loss is its model's mean over
    its shard of the rows; the model's loss is then weighted (a forward hook while the batch is sharded: a subclass's
    own ``compute_loss`` keeps it) by the shard's share of the rows' loss tokens, n_r * G / n over the G ranks of
@@ -59,6 +63,7 @@ newest releases of each as CI runs. The policy, when a Trainer would be taken ov
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -81,7 +86,8 @@ from ..training.data import PreparedDataLoader
 from ..training.loss import IGNORE_INDEX, count_loss_tokens
 from ..training.prepared import PreparedObjects
 from ..launch.worker import launch_sizes
-from .trainer_versions import TESTED_TRANSFORMERS, check_support, check_version, hook_problems, warn_once  # noqa: F401
+from .trainer_versions import (HOOK_MARK, TESTED_TRANSFORMERS, check_support, check_version, hook_problems,  # noqa: F401
+                               warn_once)
 
 CHECKPOINT_SUBDIR = "ndparallel"  # inside the Trainer's checkpoint-<step> folder
 _BUILDING: list[Any] = []  # the Trainer whose Accelerator is being built (create_accelerator_and_postprocess)
@@ -137,18 +143,22 @@ def build_accelerator(trainer: Any, kwargs: dict[str, Any]) -> Any:
 
 
 class _TrainerView:
-    """What the Trainer reads of ``accelerator.state``: ndparallel's state, with no FSDP or DeepSpeed plugin for the
-    Trainer to take its own FSDP routes for (saving and resuming go through ndparallel here).
+    """What the Trainer reads of ``accelerator.state``: ndparallel's state, with no DeepSpeed plugin, and no FSDP
+    plugin while the Trainer builds its Accelerator (`create_accelerator_and_postprocess`), so that it takes none of
+    its own FSDP routes (saving and resuming go through ndparallel here). Afterwards ``fsdp_plugin`` is the
+    Accelerator's, as Accelerate's documentation has scripts use it before saving
+    (``trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")``; Axolotl does): the Trainer
+    itself reads it only behind ``is_fsdp_enabled``, which stays False.
 
     Accelerate's ``AcceleratorState`` keeps its attributes in the dict ``_shared_state`` (its ``__dict__``); so does
     the view: what a Trainer subclass writes there, or assigns, reads back from the view (Axolotl's mixin sets
     ``distributed_type`` both ways), and ndparallel's state underneath stays as it is."""
 
-    fsdp_plugin = None
     deepspeed_plugin = None
 
     def __init__(self, state: Any) -> None:
         self._state = state
+        self.fsdp_plugin = None  # the Accelerator's once the Trainer has built it
 
     @property
     def _shared_state(self) -> dict[str, Any]:
@@ -168,6 +178,8 @@ def _configure_accelerate_state(device: torch.device) -> None:
     if AcceleratePartialState._shared_state:
         return
     backend = dist.get_backend() if dist.is_initialized() else None
+    if backend is not None and (backend == "undefined" or ":" in backend):  # a group for several device types
+        backend = dist.get_default_backend_for_device(device)
     AcceleratePartialState(cpu=device.type == "cpu", **({"backend": backend} if backend else {}))
 
 
@@ -182,12 +194,32 @@ class TrainerAccelerator(Accelerator):
         self.gradient_state.plugin_kwargs = {"num_steps": self.gradient_accumulation_steps,
                                              "sync_each_batch": self._settings.sync_each_batch}
         self.state = _TrainerView(self.state)
+        self._unstarted: dict[Any, collections.deque] = {}  # see `_start_batch`
+        recorded = self.gradient_state.on_batch
+
+        def on_batch(loader: Any, info: Any) -> None:
+            if self.sequence_sharding is not None:
+                self._unstarted.setdefault(loader, collections.deque(maxlen=4 * self.gradient_accumulation_steps)
+                                           ).append(info)
+            recorded(loader, info)
+
+        self.gradient_state.on_batch = on_batch
         # What the Trainer multiplies the loss a model returns by before `backward` (`_get_num_items_in_batch` sets
         # it for each accumulation window): a model that runs backward inside its call weighs its loss by it too.
         self.loss_scale_after_the_call = 1.0
 
     def _loss_weight_inside_the_model(self) -> float:
         return super()._loss_weight_inside_the_model() * self.loss_scale_after_the_call
+
+    def _start_batch(self) -> None:
+        """The Trainer draws a whole accumulation window of batches before its first micro-step
+        (``get_batch_samples``), and ``gradient_state.batch`` is what the data loader said of the latest one drawn. A
+        context-parallel micro-step needs what it said of the batch it runs on (this shard's loss tokens, the
+        sequence layout): the micro-steps take the batches in the order they were drawn, so each takes the oldest
+        not yet started (recorded per data loader as they are drawn, under context or sequence parallelism)."""
+        queue = self._unstarted.get(self.gradient_state.active_dataloader)
+        if queue:
+            self.gradient_state._batches[self.gradient_state.active_dataloader] = queue.popleft()
 
     def free_memory(self, *objects: Any) -> list[None]:
         """The Trainer frees memory as every ``train()`` starts. Its model stays as `prepare` made it (sharded in
@@ -227,6 +259,7 @@ def create_accelerator_and_postprocess(original: Callable[..., Any]) -> Callable
             _BUILDING.pop()
         warn_once(warning, self.accelerator.is_main_process)
         self.is_fsdp_enabled = False  # its FSDP routes for saving and resuming are Accelerate's; ndparallel's here
+        self.accelerator.state.fsdp_plugin = self.accelerator.fsdp_plugin  # for the script's (see _TrainerView)
     return wrapper
 
 
@@ -277,6 +310,7 @@ def prepare_context_parallel_inputs(original: Callable[..., Any]) -> Callable[..
         acc = self.accelerator
         if acc.sequence_sharding is None or not torch.is_grad_enabled():
             return contextlib.nullcontext, inputs  # evaluation runs whole rows: see the module docstring, item 3
+        acc._start_batch()
         inputs = dict(inputs)
         ids = inputs.get("input_ids")
         if not isinstance(ids, torch.Tensor):
@@ -402,7 +436,10 @@ def save_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[..., 
         if not taken_over(self):
             return original(self, output_dir)
         acc = self.accelerator
-        checkpoint.save_state(_checkpointed(self), acc._run_settings(), checkpoint.ProjectConfiguration(),
+        # Sharded whatever the FSDP plugin's state_dict_type says (a script may set FULL_STATE_DICT for its final
+        # save_model): the Trainer's checkpoints load into any layout as they are.
+        settings = dataclasses.replace(acc._run_settings(), state_dict_type=checkpoint.SHARDED)
+        checkpoint.save_state(_checkpointed(self), settings, checkpoint.ProjectConfiguration(),
                               os.path.join(output_dir, CHECKPOINT_SUBDIR))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
@@ -512,9 +549,12 @@ def install(module: ModuleType) -> None:
                 return original(self)
             return wrapper
         trainer.create_accelerator_and_postprocess = refuse(trainer.create_accelerator_and_postprocess)
+        trainer._ndparallel_refusing = True
     else:
         for name, wrap in HOOKS.items():
-            setattr(trainer, name, wrap(getattr(trainer, name)))
+            hook = wrap(getattr(trainer, name))
+            setattr(hook, HOOK_MARK, name)
+            setattr(trainer, name, hook)
         module.Accelerator = _accelerator_factory(module.Accelerator)
         module.skip_first_batches = skip_first_batches(module.skip_first_batches)
     trainer._ndparallel_integration = True

@@ -83,6 +83,23 @@ def hook_problems(module: ModuleType) -> list[str]:
     return problems
 
 
+HOOK_MARK = "_ndparallel_hook"  # set on each installed hook: the name of the Trainer method it replaces
+
+
+def _replaced_hooks(trainer: type) -> list[str]:
+    """The hooked methods of the Trainer class that were replaced after the integration attached (another library
+    assigning its own to ``Trainer``: Axolotl's ``patch_prepare_cp`` did), naming where the replacement comes from."""
+    if not getattr(trainer, "_ndparallel_integration", False) or getattr(trainer, "_ndparallel_refusing", False):
+        return []
+    found = []
+    for name in EXPECTED_PARAMETERS:
+        current = trainer.__dict__.get(name)
+        if getattr(current, HOOK_MARK, None) != name:
+            where = getattr(current, "__module__", "?")
+            found.append(f"Trainer.{name} was replaced after ndparallel attached (by {where}.{getattr(current, '__qualname__', name)})")
+    return found
+
+
 def _bypassing_overrides(cls: type, base: type) -> list[str]:
     """The hooked methods that `cls` (a Trainer subclass: TRL's, Axolotl's, the user's) overrides without calling the
     Trainer's own (its code neither calls ``super()`` nor names the method), which would bypass the hook."""
@@ -110,8 +127,8 @@ def check_support(trainer: Any, module: ModuleType | None = None) -> str | None:
     if module is None:
         import transformers.trainer as module
     warning = check_version(transformers.__version__)
-    problems = hook_problems(module) + [f"{name} overrides it without calling the Trainer's own"
-                                        for name in _bypassing_overrides(type(trainer), module.Trainer)]
+    problems = hook_problems(module) + _replaced_hooks(module.Trainer) + [
+        f"{name} overrides it without calling the Trainer's own" for name in _bypassing_overrides(type(trainer), module.Trainer)]
     if problems:
         raise RuntimeError(
             f"ndparallel's Trainer integration cannot take over this Trainer (transformers {transformers.__version__}; "

@@ -158,13 +158,20 @@ def launch_sizes() -> dict:
 
 
 INTEGRATION_HOOKS = ("transformers.trainer", "accelerate.accelerator")  # see ndparallel.integrations
+# The Axolotl modules whose functions `ndparallel.integrations.axolotl` replaces, or that import one by name
+AXOLOTL_HOOKS = ("axolotl.utils.config", "axolotl.utils.distributed", "axolotl.monkeypatch.accelerate.parallelism_config",
+                 "axolotl.train", "axolotl.cli.config", "axolotl.loaders.model", "axolotl.core.builders.base")
 
 
 def attach_integrations() -> None:
-    """When the launch has sizes, attach `ndparallel.integrations` as the script imports what they concern."""
+    """Attach `ndparallel.integrations` as the script imports what they concern: the Trainer's and Accelerate's when
+    the launch has sizes; Axolotl's always (an Axolotl config brings its own sizes: the integration reads them and
+    attaches the Trainer's)."""
+    names = AXOLOTL_HOOKS
     if any(size != 1 for size in launch_sizes().values()):
-        for name in INTEGRATION_HOOKS:
-            after_import(name, "ndparallel.integrations:on_import")
+        names = INTEGRATION_HOOKS + names
+    for name in names:
+        after_import(name, "ndparallel.integrations:on_import")
 
 
 # = ndparallel.distributed.runtime.HEARTBEAT_ENV (this file imports no ndparallel)
