@@ -25,6 +25,7 @@ from ndparallel import (Accelerator, FullyShardedDataParallelPlugin, MemoryKwarg
                         set_seed)
 from ndparallel.parallel.activation_checkpointing import OFFLOAD_ATTR
 from ndparallel.parallel.memory import chunked_loss_of, chunked_loss_status
+from ndparallel.parallel.memory.rms_norm import fused_rms_norms
 from ndparallel.parallel.memory.tiled_mlp import tiled_mlps
 from tiny_models import PLAIN_PLAN, VOCAB, TokenDataset, build_model, make_optimizer
 
@@ -64,6 +65,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunked-loss", default="auto", help="MemoryKwargs.chunked_loss: auto, true or false")
     p.add_argument("--loss-chunk-size", type=int, default=None)
     p.add_argument("--tiled-mlp", action="store_true")
+    p.add_argument("--fused-rms-norm", action="store_true")
     p.add_argument("--mlp-tile-size", type=int, default=None)
     p.add_argument("--dynamo-backend", default=None, help="compile: a torch.compile backend (e.g. aot_eager)")
     p.add_argument("--regional-compilation", action="store_true", help="with --dynamo-backend: each block")
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     plugin = None if args.no_fsdp_plugin else FullyShardedDataParallelPlugin(
         fsdp_version=2, activation_checkpointing=checkpointing, cpu_offload=args.cpu_offload)
     memory = MemoryKwargs(chunked_loss=args.chunked_loss, loss_chunk_size=args.loss_chunk_size,
-                          tiled_mlp=args.tiled_mlp, mlp_tile_size=args.mlp_tile_size)
+                          tiled_mlp=args.tiled_mlp, mlp_tile_size=args.mlp_tile_size,
+                          fused_rms_norm=args.fused_rms_norm)
     dynamo = TorchDynamoPlugin(backend=args.dynamo_backend, use_regional_compilation=args.regional_compilation) \
         if args.dynamo_backend else None
     # The reference's schedule counts optimizer steps: stepped by hand on each (Accelerate's own scheduler steps once
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "graphs": graphs, "chunked_loss": chunked_loss_status(model),
                     "chunked_calls": chunked.calls if chunked is not None else 0,
                     "tiled_calls": sum(t.calls for t in tiled_mlps(accelerator.unwrap_model(model))),
+                    "fused_norm_calls": sum(n.calls for n in fused_rms_norms(accelerator.unwrap_model(model))),
                     "offloaded": getattr(getattr(accelerator.unwrap_model(model), OFFLOAD_ATTR, None), "stats", None)}
     if args.return_params:
         result["params"] = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()

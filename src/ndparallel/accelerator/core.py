@@ -232,7 +232,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         return self.prepared.scaler
 
     split_batches = property(lambda self: self.dataloader_config.split_batches)
-    even_batches = property(lambda self: self.dataloader_config.even_batches)
+    even_batches = property(lambda self: self.dataloader_config.even_batches,  # settable, as Accelerate's: for the
+                            lambda self, value: setattr(self.dataloader_config, "even_batches", value))  # next prepare
     dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
     use_seedable_sampler = property(lambda self: True)  # every random sampler is seeded alike on all ranks
     non_blocking = property(lambda self: self.dataloader_config.non_blocking)

@@ -167,8 +167,8 @@ def missing_features(row: Longest, request: Request) -> list[str]:
     c = 2 if request.mixed_precision == "bf16" else 4
     norms = tokens * 2 * model.hidden * (4 + c)  # the rebuilt layer's RMSNorms: fp32 input copies and normalised
     out.append(f"  - {norms / gib:.1f} GiB of the rebuilt layer's two RMSNorms beyond their inputs (an fp32 copy and "
-               "the normalised value per token): the library has no fused RMSNorm that saves only its input and "
-               "1/rms (as Liger-Kernel's)")
+               "the normalised value per token): the library's fused RMSNorm (MemoryKwargs(fused_rms_norm=True)) "
+               "keeps only the input and 1/rms, but the planner does not model it yet")
     if mem["fragmentation"]:
         out.append(f"  - {mem['fragmentation'] / gib:.1f} GiB of the caching allocator's reserve (the profile's "
                    f"fragmentation {request.hardware.fragmentation}, tuned on torchtitan's runs): "

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ndparallel.parallel.activation_checkpointing import _selective_contexts
 from ndparallel.parallel.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_status, tiled_mlps
+from saved_tensors import training_step_kept_bytes
 from test_parity import reference, run_layout
 from tiny_models import build_model
 
@@ -44,19 +45,6 @@ def test_tiled_equals_untiled(name, checkpointing):
         [t.calls for t in tiled_mlps(model)]  # under checkpointing the block's recomputation runs them again
 
 
-def _saved_bytes(model, ids) -> int:
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return sum(n for ptr, n in kept.items() if ptr not in weights)
-
-
 class _LargestMlpTensor(TorchDispatchMode):
     largest = 0
 
@@ -76,7 +64,7 @@ def test_what_a_tiled_mlp_keeps_and_builds():
     own = copy.deepcopy(model)
     apply_tiled_mlp(model, 16)
     ids = torch.randint(0, 96, (1, 128))
-    saved, saved_own = _saved_bytes(model, ids), _saved_bytes(own, ids)
+    saved, saved_own = training_step_kept_bytes(model, ids), training_step_kept_bytes(own, ids)
     per_layer_mlp = 4 * 128 * 256 * 4  # gate, up, act, product in fp32
     assert saved_own - saved >= 2 * per_layer_mlp * 0.95, (saved, saved_own)  # 2 layers
     with _LargestMlpTensor() as tiled:

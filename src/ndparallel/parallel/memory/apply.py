@@ -8,14 +8,17 @@ from torch import nn
 from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
 from .loss_head import install
+from .rms_norm import apply_fused_rms_norm
 from .tiled_mlp import apply_tiled_mlp
 
 
 def apply_memory_features(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
-    """The chunked loss and the tiled MLPs `options.memory` asks for (`MemoryKwargs`)."""
+    """The chunked loss, the tiled MLPs and the fused RMSNorms `options.memory` asks for (`MemoryKwargs`)."""
     install(model, options.memory)
     if options.memory.tiled_mlp:
         plugin = options.fsdp_plugin
         apply_tiled_mlp(model, options.memory.mlp_tile_size,
                         plugin.transformer_cls_names_to_wrap if plugin is not None else None)
+    if options.memory.fused_rms_norm:
+        apply_fused_rms_norm(model)
     return model

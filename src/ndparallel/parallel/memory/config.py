@@ -14,6 +14,7 @@ from ...configuration.plugins import KwargsHandler, parse_bool
 
 CHUNKED_LOSS_ENV = "NDPARALLEL_CHUNKED_LOSS"
 TILED_MLP_ENV = "NDPARALLEL_TILED_MLP"
+FUSED_RMS_NORM_ENV = "NDPARALLEL_FUSED_RMS_NORM"
 
 
 @dataclass
@@ -32,12 +33,16 @@ class MemoryKwargs(KwargsHandler):
             backward, so its ``tokens x intermediate`` activations exist for one tile at a time (`tiled_mlp`).
             Default False.
         mlp_tile_size: tokens per MLP tile (None: the model's hidden size, at least 1024).
+        fused_rms_norm: each RMSNorm whose forward is recognised runs ndparallel's, which keeps for backward only
+            its input and 1/rms per token instead of fp32 copies (`rms_norm`): the same output, gradients equal to
+            rounding. Default False.
     """
 
     chunked_loss: bool | str = "auto"
     loss_chunk_size: int | None = None
     tiled_mlp: bool = False
     mlp_tile_size: int | None = None
+    fused_rms_norm: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.chunked_loss, str) and self.chunked_loss.strip().lower() == "auto"):
@@ -45,6 +50,7 @@ class MemoryKwargs(KwargsHandler):
         else:
             self.chunked_loss = "auto"
         self.tiled_mlp = parse_bool(self.tiled_mlp, "MemoryKwargs.tiled_mlp")
+        self.fused_rms_norm = parse_bool(self.fused_rms_norm, "MemoryKwargs.fused_rms_norm")
         for name in ("loss_chunk_size", "mlp_tile_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -53,11 +59,13 @@ class MemoryKwargs(KwargsHandler):
     @classmethod
     def from_env(cls, handler: MemoryKwargs | None, environ: Mapping[str, str]) -> MemoryKwargs:
         """`handler` (or the defaults) with the fields it leaves at their defaults read from ``NDPARALLEL_CHUNKED_LOSS``
-        (auto / true / false) and ``NDPARALLEL_TILED_MLP`` (true / false)."""
+        (auto / true / false), ``NDPARALLEL_TILED_MLP`` and ``NDPARALLEL_FUSED_RMS_NORM`` (true / false)."""
         fields: dict[str, Any] = dict(handler.__dict__) if handler is not None else {}
         default = cls()
         if environ.get(CHUNKED_LOSS_ENV) and fields.get("chunked_loss", "auto") == default.chunked_loss:
             fields["chunked_loss"] = environ[CHUNKED_LOSS_ENV]
         if environ.get(TILED_MLP_ENV) and not fields.get("tiled_mlp", False):
             fields["tiled_mlp"] = environ[TILED_MLP_ENV]
+        if environ.get(FUSED_RMS_NORM_ENV) and not fields.get("fused_rms_norm", False):
+            fields["fused_rms_norm"] = environ[FUSED_RMS_NORM_ENV]
         return cls(**fields)

@@ -1,0 +1,171 @@
+"""Fused RMSNorm: the norm's forward as the model writes it, and a backward that needs only the input and 1/rms.
+
+A Hugging Face RMSNorm (Llama's, Qwen's, Mistral's...) computes ``weight * (x.float() * rsqrt(mean(x.float()**2) +
+eps)).to(x.dtype)``; autograd then keeps, per token, an fp32 copy of the input, the normalised fp32 value and its cast
+-- ``h (4 + 4 + c)`` bytes for a ``c``-byte input, beside the input the block keeps anyway. Gemma's computes in fp32
+and multiplies by ``1 + weight`` before the cast, keeping as much. With ``MemoryKwargs(fused_rms_norm=True)`` each
+such norm runs `rms_norm` instead: the same operations forward (the output is bitwise the module's own), and a
+backward written out, which keeps the input and one fp32 ``1/rms`` per token (``h c + 4`` bytes) and recomputes the
+normalised value from them. The gradients are the module's own to rounding (fp32: 1e-6).
+
+Which norms: every module whose class name ends in ``RMSNorm`` with a 1-d ``weight``, an epsilon (``variance_epsilon``
+or ``eps``) and no other parameter, whose forward is found, on a probe, to be one of the two forms above: with random
+weights (so that no form passes for another by its weights' values), in fp32 and in bf16, its output must equal the
+form's bitwise. A norm that computes anything else (a LayerNorm, a norm with a bias, another order of operations)
+keeps its own forward. At run time a norm whose input or weight is a DTensor (tensor parallelism's sequence-parallel
+norms) runs its own forward too, as does one called with more than its input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..adapted import adapter_free
+
+STATUS_ATTR = "_ndparallel_fused_rms_norm"
+FORMS = ("scaled_after_cast", "scaled_before_cast")  # Llama's: weight * normed.to(dtype); Gemma's: fp32, then cast
+EPSILON_NAMES = ("variance_epsilon", "eps")
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,  # type: ignore[override]
+                form: str) -> torch.Tensor:
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        normed = x.float() * rstd
+        if form == "scaled_before_cast":
+            out = (normed * (offset + weight.float())).type_as(x)
+        else:
+            out = (weight + offset if offset else weight) * normed.to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.eps, ctx.offset, ctx.form = eps, offset, form
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        rows = tuple(range(grad.dim() - 1))
+        grad_weight = None
+        if ctx.form == "scaled_before_cast":
+            g = grad.float()
+            grad_normed = g * (ctx.offset + weight.float())
+            if ctx.needs_input_grad[1]:
+                grad_weight = (g * normed).sum(rows).to(weight.dtype)
+        else:
+            scale = weight + ctx.offset if ctx.offset else weight
+            cast = normed.to(x.dtype)
+            grad_normed = (grad * scale).to(cast.dtype).float()
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad * cast).sum(rows).to(weight.dtype)
+        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g - normed * mean(g * normed))
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             form: str = "scaled_after_cast") -> torch.Tensor:
+    """RMSNorm of `x` over its last dimension by (`offset` +) `weight` in one of `FORMS`, keeping for backward only
+    `x` and 1/rms per row (module docstring)."""
+    if form not in FORMS:
+        raise ValueError(f"rms_norm: form must be one of {FORMS}, got {form!r}")
+    return _RMSNorm.apply(x, weight, eps, offset, form)
+
+
+class FusedRMSNorm:
+    """The forward of one norm that `apply_fused_rms_norm` fused (module docstring)."""
+
+    def __init__(self, norm: nn.Module, eps: float, offset: float, form: str) -> None:
+        self.norm, self.forward_own = norm, norm.forward
+        self.eps, self.offset, self.form = eps, offset, form
+        self.calls = 0  # forwards that ran fused (tests read it)
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        weight = self.norm.weight
+        if args or kwargs or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or isinstance(weight, DTensor):
+            return self.forward_own(x, *args, **kwargs)
+        self.calls += 1
+        return rms_norm(x, weight, self.eps, self.offset, self.form)
+
+
+def _epsilon(norm: nn.Module) -> float | None:
+    value = next((getattr(norm, name) for name in EPSILON_NAMES if hasattr(norm, name)), None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def recognised_form(norm: nn.Module) -> tuple[float, float, str] | None:
+    """(eps, offset, form) when `norm`'s forward is one of `FORMS` (offset 0 or 1) on the probe, else None."""
+    weight = getattr(norm, "weight", None)
+    eps = _epsilon(norm)
+    if (eps is None or not isinstance(weight, nn.Parameter) or isinstance(weight, DTensor) or weight.dim() != 1
+            or weight.is_meta or [name for name, _ in norm.named_parameters()] != ["weight"]):
+        return None
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe_weight = torch.randn(weight.shape, generator=generator)
+    probe_x = torch.randn((2, 3, weight.shape[0]), generator=generator) * 3
+    candidates = [(offset, form) for form in FORMS for offset in (0.0, 1.0)]
+    for dtype in (torch.float32, torch.bfloat16):
+        w = probe_weight.to(device=weight.device, dtype=dtype)
+        x = probe_x.to(device=weight.device, dtype=dtype)
+        try:
+            with torch.no_grad():
+                own = torch.func.functional_call(norm, {"weight": w}, (x,))
+        except Exception:  # noqa: BLE001 -- a forward that cannot run on the probe is not fused
+            return None
+        candidates = [(offset, form) for offset, form in candidates
+                      if isinstance(own, torch.Tensor) and own.dtype == (out := _RMSNorm.forward(
+                          _Context(), x, w, eps, offset, form)).dtype and torch.equal(own, out)]
+        if not candidates:
+            return None
+    offset, form = candidates[0]
+    return eps, offset, form
+
+
+class _Context:
+    """Stands for autograd's context when the probe runs `_RMSNorm.forward` directly."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        pass
+
+
+def apply_fused_rms_norm(model: nn.Module) -> list[FusedRMSNorm]:
+    """Fuse every RMSNorm of `model` whose forward is recognised (module docstring). Raises ValueError when none is."""
+    inner = adapter_free(model)
+    fused: list[FusedRMSNorm] = []
+    kept: list[str] = []
+    for name, module in inner.named_modules():
+        if not type(module).__name__.endswith("RMSNorm"):
+            continue
+        existing = getattr(module, STATUS_ATTR, None)
+        if isinstance(existing, FusedRMSNorm):
+            fused.append(existing)
+            continue
+        found = recognised_form(module)
+        if found is None:
+            kept.append(type(module).__name__)
+            continue
+        wrapper = FusedRMSNorm(module, *found)
+        module.forward = wrapper
+        object.__setattr__(module, STATUS_ATTR, wrapper)
+        fused.append(wrapper)
+    own = f" (their own forward kept: {len(kept)} {', '.join(sorted(set(kept)))})" if kept else ""
+    if not fused:
+        raise ValueError(f"MemoryKwargs(fused_rms_norm=True): {type(inner).__name__} has no RMSNorm whose forward "
+                         f"ndparallel recognises{own}; set fused_rms_norm=False")
+    object.__setattr__(inner, STATUS_ATTR, f"on: {len(fused)} RMSNorms{own}")
+    return fused
+
+
+def fused_rms_norm_status(model: nn.Module) -> str:
+    """"on: ..." with how many norms are fused, or "off"."""
+    status = getattr(adapter_free(model), STATUS_ATTR, None)
+    return status if isinstance(status, str) else "off"
+
+
+def fused_rms_norms(model: nn.Module) -> list[FusedRMSNorm]:
+    """The fused norms of a prepared model, in module order."""
+    return [m.forward for m in model.modules() if isinstance(getattr(m, STATUS_ATTR, None), FusedRMSNorm)]

@@ -1,0 +1,161 @@
+"""Fused RMSNorms (`ndparallel.parallel.memory.rms_norm`): recognised in every family that has them, the model's
+own output bitwise and its gradients to rounding, in fp32 and in bf16 as close to fp64 as the model's own norm; what
+they keep for backward; norms computing anything else keep their own forward; and under the layouts, against the
+single-process reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm, fused_rms_norm_status, fused_rms_norms, rms_norm
+from saved_tensors import kept_bytes, training_step_kept_bytes
+from test_parity import reference, run_layout
+from tiny_models import build_model
+
+
+def _run(model, ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+# llama: weight * normed.to(dtype); gemma3: (1 + weight) in fp32 before the cast; olmo2: q/k norms over all heads;
+# gpt_oss: weight * normed in fp32, then the cast; deepseek_v3: latent-attention norms too
+@pytest.mark.parametrize("name", ["llama", "gemma3", "olmo2", "gpt_oss", "deepseek_v3"])
+def test_fused_norms_give_the_models_loss_bitwise_and_its_gradients_to_rounding(name):
+    torch.manual_seed(0)
+    model = build_model(name)
+    own = copy.deepcopy(model)
+    fused = apply_fused_rms_norm(model)
+    norms = [m for m in own.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(fused) == len(norms) and fused_rms_norm_status(model) == f"on: {len(norms)} RMSNorms"
+    ids = torch.randint(0, 96, (2, 16))
+    loss, grads = _run(model, ids)
+    loss_own, grads_own = _run(own, ids)
+    assert torch.equal(loss, loss_own)
+    assert max((a - b).abs().max().item() for a, b in zip(grads, grads_own)) <= 1e-6
+    assert all(norm.calls >= 1 for norm in fused)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_in_bf16_the_gradients_are_as_close_to_fp64_as_the_models_own(name):
+    """One norm of the model in bf16, fused and its own, against the same norm in fp64."""
+    torch.manual_seed(0)
+    norm = next(m for m in build_model(name).modules() if type(m).__name__.endswith("RMSNorm"))
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(4, 64, norm.weight.shape[0]) * 3
+    upstream = torch.randn_like(x)
+
+    def grads(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        module = copy.deepcopy(module).to(dtype)
+        inp = x.to(dtype).requires_grad_()
+        out = module(inp)
+        out.backward(upstream.to(dtype))
+        return out.double(), inp.grad.double(), module.weight.grad.double()
+
+    exact = grads(norm, torch.float64)
+    own = grads(norm, torch.bfloat16)
+    fused_norm = copy.deepcopy(norm)
+    apply_fused_rms_norm(nn.Sequential(fused_norm))
+    ours = grads(fused_norm, torch.bfloat16)
+    assert torch.equal(ours[0], own[0])  # the output: bitwise
+    for mine, theirs, truth in zip(ours[1:], own[1:], exact[1:]):
+        error, error_own = (mine - truth).abs().max().item(), (theirs - truth).abs().max().item()
+        assert error <= 1.25 * error_own, (error, error_own)
+
+
+def test_what_a_fused_norm_keeps():
+    """A bf16 norm of T tokens x h keeps its input (2 h bytes per token) and 1/rms (4 bytes per token); the model's own
+    keeps an fp32 copy of the input (4 h), 1/rms and the bf16 normalised value (2 h, which the next projection keeps
+    anyway). In a model: 4 h bytes per token less for each of its norms (2 per layer and the final one)."""
+    torch.manual_seed(0)
+    tokens, hidden = 256, 64
+    norm = next(m for m in build_model("llama", hidden_size=hidden).modules() if type(m).__name__.endswith("RMSNorm"))
+    norm = norm.to(torch.bfloat16)
+    fused = copy.deepcopy(norm)
+    apply_fused_rms_norm(nn.Sequential(fused))
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    assert kept_bytes(lambda: fused(x), fused.parameters()) == tokens * (2 * hidden + 4)
+    assert kept_bytes(lambda: norm(x), norm.parameters()) == tokens * (4 * hidden + 4 + 2 * hidden)
+
+    model = build_model("llama", hidden_size=hidden).to(torch.bfloat16)
+    own = copy.deepcopy(model)
+    apply_fused_rms_norm(model)
+    norms = 2 * model.config.num_hidden_layers + 1
+    ids = torch.randint(0, 96, (1, tokens))
+    saved, saved_own = training_step_kept_bytes(model, ids), training_step_kept_bytes(own, ids)
+    assert saved_own - saved == norms * tokens * hidden * 4, (saved, saved_own)
+
+
+class _DividingNorm(nn.Module):
+    """An RMSNorm by name that divides by the root (other bits than multiplying by the reciprocal square root)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class BiasedRMSNorm(_DividingNorm):
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden)
+        self.bias = nn.Parameter(torch.zeros(hidden))
+
+
+def test_a_norm_that_computes_something_else_keeps_its_own_forward():
+    DividingRMSNorm = type("DividingRMSNorm", (_DividingNorm,), {})
+    model = nn.Sequential(DividingRMSNorm(8), BiasedRMSNorm(8), nn.LayerNorm(8))
+    with pytest.raises(ValueError, match=r"has no RMSNorm whose forward ndparallel recognises \(their own forward "
+                                         r"kept: 2 BiasedRMSNorm, DividingRMSNorm\)"):
+        apply_fused_rms_norm(model)
+    with pytest.raises(ValueError, match="no RMSNorm whose forward"):
+        apply_fused_rms_norm(build_model("gpt2"))
+    with pytest.raises(ValueError, match="form must be one of"):
+        rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6, form="other")
+
+
+def _check(layout: str, world: int, flags: list[str]) -> None:
+    results = run_layout("llama", world, flags, 1, "--fused-rms-norm")
+    diff = max(abs(a - b) for a, b in zip(results[0]["losses"], reference("llama")["losses"]))
+    assert diff <= 1e-5, f"{layout} with fused RMSNorms: losses differ by {diff:.2e}"
+    assert all(r["fused_norm_calls"] > 0 for r in results)
+
+
+LAYOUTS = {
+    "cp2": (2, ["--cp-size", "2"]),
+    "fsdp2_checkpointing": (2, ["--dp-shard-size", "2", "--activation-checkpointing"]),
+    "tp2": (2, ["--tp-size", "2"]),
+    "sp2": (2, ["--sp-size", "2"]),
+    "pp2": (2, ["--pp-size", "2"]),
+    "cp2_sp2": (4, ["--cp-size", "2", "--sp-size", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", ["cp2", "fsdp2_checkpointing"])
+def test_fused_norms_under_layouts(layout):
+    _check(layout, *LAYOUTS[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "sp2", "pp2", "cp2_sp2"])
+def test_fused_norms_under_more_layouts(layout):
+    _check(layout, *LAYOUTS[layout])
+
+
+def test_the_switch_reads_the_environment_and_refuses_what_is_not_a_bool():
+    from ndparallel import MemoryKwargs
+
+    assert MemoryKwargs().fused_rms_norm is False
+    assert MemoryKwargs.from_env(None, {"NDPARALLEL_FUSED_RMS_NORM": "true"}).fused_rms_norm is True
+    assert MemoryKwargs.from_env(MemoryKwargs(tiled_mlp=True), {"NDPARALLEL_FUSED_RMS_NORM": "1"}).tiled_mlp is True
+    with pytest.raises(TypeError, match=r"MemoryKwargs.fused_rms_norm must be a bool"):
+        MemoryKwargs(fused_rms_norm="sometimes")
