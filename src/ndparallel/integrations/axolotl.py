@@ -44,6 +44,7 @@ from types import ModuleType
 from typing import Any
 
 from ..configuration.environment import size_env_var
+from ..launch.worker import INTEGRATION_HOOKS, after_import
 from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
 
 TESTED_AXOLOTL = "0.19.0"
@@ -189,9 +190,8 @@ def take_over(cfg: Any, cp_size: int) -> None:
     for name, size in sizes.items():
         os.environ[size_env_var(name)] = str(size)
     _STATE["sizes"] = sizes
-    from . import enable
-
-    enable()  # the Trainer integration: the launch now has sizes
+    for name in INTEGRATION_HOOKS:  # the Trainer's integration (and the guard), as the launch now has sizes
+        after_import(name, "ndparallel.integrations:on_import")
 
 
 # ---- Axolotl's API, as these replacements were written for -------------------------------------------------------
