@@ -45,8 +45,34 @@ def test_each_feature_changes_the_terms_it_should():
     assert tiled["activations"] - offload["activations"] == (32 - 2) * n * h * 2  # 2 of 32 layer inputs stay
     assert offload["host_offload"] == 32 * n * h * 2
     assert plain["peak"] > chunked["peak"] > tiled["peak"] > offload["peak"]
+    fused = _llama(32768, fused_norms=True)  # no norm keeps an fp32 copy of its input: under checkpointing the
+    assert chunked["activations"] - fused["activations"] == n * h * 4  # final norm's, and the rebuilt layer's two
+    assert chunked["recompute"] - fused["recompute"] == 2 * n * h * 4
     with pytest.raises(ValueError, match="offloading .* needs activation checkpointing"):
         Recipe(1024, 1, offload=True)
+
+
+def test_the_fused_norm_term_is_what_the_library_keeps():
+    """The planner's activations with and without fused RMSNorms differ by what the library's fused norms keep less
+    (counted exactly on a bf16 Llama: the storages autograd saves, tests/parallel/memory/test_rms_norm.py's way)."""
+    import torch
+
+    from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm
+    from ndparallel.planner.model import spec_from_config
+    from saved_tensors import training_step_kept_bytes
+    from tiny_models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("llama", hidden_size=64).to(torch.bfloat16)
+    tokens = 256
+    ids = torch.randint(0, 96, (1, tokens))
+    plain = training_step_kept_bytes(model, ids)
+    apply_fused_rms_norm(model)
+    measured = plain - training_step_kept_bytes(model, ids)
+    spec = spec_from_config(model.config.to_dict(), "tiny")
+    predicted = [estimate(spec, Layout(), Recipe(tokens, 1, 1, "bf16", False, fused_norms=fused), 0.0
+                          ).terms["activations"].bytes for fused in (False, True)]
+    assert measured == predicted[0] - predicted[1] == (2 * model.config.num_hidden_layers + 1) * tokens * 64 * 4
 
 
 @pytest.mark.parametrize("row", MEMORY_ROWS, ids=lambda r: r[0])
@@ -73,7 +99,7 @@ def test_max_seq_finds_the_longest_sequence_that_fits(capsys):
 def test_plan_tries_the_features_and_says_which_it_needs(capsys):
     # The activation features alone (FSDP2's CPU offload, which lets AC off fit here, is test_planner_offload.py's)
     args = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--seq-len", "131072", "--global-batch-tokens",
-            "1048576", "--top", "3", "--offload-params", "off"]
+            "1048576", "--top", "3", "--offload-params", "off", "--fused-rms-norm", "off"]
     assert main(args + ["--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert all(r["chunked_loss"] for r in rows) and rows[0]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 8,
@@ -84,6 +110,12 @@ def test_plan_tries_the_features_and_says_which_it_needs(capsys):
     assert plain[0]["name"] != "dp_shard=8" and not any(r["chunked_loss"] or r["offload"] for r in plain)
     assert main(args) == 0
     assert "activation_checkpointing={\"every\": 1, \"offload\": True}" in capsys.readouterr().out
+    # With the fused RMSNorm allowed (auto), sequence parallelism over 8 fits without checkpointing, and is faster
+    assert main(args[:-1] + ["auto", "--json"]) == 0
+    fused = json.loads(capsys.readouterr().out)["rows"][0]
+    assert fused["fused_rms_norm"] and not fused["activation_checkpointing"] and fused["name"] == "sp=8"
+    assert main(args[:-1] + ["auto"]) == 0
+    assert "MemoryKwargs(tiled_mlp=True, fused_rms_norm=True)" in capsys.readouterr().out
 
 
 def test_estimate_memory_with_the_features(capsys):

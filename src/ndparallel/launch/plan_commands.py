@@ -51,6 +51,8 @@ def add_parsers(sub: Any) -> None:
                            "(one per data-parallel rank), with every memory feature on and with plain FSDP2 + AC")
     for name, what in (("chunked-loss", "the LM head and loss over chunks of tokens (auto: on, as in the library)"),
                        ("tiled-mlp", "decoder MLPs over tiles of the sequence (auto: where it makes a layout fit)"),
+                       ("fused-rms-norm", "RMSNorms that keep no fp32 copy of their input, "
+                                          "MemoryKwargs(fused_rms_norm=True) (auto: where it makes a layout fit)"),
                        ("offload", "checkpointed layers' inputs in host memory (auto: where it makes a layout fit)"),
                        ("offload-params", "FSDP2's CPU offload, FullyShardedDataParallelPlugin(cpu_offload=True): "
                                           "parameters, gradients and optimizer state in host memory, the optimizer "
@@ -104,6 +106,8 @@ def add_parsers(sub: Any) -> None:
     memory.add_argument("--chunked-loss", dest="chunked_loss", choices=("on", "off"), default="on",
                         help="the chunked loss (default on, as in the library)")
     memory.add_argument("--tiled-mlp", dest="tiled_mlp", action="store_true", help="tiled decoder MLPs")
+    memory.add_argument(*spellings("fused-rms-norm"), dest="fused_rms_norm", action="store_true",
+                        help="fused RMSNorms (MemoryKwargs(fused_rms_norm=True))")
     memory.add_argument("--offload", action="store_true", help="checkpointed layers' inputs in host memory")
     memory.add_argument(*spellings("offload-params"), dest="offload_params", action="store_true",
                         help="FSDP2's CPU offload (cpu_offload=True): parameters, gradients, optimizer state in host "
@@ -130,7 +134,7 @@ def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
                    mixed_precision=args.mixed_precision, checkpointing=args.activation_checkpointing,
                    optimizer=args.optimizer, allow_cross_node_tp=args.allow_cross_node_tp,
                    sync_each_batch=args.sync_each_batch, chunked_loss=args.chunked_loss, tiled_mlp=args.tiled_mlp,
-                   offload=args.offload, offload_params=args.offload_params, host_memory_gib=args.host_memory_gib,
+                   fused_rms_norm=args.fused_rms_norm, offload=args.offload, offload_params=args.offload_params, host_memory_gib=args.host_memory_gib,
                    ep_size=args.ep_size)
 
 
@@ -265,7 +269,8 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
             raise ValueError("--seq-len is required")
         recipe = Recipe(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
                           args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
-                          args.chunked_loss == "on", args.tiled_mlp, args.offload, offload_params=args.offload_params)
+                          args.chunked_loss == "on", args.tiled_mlp, args.offload, offload_params=args.offload_params,
+                          fused_norms=args.fused_rms_norm)
         experts = _expert_figures(args, layout, recipe)  # a mixture of experts: expert parallelism's figures
         model = load_model(args.model)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch

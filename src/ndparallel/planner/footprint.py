@@ -9,7 +9,8 @@ README's does), tensor by tensor:
 - **gradient accumulation** (accumulation > 1, sharded, without ``sync_each_batch``): FSDP2 keeps the *unsharded*
   gradients in fp32 between micro-steps (``set_requires_gradient_sync(False)``) and reduce-scatters once.
 - **activations saved for backward**, per decoder layer and token, c = bytes of the compute dtype, t = tp:
-  two RMSNorms 2 h (4 + 2c) (an fp32 copy of the input, the normalised value and the output);
+  two RMSNorms 2 h (4 + 2c) (an fp32 copy of the input, the normalised value and the output; 2 h 2c fused:
+  the input instead of its fp32 copy, ``MemoryKwargs(fused_rms_norm=True)``, so every norm term loses its 4);
   attention q_width / t x (2c: query and output; 3c with sp, whose attention returns the output head-major and
   o_proj takes a copy; 2c + 4 with cp, whose all-gather kernel keeps its output in fp32) + 2 kv_width c / t, plus
   the log-sum-exp (heads / t x 4); MLP 4 I c / t (gate, up, their activation and product).
@@ -158,22 +159,23 @@ def layer_activations(model: ModelSpec, layout: Layout, recipe: Recipe, sparse: 
     qw, ow, vw = model.q_width // t, model.o_width // t, kw // model.head_dim * (model.v_head_dim or model.head_dim)
     attention = qw * c + ow * o_bytes + (kw + vw) * c + model.heads // t * FP32
     how = f"attention {qw}x{c} + {ow}x{o_bytes} + ({kw}+{vw})x{c} + lse {model.heads // t}x4"
+    f = recipe.norm_copy_bytes  # a norm's fp32 copy of its input (none when fused)
     if model.qk_norm:  # per-head norms of q and k: an fp32 copy of each and its normalised value, one rsqrt per head
         heads = (model.heads + model.kv_heads) // t
-        attention += (qw + kw) * (FP32 + c) + heads * FP32
-        how += f" + q/k norms ({qw}+{kw})x(4+{c}) + {heads}x4"
+        attention += (qw + kw) * (f + c) + heads * FP32
+        how += f" + q/k norms ({qw}+{kw})x({f}+{c}) + {heads}x4"
     if model.mla is not None:  # the two low-rank latents' norms, as the layer norms
         ranks = (model.mla.q_lora_rank or 0) + model.mla.kv_lora_rank
-        attention += ranks * (FP32 + 2 * c) + 2 * FP32
-        how += f" + latent norms {ranks}x(4+2x{c})"
+        attention += ranks * (f + 2 * c) + 2 * FP32
+        how += f" + latent norms {ranks}x({f}+2x{c})"
     if sparse:
         mlp, mlp_how = block_activations(model, layout, recipe)
         mlp_how = f"experts {mlp_how}"
     else:
         elements = 0 if recipe.tiled_mlp else mlp_elements(model, layout)
         mlp, mlp_how = elements * c, f"MLP {elements}x{c}{' (tiled: its input only)' if recipe.tiled_mlp else ''}"
-    per_token = 2 * h * (FP32 + 2 * c) + 2 * FP32 + attention + mlp
-    return n * per_token, f"{n} tokens x [norms 2x{h}x(4+2x{c}) + {how} + {mlp_how}] B"
+    per_token = 2 * h * (f + 2 * c) + 2 * FP32 + attention + mlp
+    return n * per_token, f"{n} tokens x [norms 2x{h}x({f}+2x{c}) + {how} + {mlp_how}] B"
 
 
 def layers_activations(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str, float, str]:
@@ -210,8 +212,9 @@ def outside_activations(model: ModelSpec, layout: Layout, recipe: Recipe) -> tup
     rows = recipe.micro_batch if layout.seq_split > 1 else 1  # rotary cos/sin: per sample once positions are given
     rope = 2 * rows * (recipe.seq_len // layout.seq_split) * model.rope_dim * c
     softmax = 0 if recipe.chunked_loss else n * v * FP32
-    value = n * (h * (FP32 + 2 * c) + FP32) + softmax + 2 * n * 8 + rope
-    return value, (f"{n} tokens x (final norm {h}x(4+2x{c}) + " + ("" if recipe.chunked_loss else f"log-softmax {v}x4 + ")
+    f = recipe.norm_copy_bytes
+    value = n * (h * (f + 2 * c) + FP32) + softmax + 2 * n * 8 + rope
+    return value, (f"{n} tokens x (final norm {h}x({f}+2x{c}) + " + ("" if recipe.chunked_loss else f"log-softmax {v}x4 + ")
                    + f"ids 16) + rotary {rope} B")
 
 

@@ -6,7 +6,7 @@ the longest sequence -- a multiple of ``QUANTUM`` tokens that the layout can spl
 (`memory.estimate`, the allocator's fragmentation included) fits the budget, and whose host memory (offloaded layer
 inputs and states, `offload.host_bytes`) fits each GPU's share of the node's, found by bisection (memory grows with
 the length). Two settings side by side: every memory feature on (activation checkpointing with offloading, the
-chunked loss, tiled MLPs; and FSDP2's CPU offload of the parameters, gradients and optimizer state as
+chunked loss, tiled MLPs, fused RMSNorms; and FSDP2's CPU offload of the parameters, gradients and optimizer state as
 ``--offload-params`` allows it: with ``auto`` the longer of with and without, and the row says whether it needs it)
 and plain FSDP2 with activation checkpointing (the model's own loss). Memory only: at these lengths the step time is
 what the rows of ``ndparallel plan --seq-len S`` predict.
@@ -24,9 +24,9 @@ from .recipe import Recipe
 
 QUANTUM = 1024
 LIMIT = 2**25  # 32 M tokens: searched no further
-SETTINGS = {  # name -> (checkpointing, chunked loss, tiled MLP, offload)
-    "all": (True, True, True, True),
-    "plain": (True, False, False, False),
+SETTINGS = {  # name -> (checkpointing, chunked loss, tiled MLP, offload, fused RMSNorm)
+    "all": (True, True, True, True, True),
+    "plain": (True, False, False, False, False),
 }
 
 
@@ -40,8 +40,9 @@ class Longest:
 
 
 def _setting(name: str, seq: int, precision: str, optimizer: str, params: bool = False) -> Recipe:
-    ac, loss, tiled, offload = SETTINGS[name]
-    return Recipe(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload, offload_params=params)
+    ac, loss, tiled, offload, norms = SETTINGS[name]
+    return Recipe(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload, offload_params=params,
+                  fused_norms=norms)
 
 
 def _constraints(layout: Layout, seq: int, request: Request) -> Constraints:
@@ -114,9 +115,9 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
              f"per GPU; host " + (f"{host / gib:.1f} GiB per GPU" if host is not None else "memory not checked")
              + f"), {request.mixed_precision}, {request.optimizer}: the longest sequence per layout, one sequence per "
              "data-parallel rank",
-             "all: activation checkpointing with offloading, chunked loss, tiled MLP (P: and FSDP2's CPU offload of "
-             "parameters, gradients and optimizer state); plain: FSDP2 with activation checkpointing and the model's "
-             "own loss", ""]
+             "all: activation checkpointing with offloading, chunked loss, tiled MLP, fused RMSNorm (P: and FSDP2's "
+             "CPU offload of parameters, gradients and optimizer state); plain: FSDP2 with activation checkpointing "
+             "and the model's own loss", ""]
     header = f"{'#':>3}  {'layout':<34} {'all: tokens':>12} {'P':>2} {'without P':>10} {'peak GiB':>9} " \
              f"{'host GiB':>9} {'plain: tokens':>14} {'ratio':>7}"
     lines += [header, "-" * len(header)]
@@ -163,12 +164,6 @@ def missing_features(row: Longest, request: Request) -> list[str]:
         out.append(f"  - {mem['unsharded_params'] / gib:.1f} GiB of gathered parameters: the library does not "
                    "reshard a one-rank shard group after forward (parallel/data_parallel.py), also under cpu_offload, "
                    "where resharding would leave them in host memory between their forward and backward")
-    tokens = _setting("all", row.tokens["all"], request.mixed_precision, request.optimizer).tokens(row.layout)
-    c = 2 if request.mixed_precision == "bf16" else 4
-    norms = tokens * 2 * model.hidden * (4 + c)  # the rebuilt layer's RMSNorms: fp32 input copies and normalised
-    out.append(f"  - {norms / gib:.1f} GiB of the rebuilt layer's two RMSNorms beyond their inputs (an fp32 copy and "
-               "the normalised value per token): the library's fused RMSNorm (MemoryKwargs(fused_rms_norm=True)) "
-               "keeps only the input and 1/rms, but the planner does not model it yet")
     if mem["fragmentation"]:
         out.append(f"  - {mem['fragmentation'] / gib:.1f} GiB of the caching allocator's reserve (the profile's "
                    f"fragmentation {request.hardware.fragmentation}, tuned on torchtitan's runs): "

@@ -33,6 +33,7 @@ class Recipe:
     # FullyShardedDataParallelPlugin(cpu_offload=True): FSDP2 keeps the sharded parameters, their gradients and the
     # optimizer's state in host memory and steps the optimizer there (`planner.offload`)
     offload_params: bool = False
+    fused_norms: bool = False  # MemoryKwargs(fused_rms_norm=True): RMSNorms keep no fp32 copy of their input
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in MIXED_PRECISIONS:
@@ -47,10 +48,16 @@ class Recipe:
 
     @property
     def features(self) -> str:
-        """The memory features on, as letters: C chunked loss, T tiled MLP, O activation offload, P parameters,
-        gradients and optimizer state offloaded (FSDP2's cpu_offload) ("-": none)."""
-        return "".join(k for k, on in (("C", self.chunked_loss), ("T", self.tiled_mlp), ("O", self.offload),
-                                       ("P", self.offload_params)) if on) or "-"
+        """The memory features on, as letters: C chunked loss, T tiled MLP, N fused RMSNorm, O activation offload, P
+        parameters, gradients and optimizer state offloaded (FSDP2's cpu_offload) ("-": none)."""
+        return "".join(k for k, on in (("C", self.chunked_loss), ("T", self.tiled_mlp), ("N", self.fused_norms),
+                                       ("O", self.offload), ("P", self.offload_params)) if on) or "-"
+
+    @property
+    def norm_copy_bytes(self) -> int:
+        """Bytes per element an RMSNorm keeps beyond its input and output: the fp32 copy of its input, which the
+        fused norm does not keep (`ndparallel.parallel.memory.rms_norm`)."""
+        return 0 if self.fused_norms else FP32
 
     @property
     def compute_bytes(self) -> int:

@@ -50,8 +50,8 @@ def header(plan: Plan) -> str:
             f"{r.gpus_per_node} {r.hardware.name} = {r.world} GPUs; seq {r.seq_len}, {r.global_batch_tokens:,} "
             f"tokens ({r.samples} samples) per step, {r.mixed_precision}, {r.optimizer}, budget "
             f"{r.budget_bytes / GiB:.1f} GiB per GPU\n{len(plan.rows)} layouts accepted ({len(plan.refused)} refused), "
-            f"{fitting} fit; evaluated in {plan.seconds * 1e3:.0f} ms; mem: C chunked loss, T tiled MLP, O activation "
-            "offload, P parameters, gradients and optimizer state in host memory (cpu_offload); peak: predicted "
+            f"{fitting} fit; evaluated in {plan.seconds * 1e3:.0f} ms; mem: C chunked loss, T tiled MLP, N fused "
+            "RMSNorm, O activation offload, P parameters, gradients and optimizer state in host memory (cpu_offload); peak: predicted "
             "torch.cuda.max_memory_reserved; host memory per GPU "
             + (f"{r.host_budget_bytes / GiB:.1f} GiB" if r.host_budget_bytes is not None else "not checked"))
 
@@ -97,7 +97,8 @@ def script_settings(recipe: Recipe) -> list[str]:
     script = ["FullyShardedDataParallelPlugin(fsdp_version=2" + (f", activation_checkpointing={checkpointing}"
                                                                if recipe.checkpointing else "")
               + (", cpu_offload=True" if recipe.offload_params else "") + ")"]
-    memory = ([] if recipe.chunked_loss else ["chunked_loss=False"]) + (["tiled_mlp=True"] if recipe.tiled_mlp else [])
+    memory = (([] if recipe.chunked_loss else ["chunked_loss=False"]) + (["tiled_mlp=True"] if recipe.tiled_mlp else [])
+              + (["fused_rms_norm=True"] if recipe.fused_norms else []))
     if memory:
         script.append(f"kwargs_handlers=[MemoryKwargs({', '.join(memory)})]")
     return script + [f"DataLoader(batch_size={recipe.micro_batch})"]
@@ -120,7 +121,7 @@ def memory_text(layout: Layout, recipe: Recipe, memory: Memory, budget: float | 
     """The memory columns of one layout (``ndparallel estimate-memory``)."""
     lines = [f"{layout.name}: micro-batch {recipe.micro_batch} x {recipe.seq_len} tokens, {recipe.mixed_precision}, "
              f"activation checkpointing {'on' if recipe.checkpointing else 'off'}, memory features "
-             f"{recipe.features} (C chunked loss, T tiled MLP, O activation offload, P cpu_offload)"]
+             f"{recipe.features} (C chunked loss, T tiled MLP, N fused RMSNorm, O activation offload, P cpu_offload)"]
     lines += [f"  {name:<26} {value / GiB:9.2f} GiB" for name, value, _ in memory_terms(memory) if name != "peak"]
     lines.append(f"  {'(activations AC off / on)':<26} {memory.activations_without_checkpointing / GiB:9.2f} / "
                  f"{memory.activations_with_checkpointing / GiB:.2f} GiB")
@@ -174,7 +175,8 @@ def row_json(row: Row, model: ModelSpec | None = None) -> dict[str, Any]:
         "parallelism_config": row.layout.config_line(),
         "micro_batch": s.micro_batch, "gradient_accumulation_steps": s.accumulation,
         "activation_checkpointing": s.checkpointing, "chunked_loss": s.chunked_loss, "tiled_mlp": s.tiled_mlp,
-        "offload": s.offload, "offload_params": s.offload_params, "fits": row.fits, "miss_bytes": row.miss,
+        "fused_rms_norm": s.fused_norms, "offload": s.offload, "offload_params": s.offload_params, "fits": row.fits,
+        "miss_bytes": row.miss,
         "host_bytes": host_bytes(row.memory), "host_budget_bytes": row.host_budget,
         "memory_bytes": {name: term.bytes for name, term in row.memory.terms.items()},
         "activations_bytes": {"checkpointing_off": row.memory.activations_without_checkpointing,

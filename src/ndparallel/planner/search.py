@@ -46,6 +46,7 @@ class Request:
     # that fits (the chunked loss is never slower, so auto means on, as in the library).
     chunked_loss: str = "auto"
     tiled_mlp: str = "auto"
+    fused_rms_norm: str = "auto"
     offload: str = "auto"
     offload_params: str = "auto"  # FSDP2's cpu_offload: parameters, gradients, optimizer state in host memory
     host_memory_gib: float | None = None  # per node; None: the profile's
@@ -60,7 +61,8 @@ class Request:
             raise ValueError(f"--global-batch-tokens {self.global_batch_tokens} is not a multiple of --seq-len "
                              f"{self.seq_len}: a step holds whole sequences (e.g. "
                              f"{max(1, self.global_batch_tokens // self.seq_len) * self.seq_len})")
-        for name in ("checkpointing", "sync_each_batch", "chunked_loss", "tiled_mlp", "offload", "offload_params"):
+        for name in ("checkpointing", "sync_each_batch", "chunked_loss", "tiled_mlp", "fused_rms_norm", "offload",
+                     "offload_params"):
             if getattr(self, name) not in CHECKPOINTING:
                 raise ValueError(f"{name} {getattr(self, name)!r}: use one of {list(CHECKPOINTING)}")
         if self.memory_gib is not None and self.memory_gib <= self.hardware.memory_reserve_gib:
@@ -187,20 +189,20 @@ def _divisors_desc(n: int) -> list[int]:
 OPTIONS = {"auto": (False, True), "on": (True,), "off": (False,)}
 
 
-def memory_options(request: Request) -> list[tuple[bool, bool, bool, bool, bool]]:
-    """(checkpointing, chunked loss, tiled MLP, activation offload, parameter offload) combinations the request
-    allows; activation offloading only with checkpointing, and "auto" for the chunked loss is on (never slower in
-    the model, on by default in the library)."""
+def memory_options(request: Request) -> list[tuple[bool, bool, bool, bool, bool, bool]]:
+    """(checkpointing, chunked loss, tiled MLP, activation offload, parameter offload, fused RMSNorm) combinations
+    the request allows; activation offloading only with checkpointing, and "auto" for the chunked loss is on (never
+    slower in the model, on by default in the library)."""
     chunked = (True,) if request.chunked_loss == "auto" else OPTIONS[request.chunked_loss]
     out = []
-    for ac, loss, tiled, offload, params in itertools.product(
+    for ac, loss, tiled, offload, params, norms in itertools.product(
             OPTIONS[request.checkpointing], chunked, OPTIONS[request.tiled_mlp], OPTIONS[request.offload],
-            OPTIONS[request.offload_params]):
+            OPTIONS[request.offload_params], OPTIONS[request.fused_rms_norm]):
         if offload and not ac:
             if request.offload == "on":
                 raise ValueError("--offload on needs activation checkpointing (--activation-checkpointing on|auto)")
             continue
-        out.append((ac, loss, tiled, offload, params))
+        out.append((ac, loss, tiled, offload, params, norms))
     return out
 
 
@@ -211,14 +213,16 @@ def best_row(request: Request, layout: Layout) -> Row:
     smallest: Row | None = None
     # Reduce-scattering every micro-step only changes anything with accumulation over a sharded group.
     syncs = OPTIONS[request.sync_each_batch] if layout.fsdp > 1 and per_rank > 1 else (False,)
-    for (checkpointing, loss, tiled, offload, params), sync in itertools.product(memory_options(request), syncs):
+    for (checkpointing, loss, tiled, offload, params, norms), sync in itertools.product(memory_options(request),
+                                                                                          syncs):
         for micro in _divisors_desc(per_rank):
             if micro % layout.pp:  # pipeline stages cut each micro-step into pp micro-batches
                 continue
             if sync and micro == per_rank and len(syncs) > 1:
                 continue  # no accumulation: the same as without sync_each_batch
             recipe = Recipe(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
-                              request.optimizer, sync, loss, tiled, offload, offload_params=params)
+                              request.optimizer, sync, loss, tiled, offload, offload_params=params,
+                              fused_norms=norms)
             row = evaluate(request, layout, recipe)
             if row.fits:
                 fitting.append(row)
