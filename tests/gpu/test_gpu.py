@@ -220,3 +220,45 @@ def plain_pytorch_losses(example, args, device: torch.device) -> list[float]:
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses)
     return losses
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fused_rms_norm_on_the_gpu_in_bf16(family):
+    """`MemoryKwargs(fused_rms_norm=True)`'s norm on CUDA in bf16: the module's own output bitwise, its input and weight
+    gradients as close to fp64 as the module's own (CUDA kernels round otherwise than the CPU's), and only the input
+    and 1/rms kept for backward."""
+    import copy
+
+    from torch import nn
+
+    from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from saved_tensors import kept_bytes
+    from tiny_models import build_model
+
+    torch.manual_seed(0)
+    own = next(m for m in build_model(family, hidden_size=256).modules()
+               if type(m).__name__.endswith("RMSNorm") and m.weight.shape == (256,))  # a layer norm, not q/k's
+    with torch.no_grad():
+        own.weight.normal_()
+    fused = copy.deepcopy(own)
+    apply_fused_rms_norm(nn.Sequential(fused))
+    x = torch.randn(2, 1024, 256, device="cuda") * 3
+    upstream = torch.randn_like(x)
+
+    def run(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        module = copy.deepcopy(module).to("cuda", dtype)
+        inp = x.to(dtype).requires_grad_()
+        out = module(inp)
+        out.backward(upstream.to(dtype))
+        return out.double(), inp.grad.double(), module.weight.grad.double()
+
+    exact, theirs, ours = run(own, torch.float64), run(own, torch.bfloat16), run(fused, torch.bfloat16)
+    assert torch.equal(ours[0], theirs[0])
+    for mine, other, truth in zip(ours[1:], theirs[1:], exact[1:]):
+        assert (mine - truth).abs().max() <= 1.25 * (other - truth).abs().max()
+    inp = x.to(torch.bfloat16).requires_grad_()
+    norms = [copy.deepcopy(m).to("cuda", torch.bfloat16) for m in (own, fused)]
+    kept = [kept_bytes(lambda m=m: m(inp), m.parameters()) for m in norms]
+    assert kept[1] == 2 * 1024 * (256 * 2 + 4) < kept[0], kept  # the input and 1/rms per token, and less than its own

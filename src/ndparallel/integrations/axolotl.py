@@ -181,7 +181,8 @@ def take_over(cfg: Any, cp_size: int) -> None:
     sizes = resolved_sizes(cfg, world)
     given = {name: int(value) for name in SIZE_FIELDS
              if (value := os.environ.get(size_env_var(name), "").strip()).lstrip("-").isdigit()}
-    differ = [f"{name}={given[name]} (launch) vs {sizes[name]} (config)" for name in given if given[name] != sizes[name]]
+    differ = [f"{name}={given[name]} (launch) vs {sizes[name]} (config)" for name in given
+              if given[name] != sizes[name]]
     if differ:
         keys = ", ".join(f"{key}" for key in SIZE_KEYS)
         raise ValueError(f"ndparallel launch was given other sizes than the Axolotl config resolves to on {world} "

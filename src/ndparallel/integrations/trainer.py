@@ -86,8 +86,8 @@ from ..training.data import PreparedDataLoader
 from ..training.loss import IGNORE_INDEX, count_loss_tokens
 from ..training.prepared import PreparedObjects
 from ..launch.worker import launch_sizes
-from .trainer_versions import (HOOK_MARK, TESTED_TRANSFORMERS, check_support, check_version, hook_problems,  # noqa: F401
-                               warn_once)
+from .trainer_versions import (HOOK_MARK, TESTED_TRANSFORMERS, check_support, check_version,  # noqa: F401
+                               hook_problems, warn_once)
 
 CHECKPOINT_SUBDIR = "ndparallel"  # inside the Trainer's checkpoint-<step> folder
 _BUILDING: list[Any] = []  # the Trainer whose Accelerator is being built (create_accelerator_and_postprocess)

@@ -96,7 +96,8 @@ def _replaced_hooks(trainer: type) -> list[str]:
         current = trainer.__dict__.get(name)
         if getattr(current, HOOK_MARK, None) != name:
             where = getattr(current, "__module__", "?")
-            found.append(f"Trainer.{name} was replaced after ndparallel attached (by {where}.{getattr(current, '__qualname__', name)})")
+            label = getattr(current, "__qualname__", name)
+            found.append(f"Trainer.{name} was replaced after ndparallel attached (by {where}.{label})")
     return found
 
 
@@ -127,8 +128,9 @@ def check_support(trainer: Any, module: ModuleType | None = None) -> str | None:
     if module is None:
         import transformers.trainer as module
     warning = check_version(transformers.__version__)
+    bypassing = _bypassing_overrides(type(trainer), module.Trainer)
     problems = hook_problems(module) + _replaced_hooks(module.Trainer) + [
-        f"{name} overrides it without calling the Trainer's own" for name in _bypassing_overrides(type(trainer), module.Trainer)]
+        f"{name} overrides it without calling the Trainer's own" for name in bypassing]
     if problems:
         raise RuntimeError(
             f"ndparallel's Trainer integration cannot take over this Trainer (transformers {transformers.__version__}; "
