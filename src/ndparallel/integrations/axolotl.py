@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from typing import Any
 from ..configuration.environment import size_env_var
 from ..launch.worker import INTEGRATION_HOOKS, after_import
 from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
+from .trainer_versions import _parameters  # a callable's parameter names (a class's: its constructor's)
 
 TESTED_AXOLOTL = "0.19.0"
 LAUNCHED_ENV = "NDPARALLEL_LAUNCHER_PID"  # = ndparallel.launch.worker.LAUNCHER_PID_ENV: set under ndparallel launch
@@ -196,14 +196,6 @@ def take_over(cfg: Any, cp_size: int) -> None:
 
 
 # ---- Axolotl's API, as these replacements were written for -------------------------------------------------------
-def _parameters(function: Any) -> tuple[str, ...] | None:
-    try:
-        parameters = tuple(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return None
-    return parameters[1:] if inspect.isclass(function) and parameters[:1] == ("self",) else parameters
-
-
 def api_problems() -> list[tuple[str, str]]:
     """(name, what differs) for each replaced Axolotl function that is gone or takes other parameters."""
     problems = []

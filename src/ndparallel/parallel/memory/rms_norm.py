@@ -116,20 +116,14 @@ def recognised_form(norm: nn.Module) -> tuple[float, float, str] | None:
                 own = torch.func.functional_call(norm, {"weight": w}, (x,))
         except Exception:  # noqa: BLE001 -- a forward that cannot run on the probe is not fused
             return None
-        candidates = [(offset, form) for offset, form in candidates
-                      if isinstance(own, torch.Tensor) and own.dtype == (out := _RMSNorm.forward(
-                          _Context(), x, w, eps, offset, form)).dtype and torch.equal(own, out)]
+        with torch.no_grad():
+            same = [isinstance(own, torch.Tensor) and own.dtype == (out := rms_norm(x, w, eps, offset, form)).dtype
+                    and torch.equal(own, out) for offset, form in candidates]
+        candidates = [candidate for candidate, equal in zip(candidates, same) if equal]
         if not candidates:
             return None
     offset, form = candidates[0]
     return eps, offset, form
-
-
-class _Context:
-    """Stands for autograd's context when the probe runs `_RMSNorm.forward` directly."""
-
-    def save_for_backward(self, *tensors: torch.Tensor) -> None:
-        pass
 
 
 def apply_fused_rms_norm(model: nn.Module) -> list[FusedRMSNorm]:
