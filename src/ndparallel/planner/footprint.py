@@ -28,11 +28,11 @@ README's does), tensor by tensor:
 - **FSDP2's CPU offload** (``cpu_offload=True``, `offload`): the parameters, gradients and optimizer state in host
   memory (the ``host_*`` terms), none on the GPU, which keeps the staging of the copies and what a one-rank shard
   group keeps gathered.
-- **allocated** = states + accumulation + saved activations + root unit + max(loss working set, head gradient +
-  layer buffers + one rebuilt layer); **peak** = allocated + the profile's ``fragmentation`` x (allocated - model
-  states): the caching allocator's blocks reserved and not in use at the peak, so the peak is the predicted
-  ``torch.cuda.max_memory_reserved``. The profile's memory_reserve_gib (CUDA context, NCCL: memory outside torch's
-  allocator) is kept aside from the budget.
+- **allocated** = states + accumulation + unsharded copies + saved activations + root unit + max(loss working set,
+  head gradient + layer buffers + one rebuilt layer + offload staging), the sum of `peak_parts`; **peak** =
+  allocated + the profile's ``fragmentation`` x (allocated - model states): the caching allocator's blocks reserved
+  and not in use at the peak, so the peak is the predicted ``torch.cuda.max_memory_reserved``. The profile's
+  memory_reserve_gib (CUDA context, NCCL: memory outside torch's allocator) is kept aside from the budget.
 - **pipeline stages** (pp > 1), for the busiest stage: ceil(L / pp) decoder layers, and of the root unit the larger
   end -- the embedding (first stage) or the final norm and the head (last stage). The library's default schedule is
   1F1B with one micro-batch per stage, so the first stage keeps all pp micro-batches' activations alive at once (the
@@ -88,6 +88,30 @@ class Memory:
     @property
     def peak(self) -> float:
         return self["peak"]
+
+
+# The peak by what holds it, each part the sum of its terms (`estimate`'s names). The two transient parts are the
+# phases where the peak can fall -- the loss's working set, or backward's FSDP2 buffers with the rebuilt layer -- and
+# only the larger counts: `peak_parts`.
+PEAK_PARTS = {
+    "parameters": ("params", "unsharded_params", "root_unsharded"),
+    "gradients": ("grads", "grad_accumulation"),
+    "optimizer": ("optimizer",),
+    "activations": ("activations",),
+    "loss": ("loss_buffers",),
+    "backward buffers": ("head_grad", "layer_buffers", "recompute", "offload_staging"),
+    "allocator reserve": ("fragmentation",),
+}
+TRANSIENT = ("loss", "backward buffers")
+
+
+def peak_parts(memory: Memory) -> dict[str, float]:
+    """`memory`'s peak as `PEAK_PARTS`, bytes each; they add up to the peak (`estimate` computes it so): of the two
+    transient parts the smaller is 0, the peak being where the larger is."""
+    parts = {part: sum(memory[term] for term in terms) for part, terms in PEAK_PARTS.items()}
+    loss, buffers = TRANSIENT
+    parts[buffers if parts[loss] >= parts[buffers] else loss] = 0.0
+    return parts
 
 
 def stage_layers(model: ModelSpec, layout: Layout) -> int:
@@ -334,11 +358,7 @@ def estimate(model: ModelSpec, layout: Layout, recipe: Recipe, fragmentation: fl
     loss, loss_how = loss_buffers(model, layout, recipe)
     mem.add("loss_buffers", loss, loss_how)
 
-    base = (mem.states + mem["grad_accumulation"] + mem["unsharded_params"] + mem["activations"]
-            + mem["root_unsharded"])
-    working = max(mem["loss_buffers"], mem["head_grad"] + mem["layer_buffers"] + mem["recompute"]
-                  + mem["offload_staging"])
-    allocated = base + working
+    allocated = sum(peak_parts(mem).values())  # before the allocator's reserve is added: what tensors hold
     mem.add("allocated", allocated, "states + accumulation + unsharded copies + activations + root unit + "
             "max(loss buffers, head gradient + layer buffers + rebuilt layer)")
     spare = fragmentation * (allocated - mem.states)
