@@ -79,6 +79,10 @@ def add_parsers(sub: Any) -> None:
                            "dp_shard=4,tp=2")
     plan.add_argument(*spellings("write-config"), dest="write_config", default=None, metavar="PATH",
                       help="also write the best layout's config file here")
+    plan.add_argument("--plot", default=None, metavar="FILE",
+                      help="also draw the plan to FILE (.png, .svg, .pdf: by its suffix): each top layout's memory "
+                           "per GPU by term against the budget; with --max-seq the peak against the sequence length "
+                           "with and without each feature (needs matplotlib: pip install 'ndparallel[plot]')")
     plan.add_argument(*spellings("measure-top"), dest="measure_top", type=int, default=3, metavar="K",
                       help="with --measure: how many of the best fitting layouts to run (default 3)")
     plan.add_argument("--measure", nargs=argparse.REMAINDER, default=None, metavar="SCRIPT [ARGS]",
@@ -143,6 +147,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from ..planner import get_hardware, load_model, parse_layout, plan, report, row_for
 
+    if args.plot is not None:  # before the search: a missing matplotlib or an unknown format costs nothing
+        from ..planner import plot
+
+        try:
+            plot.check(args.plot)
+        except (ImportError, ValueError) as exc:
+            return error("plan", exc)
     if args.max_seq:
         return _plan_max_seq(args)
     try:
@@ -189,6 +200,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             from ..planner import measure
 
             print("\nmeasured on this machine (ranked by measured tokens/s per GPU):\n" + measure.table(measured))
+    if args.plot is not None:
+        print(f"wrote {plot.save(plot.plan_figure(result, args.top), args.plot)}", file=sys.stderr)
     if measured is not None and not any("error" not in r for r in measured):
         return error("plan", "no layout could be measured (see the failures above)")
     if config is not None and args.write_config:
@@ -222,6 +235,10 @@ def _plan_max_seq(args: argparse.Namespace) -> int:
                           for r in rows], indent=1))
     else:
         print(longest_text(rows, request, args.top))
+    if args.plot is not None and rows:
+        from ..planner import plot
+
+        print(f"wrote {plot.save(plot.max_seq_figure(rows[0], request), args.plot)}", file=sys.stderr)
     return 0 if rows and rows[0].tokens["all"] else error("plan", "no layout fits even 1024 tokens")
 
 

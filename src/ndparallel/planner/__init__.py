@@ -4,8 +4,9 @@ One module per concern: `hardware` (GPU profiles, data), `model` (a Hugging Face
 `experts` (the mixture-of-experts part of a model, expert parallelism's figures), `recipe` (how one step runs),
 `layouts` (enumeration and the library's refusals; the sizes themselves are `ndparallel.distributed.layout.Layout`),
 `expert_costs` (what experts add per layout), `footprint` (the bytes each rank holds), `offload` (FSDP2's CPU
-offload), `comm`, `timing` (the cost model), `search` (the best recipe per layout, the ranking) and `report` (table,
-JSON, explanation). docs/planner.md has the formulas.
+offload), `comm`, `timing` (the cost model), `search` (the best recipe per layout, the ranking), `longest`
+(``--max-seq``), `report` (table, JSON, explanation) and `plot` (``--plot``: the pictures, with matplotlib, imported
+there only). docs/planner.md has the formulas.
 """
 
 from .hardware import Hardware, get_hardware

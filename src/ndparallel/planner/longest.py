@@ -14,6 +14,7 @@ what the rows of ``ndparallel plan --seq-len S`` predict.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .layouts import Constraints, Layout, all_layouts, expert_layouts, reasons
@@ -28,6 +29,13 @@ SETTINGS = {  # name -> (checkpointing, chunked loss, tiled MLP, offload, fused 
     "all": (True, True, True, True, True),
     "plain": (True, False, False, False, False),
 }
+
+
+# The features "all" turns on, by the letter of the `mem` column (`Recipe.features`): (name, the Recipe field that
+# turns it off). P: FSDP2's CPU offload, which "all" takes where --offload-params allows it and it helps.
+FEATURES = {"C": ("chunked loss", "chunked_loss"), "T": ("tiled MLP", "tiled_mlp"),
+            "N": ("fused RMSNorm", "fused_norms"), "O": ("activation offload", "offload"),
+            "P": ("FSDP2's CPU offload", "offload_params")}
 
 
 @dataclass(frozen=True)
@@ -169,3 +177,29 @@ def missing_features(row: Longest, request: Request) -> list[str]:
                    f"fragmentation {request.hardware.fragmentation}, tuned on torchtitan's runs): "
                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may hold less; not modelled")
     return ["", "what bounds it at that length, and what the library lacks to go further:", *out]
+
+
+def curve_lengths(row: Longest, points: int = 25) -> list[int]:
+    """Sequence lengths to draw `row`'s layout at: multiples of its step (QUANTUM x 2 cp x sp), up to `points` of
+    them spaced evenly on a log scale from one step to twice its longest with every feature, and the longest
+    sequences found (`row.tokens`)."""
+    step = QUANTUM * 2 * row.layout.cp * row.layout.sp
+    end = 2 * max(row.tokens["all"], step) // step
+    found = {tokens // step for tokens in row.tokens.values() if tokens}
+    return [k * step for k in sorted({round(end ** (i / (points - 1))) for i in range(points)} | found)]
+
+
+def curves(row: Longest, request: Request, lengths: list[int]) -> dict[str, list[Memory]]:
+    """`estimate` of `row`'s layout at each of `lengths`, by curve: the setting --max-seq found for it ("every
+    feature": `SETTINGS["all"]`, with FSDP2's CPU offload where the row takes it), that setting without each of its
+    features in turn (`FEATURES`), and plain FSDP2 + AC (`SETTINGS["plain"]`)."""
+    def found(seq: int) -> Recipe:
+        return _setting("all", seq, request.mixed_precision, request.optimizer, row.offload_params)
+
+    recipes = {"every feature": found}
+    for letter in found(QUANTUM).features:
+        name, flag = FEATURES[letter]
+        recipes[f"without {name} ({letter})"] = lambda seq, flag=flag: dataclasses.replace(found(seq), **{flag: False})
+    recipes["plain FSDP2 + AC"] = lambda seq: _setting("plain", seq, request.mixed_precision, request.optimizer)
+    return {label: [estimate(request.model, row.layout, recipe(seq), request.hardware.fragmentation)
+                    for seq in lengths] for label, recipe in recipes.items()}
