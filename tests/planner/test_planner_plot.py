@@ -179,3 +179,28 @@ def test_a_format_matplotlib_cannot_write_is_refused_before_the_search(plot, mon
     assert main(PLAN_8B + ["--plot", str(tmp_path / "plan.xyz")]) == 2
     assert re.search(r"--plot .*plan\.xyz: name a file ending in one of .*\.png", capsys.readouterr().err)
 
+
+def test_the_docs_images_are_what_their_commands_draw(plot, capsys, tmp_path):
+    """Each image docs/planner.md shows is named by a command on the page that writes it, and that command, run
+    now, draws the same pixels (with the pinned matplotlib: another version may draw text otherwise)."""
+    import matplotlib
+    from matplotlib.image import imread
+
+    pinned = re.search(r'"matplotlib==([0-9.]+)"', (ROOT / "pyproject.toml").read_text())[1]
+    page = (ROOT / "docs" / "planner.md").read_text()
+    shown = re.findall(r"!\[[^\]]*\]\((images/[^)]+\.png)\)", page)
+    commands = dict((m[3], m[1]) for m in re.finditer(r"^\$ ndparallel (plan .*--plot (docs/(images/\S+\.png)).*)$",
+                                                      page, re.M))
+    assert len(shown) >= 2 and set(shown) <= set(commands), (shown, commands)
+    assert "images/max_seq_llama8b.png" in (ROOT / "docs" / "long_context.md").read_text()
+    if matplotlib.__version__ != pinned:
+        pytest.skip(f"matplotlib {matplotlib.__version__}, the images were drawn with {pinned}")
+    for image in shown:
+        argv = commands[image].split()
+        out = tmp_path / Path(image).name
+        argv[argv.index("--plot") + 1] = str(out)
+        assert main(argv) == 0
+        capsys.readouterr()
+        committed, drawn = imread(ROOT / "docs" / image), imread(out)
+        assert committed.shape == drawn.shape and (committed == drawn).all(), (
+            f"docs/{image} is not what `ndparallel {commands[image]}` draws now: run it again")
