@@ -2,6 +2,7 @@
 # Install ndparallel (editable) with the Hugging Face extra (`hf`: transformers). Each option adds the extra of its
 # name from pyproject.toml: --trainer (the Trainer, TRL and PEFT at the versions tested), --fp8 (torchao),
 # --tracking (tensorboard), --bench (matplotlib for benchmark plots), --plot (matplotlib for `ndparallel plan --plot`),
+# --ft (torchft for `ndparallel launch --fault-tolerant`),
 # --docs (the documentation site: mkdocs), --test (the test dependencies, the docs site's and the plots' included:
 # tests/project/test_docs_site.py builds the site); for example `bash scripts/install.sh --trainer --fp8`.
 # A torch >= 2.11 (the oldest the suite passes on, pyproject.toml's floor) that is already installed is kept as it
@@ -34,8 +35,8 @@ fi
 extras="hf"
 for option in "$@"; do
   case "$option" in
-    --trainer|--fp8|--tracking|--bench|--plot|--docs|--test) extras="$extras,${option#--}" ;;
-    *) echo "install.sh: unknown option '$option'; the options are --trainer --fp8 --tracking --bench --plot --docs --test" >&2
+    --trainer|--fp8|--tracking|--bench|--plot|--ft|--docs|--test) extras="$extras,${option#--}" ;;
+    *) echo "install.sh: unknown option '$option'; the options are --trainer --fp8 --tracking --bench --plot --ft --docs --test" >&2
        exit 2 ;;
   esac
 done

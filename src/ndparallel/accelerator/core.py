@@ -45,6 +45,7 @@ from ..training.data import PreparedDataLoader
 from ..training.loader_types import prepared_loader_class, shuffle_seed
 from ..training.loss import GradientState, is_causal_lm
 from ..distributed.mesh import ParallelMesh
+from ..fault_tolerance import ReplicaGroups
 from ..training.optim import AcceleratedOptimizer, AcceleratedScheduler, switch_parameters
 from ..parallel.sequence import SequenceSharding
 from ..configuration.plugins import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
@@ -184,6 +185,9 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         self.sequence_sharding = SequenceSharding.from_mesh(self.mesh, s.parallelism.cp_handler)
         scaler = torch.amp.GradScaler(self.device.type, **s.scaler_kwargs) if s.mixed_precision == "fp16" else None
         self.prepared = PreparedObjects(self.gradient_state, scaler)  # what save_state / load_state cover
+        # `ndparallel launch --fault-tolerant`: this process's replica group in torchft's (None otherwise)
+        self.replica_groups = None if s.fault_tolerance is None else ReplicaGroups(
+            s.fault_tolerance, self.prepared, self.device, partial.process_index, partial.num_processes)
         self.trackers = Trackers(s.log_with, s.project.logging_dir, self.is_main_process)
         # id(original parameter) -> (weak reference to it, the parameter that replaced it in prepare()).
         self._param_map: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
@@ -348,6 +352,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         install_save_pretrained(prepared, self.unwrap_model(prepared))  # full weights from any layout (collective)
         if self.num_processes > 1:  # a collective of its forward that fails says where every rank was
             failures.watch_training_step(prepared, self.state.runtime.timeout)
+        if self.replica_groups is not None:  # each step's quorum starts at its first training forward
+            self.replica_groups.watch(prepared)
         self.prepared.models.append(prepared)
         for opt in self.prepared.optimizers:  # optimizers prepared before this model follow its new parameters too
             self._remap(opt.optimizer)
@@ -374,6 +380,8 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         self._remap(optimizer)
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
                                        before_step=self.prepared.release_gathered)
+        if self.replica_groups is not None:
+            wrapped.commit = self.replica_groups.should_commit
         self.prepared.optimizers.append(wrapped)
         return wrapped
 
@@ -470,7 +478,7 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         seed = shuffle_seed(data_loader, config.data_seed, self.device)
         sharding = self.sequence_sharding  # under CP/SP a rank's loss averages over its shard's tokens only
         prepared = prepared_loader_class(config.use_stateful_dataloader, bool(config.dispatch_batches))(
-            data_loader, num_shards=self.mesh.size("batch"), shard_index=self.mesh.rank("batch"),
+            data_loader, num_shards=self._batch_shards()[0], shard_index=self._batch_shards()[1],
             seed=seed, device=self.device,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             window=self.gradient_accumulation_steps,
@@ -485,6 +493,14 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
         return prepared
 
     prepare_dataloader = prepare_data_loader
+
+    def _batch_shards(self) -> tuple[int, int]:
+        """How many ranks draw different samples, and which of them this rank is: the ``batch`` view, times the
+        replica groups under fault tolerance (group g holds shards g*B .. g*B+B-1)."""
+        size, rank = self.mesh.size("batch"), self.mesh.rank("batch")
+        if self.replica_groups is None:
+            return size, rank
+        return size * self.replica_groups.settings.replicas, self.replica_groups.settings.replica_id * size + rank
 
     def _lockstep_reason(self) -> str:
         """Why every rank must run every step of a data loader (collectives in every forward), or "" under DDP (whose
@@ -506,7 +522,7 @@ class Accelerator(TrainingStepMixin, ProcessesMixin, CollectivesMixin, Checkpoin
             )
         wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer,
-                                       steps_per_update=1 if self.split_batches else self.mesh.size("batch"),
+                                       steps_per_update=1 if self.split_batches else self._batch_shards()[0],
                                        adjust_scheduler=self._settings.adjust_scheduler)
         self.prepared.schedulers.append(wrapped)
         return wrapped

@@ -26,6 +26,7 @@ from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
 from ..training.loss import LOSS_WEIGHTINGS
 from ..parallel import uses_fsdp
 from ..parallel.memory import MemoryKwargs
+from ..fault_tolerance.settings import FaultToleranceKwargs, replica_group_config
 from ..configuration.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -43,7 +44,7 @@ from ..configuration.plugins import (
 from ..distributed.runtime import CPU_ENV, env_flag
 
 HANDLERS = (InitProcessGroupKwargs, DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs,
-            GradientAccumulationPlugin, AORecipeKwargs, TERecipeKwargs, MemoryKwargs)
+            GradientAccumulationPlugin, AORecipeKwargs, TERecipeKwargs, MemoryKwargs, FaultToleranceKwargs)
 # Accelerate's arguments for engines ndparallel does not use: refused when given, with what to use instead.
 FOREIGN_PLUGINS = {
     "deepspeed_plugin": "DeepSpeed is not used: ZeRO-3 is FSDP2 (dp_shard_size), Ulysses is sp_size",
@@ -75,11 +76,14 @@ class Settings:
     dynamo_plugin: TorchDynamoPlugin | None = None
     fp8_recipe: AORecipeKwargs | None = None  # mixed_precision="fp8": how torchao converts the linear layers
     memory: MemoryKwargs = field(default_factory=MemoryKwargs)  # chunked loss, tiled MLPs (+ NDPARALLEL_* variables)
+    fault_tolerance: FaultToleranceKwargs | None = None  # replica groups on torchft (`ndparallel.fault_tolerance`)
     fsdp: bool = False  # FSDP2 wraps the models (`ndparallel.parallel.uses_fsdp`): decided once, by `place`
 
     def place(self, world_size: int) -> None:
         """Once the processes have started: resolve the sizes against `world_size` and decide whether FSDP2 wraps
         the models -- the mesh, the parallelisms (`PrepareOptions.fsdp`) and `AcceleratorState` read this decision."""
+        if self.fault_tolerance is not None:  # this process's world is its replica group: dp_replicate is torchft's
+            self.parallelism = replica_group_config(self.parallelism, self.fault_tolerance.replicas)
         self.parallelism = self.parallelism.resolve(world_size)
         self.fsdp = uses_fsdp(self.parallelism, self.fsdp_plugin)
         if self.fsdp and self.fsdp_plugin is not None:  # the policy FSDP2 casts with, there to read
@@ -181,6 +185,7 @@ def resolve(*, parallelism_config: Any, fsdp_plugin: Any, mixed_precision: Any, 
         ddp_kwargs=handler_kwargs(DistributedDataParallelKwargs), scaler_kwargs=handler_kwargs(GradScalerKwargs),
         autocast_kwargs=handler_kwargs(AutocastKwargs), dynamo_plugin=dynamo, fp8_recipe=fp8_recipe,
         memory=MemoryKwargs.from_env(handlers.get(MemoryKwargs), environ),
+        fault_tolerance=FaultToleranceKwargs.from_env(handlers.get(FaultToleranceKwargs), environ),
     )
 
 

@@ -32,6 +32,7 @@ from ..training.optim import AcceleratedOptimizer
 from ..parallel.sequence import SequenceSharding
 from ..training.prepared import PreparedObjects
 from ..distributed.runtime import heartbeat
+from ..fault_tolerance import ReplicaGroups
 
 
 class TrainingStepMixin:
@@ -49,6 +50,7 @@ class TrainingStepMixin:
     _settings: Any
     _accumulating: int
     _warned_outside_accumulate: bool
+    replica_groups: ReplicaGroups | None
 
     def _loss_weight_inside_the_model(self) -> float:
         """What a model that runs backward inside its own call (pipeline stages) weighs this rank's loss by: the
@@ -81,6 +83,8 @@ class TrainingStepMixin:
             loss = self.scaler.scale(loss)
         with self.loss_parallel(), failures.explained("backward", self.state.runtime.timeout):
             loss.backward(**kwargs)
+        if self.replica_groups is not None and self.sync_gradients:  # fault tolerance: over the replica groups too
+            self.replica_groups.average_gradients(self.prepared.models, loss)
 
     def loss_parallel(self) -> contextlib.AbstractContextManager:
         """torch's `loss_parallel` context when ``TorchTensorParallelConfig(loss_parallel=True)`` and tp > 1 (else

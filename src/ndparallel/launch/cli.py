@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..configuration.environment import ENV_PREFIX
 from ..configuration.dtypes import MIXED_PRECISION
 from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
-from . import accelerate_launch, plan_commands, schedulers
+from . import accelerate_launch, fault_tolerant, plan_commands, schedulers
 from .arguments import PROG, error, spellings
 
 DEFAULT_CONFIG_FILE = "ndparallel_config.yaml"
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "PET_* variables), or none; default auto (flags always win; docs/multi_node.md)")
     launch.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     accelerate_launch.add_flags(launch)
+    fault_tolerant.add_flags(launch)
     launch.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments of the script")
 

@@ -41,7 +41,7 @@ import torch
 from ..configuration.environment import ACCUMULATION_ENV, MIXED_PRECISION_ENV, load_yaml, size_env_var
 from ..configuration.dtypes import MIXED_PRECISION
 from ..configuration.parallelism import SIZE_FIELDS, ParallelismConfig
-from . import accelerate_launch, schedulers
+from . import accelerate_launch, fault_tolerant, schedulers
 from .accelerate_launch import Translated
 from .supervision import LaunchError, RollCall, StallWatch, note
 from .worker import LAUNCHER_PID_ENV
@@ -152,6 +152,7 @@ class LaunchPlan:
     endpoint: str | None = None  # --rdzv-endpoint
     stall_timeout: float | None = None  # seconds without a heartbeat before a rank is reported and stopped
     origin: str | None = None  # under a scheduler: where the node count, node rank, rendezvous... came from
+    replicas: fault_tolerant.ReplicaLaunch | None = None  # --fault-tolerant: the torchft replica groups to start
 
     def describe(self) -> str:
         world = self.nproc_per_node * self.nnodes
@@ -278,6 +279,9 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
                  f"per node ({nproc_source})")
         raise ValueError(f"{str(exc).replace(f'world size {nproc * nnodes}', world, 1)} Change the sizes, or the "
                          "nodes or GPUs / CPUs the job asks for, or give --nproc-per-node.") from None
+    replicas = fault_tolerant.plan_replicas(
+        args, None if resolved is None else {"dp_replicate_size": resolved.dp_replicate_size}, nproc, nnodes,
+        args.max_restarts)
     if not args.module and not Path(args.script).is_file():
         raise FileNotFoundError(f"script {args.script!r} does not exist (use -m to run a module)")
 
@@ -318,7 +322,7 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     torchrun_args += [WORKER, *(["-m"] if args.module else []), args.script, *args.script_args]
     target = ("-m " if args.module else "") + " ".join([args.script, *args.script_args])
     return LaunchPlan(nproc, nnodes, resolved, cpu, target, env, torchrun_args, warnings, roll, endpoint,
-                      args.stall_timeout, placed.describe(schedulers.Found(nproc, nproc_source)))
+                      args.stall_timeout, placed.describe(schedulers.Found(nproc, nproc_source)), replicas)
 
 
 def run_plan(plan: LaunchPlan) -> int:
@@ -330,6 +334,8 @@ def run_plan(plan: LaunchPlan) -> int:
     from torch.distributed.run import parse_args, run
 
     env = {**plan.env, LAUNCHER_PID_ENV: str(os.getpid())}  # the ranks' parent: this process (torchrun runs in it)
+    if plan.replicas is not None:  # one torchrun per replica group, each in a process of its own
+        return fault_tolerant.run(plan.replicas, env, plan.torchrun_args[plan.torchrun_args.index(WORKER):])
     watch = None
     if plan.stall_timeout is not None:
         watch = StallWatch(Path(tempfile.mkdtemp(prefix="ndparallel-heartbeat-")), plan.stall_timeout)

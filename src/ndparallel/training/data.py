@@ -379,6 +379,7 @@ class PreparedDataLoader:
         # Trainer skips, then sets the epoch) and replaces `_restored`.
         self._restored = 0
         self._skip: int | None = None
+        self._jump = False  # `continue_at` moved the position: the pass under way restarts there
         self._shard, self.loader = _sharded(loader, fixed, batch_size, num_shards, shard_index, seed, even_batches,
                                             self._check_sampler)
         # Why every rank must run every step (FSDP2, tp, cp, sp, pp: collectives in every forward), if it must: an
@@ -489,6 +490,13 @@ class PreparedDataLoader:
             self.gradient_state.leave(self)
 
     def _batches(self) -> Iterator[Any]:
+        while (yield from self._pass()):  # a jump within the epoch (`continue_at`): the pass restarts there
+            pass
+
+    def _pass(self) -> Iterator[Any]:
+        """One pass from `_next_start`; returns True when `continue_at` moved the position within its epoch."""
+        epoch = self.epoch
+        self._jump = False
         self._shard.set_epoch(self.epoch)
         self._position, self._finished = self._next_start(), False
         self._skip, self._restored = None, 0
@@ -522,8 +530,11 @@ class PreparedDataLoader:
                 self._finished = end
                 yield (move_to_device(batch, self.device, self.non_blocking or self.loader.pin_memory)
                        if self.put_on_device else batch)
+                if self._jump:  # the window read ahead is dropped: the next batch is the one at the new position
+                    return self.epoch == epoch  # in a later epoch: this pass ends, the next starts there
         self.epoch += 1
         self._position, self._finished = 0, False
+        return False
 
     # ---- checkpointing -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -561,6 +572,13 @@ class PreparedDataLoader:
             if isinstance(self._shard, ShardedBatchSampler):
                 self._shard.seed = self.seed
         self._restored, self._skip = position, None
+
+    def continue_at(self, state: dict[str, Any]) -> None:
+        """Go on from `state` (another replica group's `state_dict`, `ndparallel.fault_tolerance`): the next batch
+        drawn is the one that follows it, also in the middle of a pass -- the pass restarts at that position, or
+        ends when `state` is in a later epoch (the next pass then starts there)."""
+        self.load_state_dict(state)
+        self._jump = True
 
     def _dataset_length(self) -> int | None:
         try:

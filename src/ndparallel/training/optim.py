@@ -111,12 +111,15 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.before_step = before_step
         self.gradient_state = gradient_state
         self.scaler = scaler
+        # Fault tolerance (`ndparallel.fault_tolerance`): asked before each update whether the replica groups commit
+        # the step; False skips it on every group alike.
+        self.commit: Callable[[], bool] | None = None
         self._step_was_skipped = False
 
     def __getstate__(self) -> dict[str, Any]:
         # The Accelerator's hook holds every prepared object: a pickled optimizer (Accelerate's tests pickle one)
         # is the optimizer alone, as Accelerate's.
-        return {**self.__dict__, "before_step": None}
+        return {**self.__dict__, "before_step": None, "commit": None}
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -149,6 +152,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             return None
         if self.before_step is not None:
             self.before_step()
+        if self.commit is not None and not self.commit():
+            self._step_was_skipped = True
+            return None
         if self.scaler is None:
             self._step_was_skipped = False
             with uniform_param_groups(self.optimizer):
