@@ -25,7 +25,7 @@ from tiny_models import build_model
 from ndparallel.checkpoint import per_expert
 from ndparallel.parallel import state_module
 from ndparallel.checkpoint.storage import CheckpointError
-from ndparallel.parallel.tensor.families import FAMILIES
+from ndparallel.models.families import FAMILIES
 
 PER_EXPERT = re.compile(r".*\.experts\.(\d+)\..*")
 LAYER = re.compile(r"model\.layers\.(\d+)\.")

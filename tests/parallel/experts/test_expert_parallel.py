@@ -33,7 +33,7 @@ import accelerate_style  # noqa: E402
 from harness import assert_refused, outcomes, run_ranks  # noqa: E402
 from readme_sections import read_section, write_section  # noqa: E402
 from test_parity import GLOBAL_BATCH, data_parallel_size, reference, run_layout  # noqa: E402
-from ndparallel.parallel.tensor.families import FAMILIES  # noqa: E402
+from ndparallel.models.families import FAMILIES  # noqa: E402
 
 LAYOUTS = {  # id -> (column title, world size, flags of tests/scripts/accelerate_style.py, accumulation steps)
     "ep2": ("EP 2", 2, ["--dp-shard-size", "2", "--ep-size", "2"], 1),
@@ -99,8 +99,8 @@ def render_table(cases: list[Case] = CASES) -> str:
         "",
     ]
     lines += [f"- {model}: {FAMILIES[model].experts.routing}; balancing: {FAMILIES[model].experts.balancing}"
-              + (f"; beside the routed experts: {FAMILIES[model].experts.shared}" if FAMILIES[model].experts.shared
-                 else "") for model in ROWS]
+              + (f"; beside the routed experts: {FAMILIES[model].experts.shared.what}"
+                 if FAMILIES[model].experts.shared else "") for model in ROWS]
     lines += ["", "| family | " + " | ".join(title for title, *_ in LAYOUTS.values()) + " |",
               "|---|" + "---|" * len(LAYOUTS)]
     for model, title in ROWS.items():

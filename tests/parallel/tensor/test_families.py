@@ -269,7 +269,7 @@ def test_the_matrix_catches_a_broken_tie_or_per_rank_load_balancing(what, model,
 
 
 def _own_plan_run(model: str, argv: list[str]) -> dict:
-    from ndparallel.parallel.tensor import families
+    from ndparallel.models import families
 
     families.FAMILIES[model] = families.Family()  # in this forked rank only: transformers' plan, not ndparallel's
     return accelerate_style.main(argv)
