@@ -85,7 +85,7 @@ def count(config, model):
 
 
 def test_the_fields_scanned_are_the_tables():
-    assert {"llama", "mixtral", "gpt_oss", "deepseek_v3"} <= model_types()
+    assert {"llama", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"} <= model_types()
     assert {"num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "n_shared_experts",
             "shared_expert_intermediate_size", "router_aux_loss_coef", "output_router_logits"} <= expert_fields()

@@ -53,8 +53,8 @@ _DECODER_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
     "lm_head": "colwise_gather_output",
 }
-# OLMo 2 normalises q and k over the whole projection; transformers' plan all-gathers q, k and v for that, so every
-# rank computes attention over all heads. Here the norms run split (their mean all-reduced) instead.
+# OLMo 2 and OLMoE normalise q and k over the whole projection; transformers' plans all-gather q, k and v for that, so
+# every rank computes attention over all heads. Here the norms run split (their mean all-reduced) instead.
 _OLMO_ATTENTION = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
@@ -91,7 +91,7 @@ class PerExpertNames:
     renamed: Mapping[str, str] = field(default_factory=dict)  # checkpoint name fragment -> the model's
 
 
-# Qwen2/3-MoE and DeepSeek-V3 (transformers' "qwen2_moe" conversion, which deepseek_v3 and qwen3_moe share).
+# Qwen2/3-MoE, DeepSeek-V3 and OLMoE (transformers' "qwen2_moe" conversion, which the others share).
 _GATE_UP_DOWN = PerExpertNames({"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)})
 # Mixtral: w1 is the gate, w3 up, w2 down, under ``block_sparse_moe`` (transformers' "mixtral" conversion).
 _MIXTRAL = PerExpertNames({"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}, renamed={".block_sparse_moe.": ".mlp."})
@@ -279,6 +279,14 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(experts=Experts("num_local_experts", "top-k of the logits (with a bias), softmax over those k",
                                       router="mlp.router", bias=True, router_bias=True),
                       planned=Planned(sinks=True, tp_not_modelled="its plan splits only the embedding and the head")),
+    # OLMoE: every layer sparse, q/k norms over the whole projection as OLMo 2 (split the same way: the plan carries
+    # no MLP entries, its experts and router stay whole on every tp rank). Not modelled by the planner (its q/k norms).
+    "olmoe": Family(
+        plan={**_OLMO_ATTENTION, "lm_head": "colwise_gather_output"},
+        replaces_own_plan=_OLMO_REASON,
+        experts=Experts("num_experts", "softmax over the experts, top-k (renormalised with norm_topk_prob)",
+                        per_expert=_GATE_UP_DOWN),
+    ),
 }
 
 # The built-in plans by model type (llama, mistral, qwen2, gpt2, olmo2, ...).

@@ -53,6 +53,7 @@ ROWS = {  # tiny model -> what it has (tests/scripts/tiny_models.py); its family
                    "no auxiliary loss",
     "gpt_oss": "gpt-oss: 4 experts with biases, clamped SwiGLU, router with a bias, attention sinks, "
                "load-balancing loss",
+    "olmoe": "OLMoE: 4 experts, top-2, every layer sparse, q/k norms over the whole projection, load-balancing loss",
 }
 SINKS = r"context parallelism \(GptOssAttention\): s_aux cannot be honoured by context-parallel attention"
 
@@ -76,8 +77,9 @@ PARITY = [c for c in CASES if c.refused is None]
 REFUSED = [c for c in CASES if c.refused is not None]
 CORE = ("qwen3_moe", "mixtral")  # fast loop: their 2-rank cells, and DIAGONAL; every other cell is marked slow
 # One 4-rank cell of each other family, together one of each 4-rank layout: every family and every layout kind is in
-# the fast loop once.
-DIAGONAL = {("qwen2_moe", "ep2_tp2"), ("deepseek_v3", "ep4"), ("gpt_oss", "ep2_fsdp2"), ("mixtral", "pp2_ep2")}
+# the fast loop once (OLMoE's: stages with its load-balancing loss, which the family table's routers make possible).
+DIAGONAL = {("qwen2_moe", "ep2_tp2"), ("deepseek_v3", "ep4"), ("gpt_oss", "ep2_fsdp2"), ("mixtral", "pp2_ep2"),
+            ("olmoe", "pp2_ep2")}
 
 
 def _id(case: Case) -> str:
