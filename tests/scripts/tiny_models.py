@@ -219,6 +219,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {  # name -> (config class, model c
                 dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=4, output_router_logits=True,
                      router_aux_loss_coef=0.1, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                      rope_parameters=_ROPE, tie_word_embeddings=False, attn_implementation="eager")),
+    # OLMoE: every layer sparse (4 experts as wide as intermediate_size, top-2), q/k RMSNorms over the whole projection
+    # as OLMo 2; the load-balancing loss is part of the training loss.
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(_SMALL, intermediate_size=32, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                   router_aux_loss_coef=0.1, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2,
+                   bos_token_id=None)),
 }
 
 

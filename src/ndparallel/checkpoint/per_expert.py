@@ -3,7 +3,7 @@
 Qwen2/3-MoE and DeepSeek-V3 checkpoints store ``model.layers.L.mlp.experts.N.{gate_proj,up_proj,down_proj}.weight``,
 Mixtral's ``model.layers.L.block_sparse_moe.experts.N.{w1,w3,w2}.weight``; the model (transformers >= 5) stacks them:
 ``mlp.experts.gate_up_proj`` (E, 2I, H) = gate's and up's weights of every expert, ``down_proj`` (E, H, I). The names
-are data (`ndparallel.parallel.tensor.families.PerExpertNames`, transformers' own conversion written out).
+are data (`ndparallel.models.families.PerExpertNames`, transformers' own conversion written out).
 
 - `plan` (rank 0, from the safetensors headers alone): which per-expert tensors make up each stacked parameter and
   the name every other tensor has in the files; anything that does not fit -- a per-expert name the table does not
@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.tensor import DTensor
 
+from ..models.families import PerExpertNames
 from ..parallel.experts.layout import expert_count, expert_modules, family_experts
-from ..parallel.tensor.families import PerExpertNames
 from .manifest import _listing
 from .storage import CheckpointError
 
@@ -54,7 +54,7 @@ def plan(saved: dict[str, list[int]], names: PerExpertNames | None, module: str,
     if names is None:
         raise CheckpointError(
             f"{where}, and ndparallel's family table has no per-expert names for model_type {model_type!r} "
-            "(ndparallel.parallel.tensor.families: Experts.per_expert); load the real weights on rank 0 "
+            "(ndparallel.models.families: Experts.per_expert); load the real weights on rank 0 "
             "(from_pretrained there, init_empty_weights elsewhere) to broadcast them, or read a directory written "
             "by accelerator.save_model")
     out = Sources()

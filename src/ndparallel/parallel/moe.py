@@ -37,17 +37,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.mesh import ParallelMesh
+from ..models.families import ROUTER_LOSS
 from .options import PrepareOptions
-
-_FIELDS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")  # attributes of HF MoE causal LMs
 
 
 def load_balancing_function(model: nn.Module) -> Callable[..., Any] | None:
     """The model's own ``load_balancing_loss_func`` (from its modeling module) when it is an MoE causal LM that adds
     one to its loss, else None."""
-    if getattr(getattr(model, "config", None), "output_router_logits", None) is None:
+    if not ROUTER_LOSS.declared(getattr(model, "config", None)):
         return None
-    if not all(hasattr(model, field) for field in _FIELDS):
+    if not all(hasattr(model, attribute) for attribute in ROUTER_LOSS.attributes()):
         return None
     return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
 
@@ -111,9 +110,9 @@ class _GlobalLoadBalancing:
             mask = gather_token_rows(mask, self.group)
         elif mask is not None:
             mask = None  # 4-D masks are not token masks; HF's function reads 2-D padding masks only
-        total = self.function(tuple(gathered[:, i] for i in range(layers)), model.num_experts,
-                              model.num_experts_per_tok, mask)
+        experts, top_k, coefficient = ROUTER_LOSS.arguments(model)
+        total = self.function(tuple(gathered[:, i] for i in range(layers)), experts, top_k, mask)
         if output.get("loss") is not None:
-            output["loss"] = output["loss"] + model.router_aux_loss_coef * (total - aux)
+            output["loss"] = output["loss"] + coefficient * (total - aux)
         output["aux_loss"] = total
         return output

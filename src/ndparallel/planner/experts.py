@@ -20,12 +20,13 @@ activations, FSDP2's units, FLOPs) and ranks every ep that splits the experts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.families import USUAL_EXPERTS, Experts, expert_entries, experts_of
 from .recipe import FP32, OPTIMIZER_STATES, shard_numel
 
-COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 COUNT_BYTES = 8  # the routing counts travel as int64
 
 
@@ -54,26 +55,35 @@ class ExpertSpec:
         return self.sparse_layers * sum(math.prod(shape) for _, shape in self.stacked())
 
 
-def _sparse_layers(data: dict[str, Any], layers: int) -> int:
-    if isinstance(data.get("first_k_dense_replace"), int):  # DeepSeek-V3, GLM-4.5: the first k layers are dense
-        return layers - data["first_k_dense_replace"]
-    dense = set(data.get("mlp_only_layers") or [])  # Qwen2/3-MoE: dense layers listed, and every k-th sparse
-    step = data.get("decoder_sparse_step") or 1
+def _first(data: dict[str, Any], names: list[str | None], accept: Callable[[Any], bool]) -> Any:
+    """The value of the first field of `names` (None: the family has none) that `data` sets to a value `accept`s."""
+    return next((data[name] for name in dict.fromkeys(names) if name and accept(data.get(name))), None)
+
+
+def _sparse_layers(data: dict[str, Any], layers: int, entries: list[Experts]) -> int:
+    first = _first(data, [e.first_dense for e in entries], lambda v: isinstance(v, int))
+    if first is not None:  # DeepSeek-V3, GLM-4.5: the first k layers are dense
+        return layers - first
+    dense = set(_first(data, [e.dense_listed for e in entries], bool) or [])  # Qwen2/3-MoE: dense layers listed,
+    step = _first(data, [e.sparse_step for e in entries], bool) or 1  # and every k-th sparse
     return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
 def expert_spec(data: dict[str, Any], source: str = "config") -> ExpertSpec | None:
-    """The routed experts of a Hugging Face config dict; None for a dense model."""
-    counts = [data[f] for f in COUNT_FIELDS if isinstance(data.get(f), int) and data[f] > 1]
-    if not counts:
+    """The routed experts of a Hugging Face config dict; None for a dense model. Read with every field the family
+    table names (`ndparallel.models.families.expert_entries`); the biases are its model type's."""
+    entries = expert_entries()
+    counted = [(e, data[e.count]) for e in entries if isinstance(data.get(e.count), int) and data[e.count] > 1]
+    if not counted:
         return None
-    missing = [f for f in ("num_experts_per_tok", "hidden_size", "num_hidden_layers") if not data.get(f)]
-    intermediate = data.get("moe_intermediate_size") or data.get("intermediate_size")
+    entry, experts = counted[0]
+    missing = [f for f in (entry.top_k, "hidden_size", "num_hidden_layers") if not data.get(f)]
+    intermediate = data.get(entry.width) or data.get("intermediate_size")
     if missing or not intermediate:
-        raise ValueError(f"{source}: a mixture of experts without {', '.join(missing) or 'moe_intermediate_size'}")
-    return ExpertSpec(experts=counts[0], top_k=data["num_experts_per_tok"], hidden=data["hidden_size"],
-                      intermediate=intermediate, sparse_layers=_sparse_layers(data, data["num_hidden_layers"]),
-                      gated=True, bias=data.get("model_type") == "gpt_oss")
+        raise ValueError(f"{source}: a mixture of experts without {', '.join(missing) or entry.width}")
+    return ExpertSpec(experts=experts, top_k=data[entry.top_k], hidden=data["hidden_size"],
+                      intermediate=intermediate, sparse_layers=_sparse_layers(data, data["num_hidden_layers"], entries),
+                      gated=True, bias=(experts_of(data.get("model_type")) or USUAL_EXPERTS).bias)
 
 
 @dataclass(frozen=True)

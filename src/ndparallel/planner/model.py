@@ -27,12 +27,15 @@ from typing import NamedTuple
 from pathlib import Path
 from typing import Any
 
+from ..models.families import ConfigNames, Planned, planned, planned_types
 from ..training.flops import training_flops
-from .mixture import EP_TYPES, TP_NOT_MODELLED, MoESpec, moe_spec
+from .mixture import MoESpec, moe_spec
 
-REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-# Families whose plan is the Megatron split above (`ndparallel.parallel.tensor.families`, transformers' own plans).
-KNOWN_TYPES = ("llama", "mistral", "qwen2")  # and the mixtures of experts of `mixture.EP_TYPES`
+_NAMES = ConfigNames()  # transformers' usual names: the planner reads configs of the Llama shape
+REQUIRED_FIELDS = (_NAMES.hidden, _NAMES.layers, _NAMES.heads, "intermediate_size", "vocab_size")
+# The families the planner models (a `Planned` entry in the family table): the Megatron split above, with each
+# family's differences (`ndparallel.models.families.Planned`); others are modelled as Llama, with a warning.
+KNOWN_TYPES = planned_types()
 BUILTIN_ALIASES = {"mistral-7b": "mistral-7b-v0.3", "llama-3-8b": "llama-3.1-8b", "llama-3-70b": "llama-3.1-70b"}
 
 
@@ -298,10 +301,12 @@ def spec_from_config(data: dict[str, Any], source: str = "config") -> ModelSpec:
         raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     head_dim = _positive_int(data, "head_dim", source) if data.get("head_dim") else hidden // heads
     model_type = str(data.get("model_type") or "unknown")
-    if model_type not in KNOWN_TYPES + EP_TYPES:
+    facts = planned(model_type)
+    if facts is None:
         warnings.warn(f"{source}: model_type {model_type!r} is modelled as a Llama-style decoder (q/k/v/o attention, "
-                      f"gated MLP, Megatron tensor-parallel split); known types: {', '.join(KNOWN_TYPES + EP_TYPES)}",
+                      f"gated MLP, Megatron tensor-parallel split); known types: {', '.join(KNOWN_TYPES)}",
                       stacklevel=2)
+        facts = Planned()
     window = data.get("sliding_window")
     if data.get("use_sliding_window") is False:
         window = None
@@ -319,19 +324,20 @@ def spec_from_config(data: dict[str, Any], source: str = "config") -> ModelSpec:
         v_head_dim = _positive_int(data, "v_head_dim", source)
     moe = moe_spec(data, source)
     attention_bias = bool(data.get("attention_bias", False))
-    qwen2 = model_type in ("qwen2", "qwen2_moe")  # biases on q, k and v only (Qwen2-MoE: its qkv_bias)
+    if facts.qkv_bias:  # biases on q, k and v only (Qwen2; Qwen2-MoE: unless its qkv_bias is off)
+        qkv_bias, o_bias = not facts.qkv_bias_field or bool(data.get(facts.qkv_bias_field, True)), False
+    else:
+        qkv_bias = o_bias = attention_bias
     return ModelSpec(
         name=str(data.get("_name") or data.get("_name_or_path") or source), model_type=model_type, hidden=hidden,
         layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=inter, vocab=vocab,
         tied=bool(data.get("tie_word_embeddings", False)), gated=True,
-        qkv_bias=(model_type == "qwen2" or bool(data.get("qkv_bias", model_type == "qwen2_moe"))) if qwen2
-        else attention_bias,
-        o_bias=not qwen2 and attention_bias,
+        qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=bool(data.get("mlp_bias", False)), max_positions=data.get("max_position_embeddings"),
         sliding_window=window if isinstance(window, int) else None, softcap=data.get("attn_logit_softcapping"),
         window_layers=window_layers if isinstance(window, int) else None, v_head_dim=v_head_dim,
-        qk_norm=model_type == "qwen3_moe", sinks=model_type == "gpt_oss", mla=mla,
-        attention_split=moe is None or model_type not in TP_NOT_MODELLED, moe=moe)
+        qk_norm=facts.qk_norm, sinks=facts.sinks, mla=mla,
+        attention_split=moe is None or facts.tp_not_modelled is None, moe=moe)
 
 
 def load_model(source: str | Path) -> ModelSpec:

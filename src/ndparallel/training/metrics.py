@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..configuration.dtypes import compute_dtype
+from ..models.families import config_names, expert_counts
 from .flops import training_flops
 
 # Dense peak FLOP/s of one device, by (name fragment, dtype); bf16/fp16 tensor cores, tf32 for fp32.
@@ -49,9 +50,9 @@ def _attr(config: Any, *names: str, default: Any = None) -> Any:
 
 def matmul_params(config: Any) -> int:
     """Weights in matrix multiplies per token, from a Hugging Face decoder config (see the module docstring)."""
-    hidden = _attr(config, "hidden_size", "n_embd")
-    layers = _attr(config, "num_hidden_layers", "n_layer")
-    heads = _attr(config, "num_attention_heads", "n_head")
+    hidden = _attr(config, *config_names("hidden"))
+    layers = _attr(config, *config_names("layers"))
+    heads = _attr(config, *config_names("heads"))
     kv_heads = _attr(config, "num_key_value_heads", default=heads)
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     inter = _attr(config, "intermediate_size", default=4 * hidden)
@@ -66,20 +67,20 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs per token of the model a Hugging Face decoder config describes, at `seq_len`
     (`ndparallel.training.flops.training_flops`).
 
-    A mixture of experts (a config with ``num_experts``, ``num_local_experts`` or ``n_routed_experts``) or a model with
-    multi-head latent attention (``kv_lora_rank``) is counted by the planner's model of it
-    (`ndparallel.planner.model.ModelSpec.flops_per_token`): only the top-k experts a token goes to, its shared experts
-    and dense layers, its own attention widths -- the dense count would take the wrong MLP."""
-    moe = any(isinstance(getattr(config, f, None), int) and getattr(config, f) > 1
-              for f in ("num_experts", "num_local_experts", "n_routed_experts"))
+    A mixture of experts (a config setting one of the family table's expert counts above 1,
+    `ndparallel.models.families.expert_counts`) or a model with multi-head latent attention (``kv_lora_rank``) is
+    counted by the planner's model of it (`ndparallel.planner.model.ModelSpec.flops_per_token`): only the top-k
+    experts a token goes to, its shared experts and dense layers, its own attention widths -- the dense count would
+    take the wrong MLP."""
+    moe = any(count > 1 for count in expert_counts(config).values())
     if moe or getattr(config, "kv_lora_rank", None):
         from ..planner.model import spec_from_config
 
         data = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
         return spec_from_config(data, type(config).__name__).flops_per_token(seq_len)
-    hidden = _attr(config, "hidden_size", "n_embd")
-    layers = _attr(config, "num_hidden_layers", "n_layer")
-    heads = _attr(config, "num_attention_heads", "n_head")
+    hidden = _attr(config, *config_names("hidden"))
+    layers = _attr(config, *config_names("layers"))
+    heads = _attr(config, *config_names("heads"))
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     return training_flops(matmul_params(config), layers, 2 * heads * head_dim, seq_len)
 

@@ -115,10 +115,11 @@ def _per_expert_modules():
 @pytest.mark.parametrize("build,ep,match", [
     (lambda: build_model("llama"), 2, r"ep_size=2: LlamaForCausalLM has no experts \(no num_experts/"
                                       r"num_local_experts/n_routed_experts in its config\).*drop ep_size"),
-    (lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**dict(_SMALL, num_experts=4))), 2,
-     r"ep_size=2: OlmoeForCausalLM \(model_type 'olmoe', \{'num_experts': 4.*\}\) is a mixture of experts whose router "
-     r"and experts ndparallel's family table does not know \(it knows \['deepseek_v3', 'gpt_oss', 'mixtral', "
-     r"'qwen2_moe', 'qwen3_moe'\]"),
+    (lambda: transformers.FlexOlmoForCausalLM(transformers.FlexOlmoConfig(**dict(_SMALL, num_experts=4,
+                                                                                    pad_token_id=0))), 2,
+     r"ep_size=2: FlexOlmoForCausalLM \(model_type 'flex_olmo', \{'num_experts': 4.*\}\) is a mixture of experts whose "
+     r"router and experts ndparallel's family table does not know \(it knows \['deepseek_v3', 'gpt_oss', 'mixtral', "
+     r"'olmoe', 'qwen2_moe', 'qwen3_moe'\]"),
     (lambda: build_model("qwen3_moe"), 3, r"ep_size=3 must divide the experts of Qwen3MoeForCausalLM: num_experts=4 "
                                           r"cannot be split over 3 ranks; use an ep_size in \[1, 2, 4\]"),
     (lambda: build_model("deepseek_v3"), 16, r"n_routed_experts=8 cannot be split over 16 ranks"),

@@ -25,7 +25,7 @@ from tiny_models import build_model
 from ndparallel.checkpoint import per_expert
 from ndparallel.parallel import state_module
 from ndparallel.checkpoint.storage import CheckpointError
-from ndparallel.parallel.tensor.families import FAMILIES
+from ndparallel.models.families import FAMILIES
 
 PER_EXPERT = re.compile(r".*\.experts\.(\d+)\..*")
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -138,7 +138,7 @@ def _plan(saved: dict[str, list[int]], family: str = "qwen3_moe") -> per_expert.
 def test_the_table_maps_every_family_it_names_as_transformers_converts(tmp_path):
     """The plan's stacked shapes are the model's own, and the rest of its names are the model's (Mixtral's router
     renamed back from block_sparse_moe)."""
-    for family in ["qwen3_moe", "qwen2_moe", "mixtral"]:
+    for family in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]:
         torch.manual_seed(0)
         model = build_model(family)
         sources = _plan(_headers(tmp_path / family, family), family)

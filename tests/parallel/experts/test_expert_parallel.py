@@ -33,7 +33,7 @@ import accelerate_style  # noqa: E402
 from harness import assert_refused, outcomes, run_ranks  # noqa: E402
 from readme_sections import read_section, write_section  # noqa: E402
 from test_parity import GLOBAL_BATCH, data_parallel_size, reference, run_layout  # noqa: E402
-from ndparallel.parallel.tensor.families import FAMILIES  # noqa: E402
+from ndparallel.models.families import FAMILIES  # noqa: E402
 
 LAYOUTS = {  # id -> (column title, world size, flags of tests/scripts/accelerate_style.py, accumulation steps)
     "ep2": ("EP 2", 2, ["--dp-shard-size", "2", "--ep-size", "2"], 1),
@@ -53,6 +53,7 @@ ROWS = {  # tiny model -> what it has (tests/scripts/tiny_models.py); its family
                    "no auxiliary loss",
     "gpt_oss": "gpt-oss: 4 experts with biases, clamped SwiGLU, router with a bias, attention sinks, "
                "load-balancing loss",
+    "olmoe": "OLMoE: 4 experts, top-2, every layer sparse, q/k norms over the whole projection, load-balancing loss",
 }
 SINKS = r"context parallelism \(GptOssAttention\): s_aux cannot be honoured by context-parallel attention"
 
@@ -76,8 +77,9 @@ PARITY = [c for c in CASES if c.refused is None]
 REFUSED = [c for c in CASES if c.refused is not None]
 CORE = ("qwen3_moe", "mixtral")  # fast loop: their 2-rank cells, and DIAGONAL; every other cell is marked slow
 # One 4-rank cell of each other family, together one of each 4-rank layout: every family and every layout kind is in
-# the fast loop once.
-DIAGONAL = {("qwen2_moe", "ep2_tp2"), ("deepseek_v3", "ep4"), ("gpt_oss", "ep2_fsdp2"), ("mixtral", "pp2_ep2")}
+# the fast loop once (OLMoE's: stages with its load-balancing loss, which the family table's routers make possible).
+DIAGONAL = {("qwen2_moe", "ep2_tp2"), ("deepseek_v3", "ep4"), ("gpt_oss", "ep2_fsdp2"), ("mixtral", "pp2_ep2"),
+            ("olmoe", "pp2_ep2")}
 
 
 def _id(case: Case) -> str:
@@ -99,8 +101,8 @@ def render_table(cases: list[Case] = CASES) -> str:
         "",
     ]
     lines += [f"- {model}: {FAMILIES[model].experts.routing}; balancing: {FAMILIES[model].experts.balancing}"
-              + (f"; beside the routed experts: {FAMILIES[model].experts.shared}" if FAMILIES[model].experts.shared
-                 else "") for model in ROWS]
+              + (f"; beside the routed experts: {FAMILIES[model].experts.shared.what}"
+                 if FAMILIES[model].experts.shared else "") for model in ROWS]
     lines += ["", "| family | " + " | ".join(title for title, *_ in LAYOUTS.values()) + " |",
               "|---|" + "---|" * len(LAYOUTS)]
     for model, title in ROWS.items():

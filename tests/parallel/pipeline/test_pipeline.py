@@ -122,19 +122,19 @@ def test_models_a_pipeline_cannot_run_exactly_are_refused(name, overrides, match
 
 def test_a_mixture_of_experts_whose_routers_the_family_table_does_not_know_is_refused_with_its_balancing_loss():
     """The stages add the load-balancing term from the routers the family table names (tests/parallel/experts cover
-    the families it knows); OLMoE is not among them. Without the term it splits."""
+    the families it knows); FlexOlmo is not among them. Without the term it splits."""
     import transformers
 
     from tiny_models import _SMALL
 
-    def olmoe(aux: bool):
-        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**dict(_SMALL, num_experts=4,
-                                                                              output_router_logits=aux)))
-    with pytest.raises(ValueError, match=r"OlmoeForCausalLM is a mixture of experts \(num_experts=4\) whose loss adds "
-                                         r"a load-balancing term .* does not know its routers \(model_type 'olmoe'\); "
-                                         r"set config.output_router_logits=False"):
-        plan_stages(olmoe(True), 2, PipelineParallelConfig())
-    plan_stages(olmoe(False), 2, PipelineParallelConfig())
+    def flex_olmo(aux: bool):
+        config = transformers.FlexOlmoConfig(**dict(_SMALL, num_experts=4, pad_token_id=0, output_router_logits=aux))
+        return transformers.FlexOlmoForCausalLM(config)
+    with pytest.raises(ValueError, match=r"FlexOlmoForCausalLM is a mixture of experts \(num_experts=4\) whose loss "
+                                         r"adds a load-balancing term .* does not know its routers \(model_type "
+                                         r"'flex_olmo'\); set config.output_router_logits=False"):
+        plan_stages(flex_olmo(True), 2, PipelineParallelConfig())
+    plan_stages(flex_olmo(False), 2, PipelineParallelConfig())
 
 
 def test_schedules_needing_more_microbatches_are_refused():

@@ -52,6 +52,7 @@ ROWS = {  # table row -> what its tiny model has (tests/scripts/tiny_models.py)
     "olmo2": "OLMo 2: q/k norms over the whole projection",
     "qwen3_moe": "Qwen3-MoE: 4 experts, top-2, load-balancing loss (coefficient 0.1) in the loss",
     "mixtral": "Mixtral: 4 experts, top-2, load-balancing loss (coefficient 0.1) in the loss",
+    "olmoe": "OLMoE: 4 experts, top-2, q/k norms over the whole projection, load-balancing loss (coefficient 0.1)",
 }
 VARIANTS = {  # tiny model -> (its row, how it differs from the row's model)
     "gemma3_window16": ("gemma3", "with window 16 (the whole sequence)"),
@@ -68,8 +69,8 @@ class Case:
     reason: str = ""  # why it is refused, for the docs table
 
 
-CASES = [Case(model, layout) for model in ("llama_tied", "qwen3", "phi3", "gpt2", "olmo2", "qwen3_moe", "mixtral")
-         for layout in LAYOUTS]
+CASES = [Case(model, layout) for model in ("llama_tied", "qwen3", "phi3", "gpt2", "olmo2", "qwen3_moe", "mixtral",
+                                           "olmoe") for layout in LAYOUTS]
 CASES += [Case("gemma3", layout) for layout in ("fsdp2", "tp2", "fsdp2_tp2")]
 CASES += [case for layout in ("cp2", "sp2") for case in (
     Case("gemma3", layout),  # the window-8 layers: CP/SP attention masks the window
@@ -185,7 +186,10 @@ def _styles(model: str, **config) -> tuple[dict[str, str], str]:
     ("qwen3_moe", "own plan", {"model.layers.0.mlp.experts": "unsplit",
                                "model.layers.0.self_attn.k_norm": "replicated_with_grad_allreduce"}),
     ("mixtral", "own plan", {"model.layers.1.mlp.experts": "unsplit", "model.layers.1.self_attn.o_proj": "rowwise"}),
-], ids=["llama_tied", "qwen3", "gemma3", "phi3", "gpt2", "olmo2", "qwen3_moe", "mixtral"])
+    ("olmoe", "plan for 'olmoe' (used because", {"model.layers.0.self_attn.k_norm": "sharded_norm",
+                                                 "model.layers.0.mlp.experts": "unsplit", "lm_head":
+                                                 "colwise_gather_output"}),
+], ids=["llama_tied", "qwen3", "gemma3", "phi3", "gpt2", "olmo2", "qwen3_moe", "mixtral", "olmoe"])
 def test_each_family_plan_resolves_with_transformers_styles(model, source, expected):
     styles, where = _styles(model)
     assert source in where
@@ -269,7 +273,7 @@ def test_the_matrix_catches_a_broken_tie_or_per_rank_load_balancing(what, model,
 
 
 def _own_plan_run(model: str, argv: list[str]) -> dict:
-    from ndparallel.parallel.tensor import families
+    from ndparallel.models import families
 
     families.FAMILIES[model] = families.Family()  # in this forked rank only: transformers' plan, not ndparallel's
     return accelerate_style.main(argv)

@@ -9,7 +9,7 @@ over ``expert_shard`` (= fsdp / ep) and replicates over dp_replicate (`apply.sha
 tokens and the experts whole (transformers' ``moe_tp_experts`` is ``unsplit``): each tp rank exchanges with its own ep
 group.
 
-- `layout`: which modules are the experts and routers (the family table, `ndparallel.parallel.tensor.families`), and
+- `layout`: which modules are the experts and routers (the family table, `ndparallel.models.families`), and
   the refusals;
 - `apply`: the check and apply steps, and FSDP2 over the split experts;
 - `dispatch`: the experts module's call -- route, exchange, compute, return, combine;

@@ -6,7 +6,7 @@ capability 8.0 or more), on CPU when every stride is a multiple of 16 bytes; els
 (one matmul each, never a loop over tokens). An expert that received no rows still takes part (an empty matmul), so
 every local expert's weights get a gradient -- zero -- and FSDP2's reduce-scatter sees the same tensors on every rank.
 
-The experts module is transformers' stacked layout (`ndparallel.parallel.tensor.families.Experts`), described by the
+The experts module is transformers' stacked layout (`ndparallel.models.families.Experts`), described by the
 attributes transformers' ``use_experts_implementation`` gives it: ``has_gate`` (a ``gate_up_proj`` whose output
 ``_apply_gate`` turns into the activation, else ``up_proj`` and ``act_fn``), ``has_bias`` (``*_bias`` per expert),
 ``is_transposed`` (weights stored (experts, in, out) rather than (experts, out, in)). The model's own ``_apply_gate``

@@ -7,11 +7,11 @@ import re
 
 from torch import nn
 
+from ...models.families import Experts, expert_count_fields, expert_counts, expert_types, experts_of
 from ..adapted import adapter_free
-from ..tensor.families import FAMILIES, Experts
 
-# Config fields through which transformers' mixtures of experts give their number of routed experts.
-EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+# Config fields through which the table's mixtures of experts give their number of routed experts.
+EXPERT_COUNTS = expert_count_fields()
 # What transformers' `use_experts_implementation` sets on a stacked experts module (`compute` reads them).
 LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_transposed")
 
@@ -19,8 +19,7 @@ LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_transposed")
 def family_experts(model: nn.Module) -> tuple[str | None, Experts | None]:
     """The model type and the family table's `Experts` entry for it (None where it has none)."""
     model_type = getattr(getattr(adapter_free(model), "config", None), "model_type", None)
-    family = FAMILIES.get(model_type)
-    return model_type, family.experts if family is not None else None
+    return model_type, experts_of(model_type)
 
 
 def expert_count(model: nn.Module, experts: Experts) -> int:
@@ -50,14 +49,14 @@ def check_experts(model: nn.Module, ep: int) -> None:
     model_type, experts = family_experts(model)
     if experts is None:
         config = getattr(adapter_free(model), "config", None)
-        counts = {f: getattr(config, f) for f in EXPERT_COUNTS if isinstance(getattr(config, f, None), int)}
+        counts = expert_counts(config)
         if not any(counts.values()):
             raise ValueError(f"ep_size={ep}: {name} has no experts (no {'/'.join(EXPERT_COUNTS)} in its config): "
                              "expert parallelism splits the experts of a mixture-of-experts model; drop ep_size")
-        known = sorted(t for t, f in FAMILIES.items() if f.experts)
+        known = sorted(expert_types())
         raise ValueError(f"ep_size={ep}: {name} (model_type {model_type!r}, {counts}) is a mixture of experts whose "
                          f"router and experts ndparallel's family table does not know (it knows {known}: "
-                         "ndparallel.parallel.tensor.families.FAMILIES); train it without ep_size (FSDP2 shards its "
+                         "ndparallel.models.families.FAMILIES); train it without ep_size (FSDP2 shards its "
                          "experts), or add an Experts entry for its family")
     count = expert_count(model, experts)
     if count % ep:

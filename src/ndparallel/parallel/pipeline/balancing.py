@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
+from ...models.families import ROUTER_LOSS, USUAL_EXPERTS
 from ..experts.layout import family_experts
 from ..moe import gather_token_rows, load_balancing_function
 
@@ -48,7 +49,7 @@ _SHAPE_CALL_WITH_GRAD = hasattr(pipelining.PipelineStage, "_forward_metadata_inf
 def routers(model: nn.Module, stages: dict[int, nn.Module]) -> list[nn.Module]:
     """The router modules of this rank's stages, stage by stage, layer by layer (sparse layers only)."""
     _, experts = family_experts(model)
-    path = experts.router if experts is not None else "mlp.gate"
+    path = (experts or USUAL_EXPERTS).router
     found = []
     for index in sorted(stages):
         for layer in stages[index].model.layers.values():
@@ -84,8 +85,7 @@ class BalancingTerm:
     def __init__(self, function: Callable[..., Any], model: nn.Module, routers: list[nn.Module],
                  pp_group: dist.ProcessGroup, loss_group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.function, self.routers, self.device = function, routers, device
-        self.num_experts, self.top_k = model.num_experts, model.num_experts_per_tok
-        self.coef = float(model.router_aux_loss_coef)
+        self.expert_count, self.top_k, self.coef = ROUTER_LOSS.arguments(model)
         self.pp_group, self.loss_group = pp_group, loss_group
         self._records: dict[int, list[torch.Tensor]] | None = None
         self._extra: dict[int, list[torch.Tensor]] = {}
@@ -152,7 +152,7 @@ class BalancingTerm:
             mask = gather_token_rows(mask, group) if mask is not None else None
         leaf = rows.detach().requires_grad_(factor is not None)
         with torch.enable_grad():
-            total = self.function(tuple(leaf[:, i] for i in range(leaf.shape[1])), self.num_experts, self.top_k,
+            total = self.function(tuple(leaf[:, i] for i in range(leaf.shape[1])), self.expert_count, self.top_k,
                                   mask)
         if factor is not None:
             # The factor may be a tensor on the device (`ndparallel.training.loss.TokenTotal`): summed there, never
@@ -174,7 +174,7 @@ class BalancingTerm:
         tokens = max(int(c[1]) for c in counts)
         most = max(int(c[0]) for c in counts)
         dtype = _DTYPES[max(int(c[2]) for c in counts)]
-        padded = torch.zeros(tokens, most, self.num_experts, device=self.device, dtype=dtype)
+        padded = torch.zeros(tokens, most, self.expert_count, device=self.device, dtype=dtype)
         if local is not None:
             padded[:, :count] = local
         parts = [torch.empty_like(padded) for _ in counts]
@@ -197,6 +197,6 @@ def balancing_term(model: nn.Module, stages: dict[int, nn.Module], pp_group: dis
     """The term for a model whose loss adds a load-balancing term (`moe.load_balancing_function` and
     ``output_router_logits`` on), else None."""
     function = load_balancing_function(model)
-    if function is None or not getattr(model.config, "output_router_logits", False):
+    if function is None or not ROUTER_LOSS.on(model.config):
         return None
     return BalancingTerm(function, model, routers(model, stages), pp_group, loss_group, device)

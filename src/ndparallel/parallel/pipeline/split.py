@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...configuration.handlers import PP_SCHEDULES, PipelineParallelConfig
+from ...models.families import ROUTER_LOSS, expert_counts
 from ..adapted import adapter_free
 from ..experts.layout import family_experts
 
@@ -116,8 +117,8 @@ def check_splittable(model: nn.Module, pp: int) -> str:
     if positions:
         raise ValueError(f"{where}: {name} adds learned positions ({positions[0]}) to its embeddings inside its "
                          "forward, which a later stage cannot skip; pipeline stages are not supported for it")
-    experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, k, None)]
-    if experts and getattr(config, "output_router_logits", False) and family_experts(model)[1] is None:
+    experts = [k for k, v in expert_counts(config).items() if v]
+    if experts and ROUTER_LOSS.on(config) and family_experts(model)[1] is None:
         # The stages add the load-balancing term from the routers' logits (`balancing`): the family table says
         # where a family's routers are.
         raise ValueError(f"{where}: {name} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}) "

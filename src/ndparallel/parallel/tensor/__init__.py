@@ -1,6 +1,6 @@
 """Tensor parallelism over the ``tp`` view: `plans` (where a plan comes from, resolving it, the check and apply
-steps), `styles` (each style name as a torch ``ParallelStyle``), `families` (per-family plans and fused layers, as
-data), `presharded` (models transformers already split, gathered back)."""
+steps), `styles` (each style name as a torch ``ParallelStyle``), `presharded` (models transformers already split,
+gathered back). The per-family plans and fused layers are data in `ndparallel.models.families`."""
 
 from .plans import (
     ALIASES,

@@ -14,8 +14,8 @@ between tensor-parallel regions (the residual stream, norms, dropout) are split 
 
 Where a plan comes from, first match wins: the one the user passed (``prepare(model, tp_plan=...)``, then
 ``TorchTensorParallelConfig(plan=...)``), ndparallel's plan for the model's family where it replaces the model's own
-(`families.FAMILIES`), the Hugging Face model's own (``config.base_model_tp_plan`` under the base model's prefix
-plus the class ``_tp_plan``), a built-in plan for the family (`families.BUILTIN_PLANS`, by ``config.model_type``).
+(`ndparallel.models.families.FAMILIES`), the Hugging Face model's own (``config.base_model_tp_plan`` under the base
+model's prefix plus the class ``_tp_plan``), a built-in plan for the family (`BUILTIN_PLANS`, by ``config.model_type``).
 
 Tied weights (an LM head sharing the input embedding's matrix) are split once: every module using a tied parameter
 must place it alike, so a head split along the vocabulary makes the embedding vocabulary-parallel too
@@ -37,10 +37,10 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, para
 
 from ...configuration.handlers import TorchTensorParallelConfig
 from ...distributed.mesh import ParallelMesh
+from ...models.families import BUILTIN_PLANS, FAMILIES, Fused
 from ..options import PrepareOptions
 from ..adapted import adapter_free
 from .adapters import expand_adapters, layer_of
-from .families import BUILTIN_PLANS, FAMILIES, Fused
 from .styles import (ALIASES, STYLES, PackedColwise, ShardSequenceOutput, build_style, is_conv1d, is_norm,
                      param_placements, split_dims)
 
@@ -423,8 +423,8 @@ class _ConfigView:
 
 
 def _localize_packed(model: nn.Module, tp: int, names: list[str]) -> None:
-    """Tell the parent of each packed_colwise layer the sizes it now sees (`families.Fused.local`), divided by tp (once
-    per layer: an adapter's B, split with its base layer, tells nobody)."""
+    """Tell the parent of each packed_colwise layer the sizes it now sees (`ndparallel.models.families.Fused.local`),
+    divided by tp (once per layer: an adapter's B, split with its base layer, tells nobody)."""
     modules = dict(model.named_modules())
     for name in names:
         if layer_of(name) != name and not name.endswith(".base_layer"):
