@@ -115,3 +115,10 @@ def test_a_position_in_a_later_epoch_ends_the_pass():
     behind.continue_at(ahead.state_dict())
     assert list(it) == []
     assert behind.epoch == 1 and [b[0].tolist() for b in behind][0] == [0.0, 1.0]
+
+
+def test_the_trainer_is_refused_under_fault_tolerance_before_any_collective(monkeypatch):
+    trainer = pytest.importorskip("ndparallel.integrations.trainer")
+    monkeypatch.setenv("NDPARALLEL_FT_REPLICAS", "2")
+    with pytest.raises(ValueError, match="does not run the Hugging Face Trainer yet"):
+        trainer.TrainerAccelerator()  # no process group exists here: it raised before any

@@ -29,6 +29,7 @@ class CheckpointingMixin:
     prepared: PreparedObjects
     project_configuration: ProjectConfiguration
     gradient_accumulation_steps: int
+    replica_groups: Any  # ndparallel.fault_tolerance.ReplicaGroups | None
 
     @property
     def project_dir(self) -> str | os.PathLike | None:
@@ -65,6 +66,9 @@ class CheckpointingMixin:
         """
         self._ignored_kwargs("save_state", kwargs)
         self._check_same_directory("save_state", output_dir)
+        groups = self.replica_groups
+        if groups is not None and not groups.writes_checkpoints():  # fault tolerance: another group writes it
+            return str(output_dir if output_dir is not None else self.project_configuration.checkpoints_dir)
         hooks = list(self._save_state_pre_hooks.values())
         models = list(self.prepared.models)
 

@@ -13,7 +13,7 @@ A step under faults, top to bottom (`ndparallel.Accelerator` calls each part):
    shard) is summed over the groups of the quorum and divided by their number. A group that is healing (it joined
    late and is fetching the live state) contributes zeros and is not counted;
 3. ``optimizer.step()`` asks `should_commit`: a group that healed loads the fetched state first (parameters,
-   optimizer and scheduler state, RNG, data position), then every group of the quorum steps with the same averaged
+   optimizer and scheduler state, objects registered for checkpointing, RNG, data position), then every group of the quorum steps with the same averaged
    gradients, so all of them hold the same parameters afterwards. A step that lost a group half-way (its all-reduce
    failed) or has fewer than ``min_replicas`` groups is not committed: no group steps, the batch is dropped, the next
    step forms a new quorum without the dead group.
@@ -110,6 +110,7 @@ class ReplicaGroups:
             self._log = Path(directory) / f"replica_{settings.replica_id}.jsonl"
         self._in_step = False  # a quorum was started for the step under way
         self._first_step = True
+        self._quorums = 0  # quorums started by this process
         self._positions: list[dict[str, Any]] = []  # the data loaders' states when the step began
         self._loss: torch.Tensor | None = None
         self._contributors: torch.Tensor | None = None  # the groups in this step's gradient average (on the device)
@@ -131,6 +132,7 @@ class ReplicaGroups:
         # The batch of this step is drawn already: a group that heals from this one continues after it.
         self._positions = [loader.state_dict() for loader in self.prepared.dataloaders]
         self.manager.start_quorum()
+        self._quorums += 1
 
     # ---- 2. gradients averaged over the groups that take part ------------------------------------------------------
     def average_gradients(self, models: list[nn.Module], loss: torch.Tensor | None = None) -> None:
@@ -230,6 +232,15 @@ class ReplicaGroups:
         self._in_step, self._loss, self._contributors = False, None, None
         return committed
 
+    # ---- checkpoints beside it ----------------------------------------------------------------------------------
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes `save_state`'s checkpoint: one group does, the first of those up to date in the
+        current quorum (every group sees the same quorum); before the first step, group 0. The others hold the same
+        state and skip the write, so no two groups write one directory."""
+        if not self._quorums:
+            return self.settings.replica_id == 0
+        return self.manager.participating_rank() == 0
+
     # ---- the live state a healing group takes ----------------------------------------------------------------------
     def _live_state(self) -> dict[str, Any]:
         """This rank's part of everything a step changes, as plain local tensors (torchft's transport sends it to the
@@ -238,6 +249,7 @@ class ReplicaGroups:
             "models": [{name: _send(t) for name, t in _tensors(m)} for m in self.prepared.models],
             "optimizers": [_local_optimizer_state(o.state_dict()) for o in self.prepared.optimizers],
             "schedulers": [s.state_dict() for s in self.prepared.schedulers],
+            "custom": [o.state_dict() for o in self.prepared.custom_objects],  # register_for_checkpointing
             "loaders": self._positions,
             "rng": torch.get_rng_state(),
         }
@@ -254,6 +266,8 @@ class ReplicaGroups:
             optimizer.load_state_dict(_distributed_optimizer_state(saved, optimizer))
         for scheduler, saved in zip(self.prepared.schedulers, state["schedulers"]):
             scheduler.load_state_dict(saved)
+        for obj, saved in zip(self.prepared.custom_objects, state["custom"]):
+            obj.load_state_dict(saved)
         for loader, position in zip(self.prepared.dataloaders, state["loaders"]):
             loader.continue_at(position)
         torch.set_rng_state(state["rng"])

@@ -86,6 +86,7 @@ from ..training.data import PreparedDataLoader
 from ..training.loss import IGNORE_INDEX, count_loss_tokens
 from ..training.prepared import PreparedObjects
 from ..launch.worker import launch_sizes
+from ..fault_tolerance.settings import REPLICAS_ENV
 from .trainer_versions import (HOOK_MARK, TESTED_TRANSFORMERS, check_support, check_version,  # noqa: F401
                                hook_problems, warn_once)
 
@@ -189,6 +190,13 @@ class TrainerAccelerator(Accelerator):
     `_TrainerView`."""
 
     def __init__(self, **kwargs: Any) -> None:
+        if os.environ.get(REPLICAS_ENV):  # every rank alike, before any collective
+            raise ValueError(
+                "ndparallel launch --fault-tolerant does not run the Hugging Face Trainer yet: a replica group that "
+                "heals would take the live model and optimizer but not the Trainer's own step count, epoch and LR "
+                "scheduler, and go on from the wrong ones; launch without --fault-tolerant (restarts resume from "
+                "the Trainer's checkpoints: --max-restarts with resume_from_checkpoint), or write the loop with "
+                "ndparallel's Accelerator (docs/failures.md)")
         super().__init__(**kwargs)
         _configure_accelerate_state(self.device)
         self.gradient_state.plugin_kwargs = {"num_steps": self.gradient_accumulation_steps,
