@@ -182,7 +182,8 @@ class Accelerator(TrainingStepMixin, DataMixin, ProcessesMixin, CollectivesMixin
         self.gradient_state = GradientState(s.accumulation_steps, self.mesh.size("loss"))
         # This rank's part of every sequence under context/sequence parallelism (None without): the one geometry
         # the data loaders count loss tokens with and maybe_context_parallel shards with.
-        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh, s.parallelism.cp_handler)
+        self.sequence_sharding = SequenceSharding.from_mesh(self.mesh, s.parallelism.cp_handler,
+                                                            s.memory.ulysses_head_chunks)
         scaler = torch.amp.GradScaler(self.device.type, **s.scaler_kwargs) if s.mixed_precision == "fp16" else None
         self.prepared = PreparedObjects(self.gradient_state, scaler)  # what save_state / load_state cover
         # `ndparallel launch --fault-tolerant`: this process's replica group in torchft's (None otherwise)

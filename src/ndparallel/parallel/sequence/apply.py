@@ -14,7 +14,7 @@ from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
 from . import hooks
 from .sharding import describe_sizes
-from .ulysses import check_heads
+from .ulysses import check_head_chunks, check_heads
 
 
 def _sizes(mesh: ParallelMesh) -> str:
@@ -32,6 +32,8 @@ def check_sequence_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepa
         if isinstance(heads, int):
             kv = getattr(config, "num_key_value_heads", None) or heads
             check_heads(heads, kv, mesh.size("sp"), mesh.size("tp"), where=type(model).__name__)
+            check_head_chunks(options.memory.ulysses_head_chunks, heads, mesh.size("sp"), mesh.size("tp"),
+                              where=type(model).__name__)
 
 
 def apply_sequence_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:

@@ -46,13 +46,14 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard
 def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shards: SequenceShards,
                                 *, cp_group: dist.ProcessGroup | None = None, sp_group: dist.ProcessGroup | None = None,
                                 strategy: str = "allgather", is_causal: bool = True, scale: float | None = None,
-                                doc: DocumentMask | None = None) -> torch.Tensor:
+                                doc: DocumentMask | None = None, head_chunks: int | str | None = None) -> torch.Tensor:
     """Exact attention of this rank's shard of queries over the whole sequence (causal by global position, or full).
 
     `shards` says which positions this rank holds (`SequenceShards`); `cp_group` / `sp_group` are the ``cp`` and
     ``sp`` groups (needed when their size is above 1); `strategy` is the context-parallel one ("allgather" or
     "ring"). Tensors are ``[batch, heads, local_len, head_dim]``; key/value may have fewer heads (GQA). `doc`: which
-    keys each query sees in a padded or packed batch, and a sliding window (`masking.DocumentMask`).
+    keys each query sees in a padded or packed batch, and a sliding window (`masking.DocumentMask`). `head_chunks`
+    (sp > 1): Ulysses over that many groups of heads, one after the other (`ulysses.ulysses_attention`).
     """
     check_qkv(query, key, value, shards)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -70,4 +71,4 @@ def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: t
 
     if shards.sp_size == 1:
         return attend(query, key, value)
-    return ulysses_attention(query, key, value, sp_group, attend)
+    return ulysses_attention(query, key, value, sp_group, attend, head_chunks)

@@ -94,19 +94,31 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
+def heads_from_parts(parts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[size, B, h, L, D]`` (``parts[t]``: this rank's piece of the sequence for rank t's h heads) ->
+    ``[B, h, size*L, D]``: this rank's h heads over every rank's piece, in rank order."""
+    size, b, h, n, d = parts.shape
+    return _all_to_all(parts, group).permute(1, 2, 0, 3, 4).reshape(b, h, size * n, d)
+
+
+def parts_from_heads(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """``[B, h, size*L, D]`` -> ``[size, B, h, L, D]``: the inverse of `heads_from_parts`."""
+    b, h, n, d = x.shape
+    return _all_to_all(x.reshape(b, h, size, n // size, d).permute(2, 0, 1, 3, 4), group)
+
+
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
     """``[B, H, L, D]`` (this rank's piece of the sequence, all heads) -> ``[B, H/size, size*L, D]``: rank s keeps
     heads ``[s*H/size, (s+1)*H/size)`` of every rank's piece, the pieces concatenated in rank order."""
     b, h, n, d = x.shape
-    parts = _all_to_all(x.reshape(b, size, h // size, n, d).transpose(0, 1), group)  # [size, B, H/size, L, D]
-    return parts.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * n, d)
+    return heads_from_parts(x.reshape(b, size, h // size, n, d).transpose(0, 1), group)
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
     """``[B, H/size, size*L, D]`` -> ``[B, H, L, D]``: the inverse of `seq_to_heads`."""
-    b, h, n, d = x.shape
-    parts = _all_to_all(x.reshape(b, h, size, n // size, d).permute(2, 0, 1, 3, 4), group)  # [size, B, H/size, L, D]
-    return parts.transpose(0, 1).reshape(b, size * h, n // size, d)
+    parts = parts_from_heads(x, group, size)  # [size, B, H/size, L, D]
+    size, b, h, n, d = parts.shape
+    return parts.transpose(0, 1).reshape(b, size * h, n, d)
 
 
 class SeqToHeads(torch.autograd.Function):

@@ -50,16 +50,19 @@ class SequenceSharding:
     cp_group: dist.ProcessGroup | None = None
     sp_group: dist.ProcessGroup | None = None
     balance_documents: bool = False  # deal packed rows' chunks over cp by attention work (`plan`)
+    head_chunks: int | str | None = None  # Ulysses over groups of heads (`MemoryKwargs.ulysses_head_chunks`)
 
     @classmethod
-    def from_mesh(cls, mesh: ParallelMesh, handler: TorchContextParallelConfig) -> SequenceSharding | None:
-        """This rank's sharding on `mesh`, with the settings of `handler`; None without CP or SP."""
+    def from_mesh(cls, mesh: ParallelMesh, handler: TorchContextParallelConfig,
+                  head_chunks: int | str | None = None) -> SequenceSharding | None:
+        """This rank's sharding on `mesh`, with the settings of `handler` and Ulysses' `head_chunks`; None without CP
+        or SP."""
         cp, sp = mesh.size("cp"), mesh.size("sp")
         if cp == 1 and sp == 1:
             return None
         return cls(cp, mesh.rank("cp"), sp, mesh.rank("sp"), handler.load_balance, handler.cp_comm_strategy,
                    mesh.group("cp") if cp > 1 else None, mesh.group("sp") if sp > 1 else None,
-                   handler.balance_documents)
+                   handler.balance_documents, head_chunks)
 
     @property
     def sizes(self) -> str:
@@ -121,7 +124,8 @@ class SequenceSharding:
     def attend(self, layout: SequenceShards, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                is_causal: bool, scale: float | None, doc: DocumentMask | None = None) -> torch.Tensor:
         return sequence_parallel_attention(query, key, value, layout, cp_group=self.cp_group, sp_group=self.sp_group,
-                                           strategy=self.strategy, is_causal=is_causal, scale=scale, doc=doc)
+                                           strategy=self.strategy, is_causal=is_causal, scale=scale, doc=doc,
+                                           head_chunks=self.head_chunks)
 
     @contextlib.contextmanager
     def sharded(self, buffers: list[torch.Tensor] | None, seq_dims: list[int] | None,

@@ -1,0 +1,198 @@
+"""Head-chunked Ulysses attention (issue 50, item 2): the all-to-alls, the attention and its backward over groups of
+heads, against the unchunked path.
+
+- exactness: sp 2 (and cp 2 x sp 2), MHA and GQA (including chunks that need the key/value heads repeated further),
+  chunks 2 and one query head per chunk, causal and full: output and q/k/v gradients against the unchunked path's
+  in fp32 (the same operations on the same heads: 1e-6), and the prepared tiny Llama and Qwen2 (GQA) trained 6 steps
+  under ``NDPARALLEL_ULYSSES_HEAD_CHUNKS`` against the same script unchunked;
+- memory: the bytes alive at the peak of one attention layer's forward + backward on one sp rank
+  (`step_costs.LiveBytes`), chunked against unchunked: fails without the feature;
+- host syncs: none, as unchunked (`step_costs.StepCosts`);
+- the option: parsing, the environment, "auto", and the refusal of chunks that do not divide the heads.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import accelerate_style
+from harness import run_ranks
+from ndparallel import MemoryKwargs
+from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention
+from ndparallel.parallel.sequence.ulysses import auto_head_chunks, check_head_chunks, chunk_counts
+from step_costs import LiveBytes, StepCosts
+from test_parity import GLOBAL_BATCH, max_param_diff
+
+TOLERANCE = 1e-6  # fp32; the chunks run the same kernels on the same heads
+HEADS = [(8, 8), (8, 4), (8, 2)]  # (query, key/value heads): per sp-2 rank 4 query heads, 4, 2 or 1 key/value heads
+
+
+def _groups(cp: int) -> tuple[int, int, int, dist.ProcessGroup, dist.ProcessGroup | None]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp = world // cp
+    cp_rank, sp_rank = divmod(rank, sp)
+    sp_groups = [dist.new_group(list(range(c * sp, (c + 1) * sp))) for c in range(cp)]
+    cp_groups = [dist.new_group(list(range(s, world, sp))) for s in range(sp)]
+    return sp, cp_rank, sp_rank, sp_groups[cp_rank], cp_groups[sp_rank] if cp > 1 else None
+
+
+def _run(layout, local, dout, sp_group, cp_group, causal, chunks):
+    leaves = [t.detach().clone().requires_grad_() for t in local]
+    out = sequence_parallel_attention(*leaves, layout, cp_group=cp_group, sp_group=sp_group, is_causal=causal,
+                                      head_chunks=chunks)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _compare(cp: int) -> dict[str, float]:
+    dist.init_process_group("gloo")
+    sp, cp_rank, sp_rank, sp_group, cp_group = _groups(cp)
+    errors: dict[str, float] = {}
+    seq = 16 * cp
+    for (hq, hkv), causal in itertools.product(HEADS, (True, False)):
+        g = torch.Generator().manual_seed(hq * 10 + hkv)
+        q, dout = (torch.randn(2, hq, seq, 8, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, hkv, seq, 8, generator=g) for _ in range(2))
+        layout = SequenceShards.of(seq, cp, cp_rank, True, sp, sp_rank)
+        local = [layout.shard(t, 2) for t in (q, k, v)]
+        plain = _run(layout, local, layout.shard(dout, 2), sp_group, cp_group, causal, None)
+        for chunks in (2, hq // sp):  # two groups; one query head per group
+            got = _run(layout, local, layout.shard(dout, 2), sp_group, cp_group, causal, chunks)
+            errors[f"heads={hq}/{hkv} causal={causal} chunks={chunks}"] = max(
+                (a - b).abs().max().item() for a, b in zip(got, plain))
+    dist.destroy_process_group()
+    return errors
+
+
+@pytest.mark.parametrize("cp,world", [(1, 2), (2, 4)], ids=["sp2", "cp2_sp2"])
+def test_head_chunks_match_the_unchunked_path(cp, world):
+    results = run_ranks(_compare, world, cp, timeout=120)
+    assert len(results[0]) == len(HEADS) * 2 * 2
+    worst = {case: max(r[case] for r in results) for case in results[0]}
+    bad = {case: err for case, err in worst.items() if not err <= TOLERANCE}
+    assert not bad, f"cp={cp}: {bad}"
+
+
+# ---- memory and host syncs on one sp rank ----------------------------------------------------------------------------
+SEQ, MEM_HEADS, HEAD_DIM = 2048, 8, 32  # per sp-2 rank: 4 query heads of 2048 tokens, fp32
+
+
+def _costs() -> dict[str, dict]:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    layout = SequenceShards.of(SEQ, 1, 0, True, 2, rank)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, MEM_HEADS, SEQ, HEAD_DIM, generator=g) for _ in range(4)]
+    local = [layout.shard(t, 2).contiguous() for t in full]
+    report = {}
+    for chunks in (None, 2, 4):
+        leaves = [t.clone().requires_grad_() for t in local[:3]]
+        with LiveBytes() as memory, StepCosts() as costs:
+            out = sequence_parallel_attention(*leaves, layout, sp_group=dist.group.WORLD, head_chunks=chunks)
+            out.backward(local[3])
+            del out
+        report[str(chunks)] = {"peak": memory.peak, "syncs": costs.syncs, "collectives": dict(costs.collectives)}
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.fixture(scope="module")
+def costs() -> list[dict]:
+    return run_ranks(_costs, 2, timeout=120)
+
+
+def test_head_chunks_hold_fewer_bytes_at_the_peak(costs):
+    """Per rank, u = one sequence-sharded q/k/v/o tensor (8 heads x 1024 tokens x 32 x 4 B = 1 MiB); under sp 2 a
+    rank's full-sequence heads (4 heads x 2048 tokens) are u too. Unchunked, attention's backward holds the layer's
+    output (u) and 8u of full-sequence heads: q, k, v, o, the output's gradient, and the q/k/v gradients. Chunked,
+    the shard's output and q/k/v gradients (4u, which the layer has anyway) and 8u / chunks of full-sequence heads:
+    6u with 4 chunks, 0.66x the unchunked peak."""
+    u = MEM_HEADS * (SEQ // 2) * HEAD_DIM * 4
+    for report in costs:
+        plain, two, four = (report[k]["peak"] for k in ("None", "2", "4"))
+        assert plain >= 9 * u
+        for chunks, peak in ((2, two), (4, four)):
+            # the log-sum-exp (fp32, a head's tokens) aside: 4u + 8u / chunks
+            assert peak <= 4 * u + 8 * u / chunks + 0.02 * u, f"{chunks} chunks: {peak / u:.2f}u at the peak"
+        assert four <= 0.70 * plain, f"4 chunks: {four / plain:.2f}x the unchunked peak ({four} vs {plain} bytes)"
+
+
+def test_head_chunks_add_no_host_sync(costs):
+    for report in costs:
+        assert report["None"]["syncs"] == report["2"]["syncs"] == report["4"]["syncs"] == 0
+        # unchunked: four all-to-alls forward (q, k, v, o), their four adjoints backward; chunked, per chunk: four
+        # forward, and in backward q, k, v's again and the four adjoints
+        assert sum(report["None"]["collectives"].values()) == 8
+        assert sum(report["4"]["collectives"].values()) == 4 * 11
+
+
+# ---- the prepared models ---------------------------------------------------------------------------------------------
+def _train(model: str, chunks: str | None) -> list[dict]:
+    argv = ["--model", model, "--micro-batch", str(GLOBAL_BATCH), "--accum", "1", "--sp-size", "2",
+            "--optimizer", "sgd", "--lr", "0.5", "--return-params"]
+    return run_ranks(accelerate_style.main, 2, argv, env={"NDPARALLEL_ULYSSES_HEAD_CHUNKS": chunks} if chunks else {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "qwen2"])  # 8 query heads, 4 key/value heads (GQA)
+def test_prepared_models_train_as_unchunked(model):
+    plain = _train(model, None)
+    for chunks in ("2", "4"):  # 4: one query head per chunk, the key/value heads repeated to 8
+        got = _train(model, chunks)
+        diff = max(abs(a - b) for a, b in zip(got[0]["losses"], plain[0]["losses"]))
+        assert diff <= TOLERANCE, f"{model} chunks={chunks}: per-step losses differ by {diff:.2e}"
+        assert max_param_diff(got[0]["params"], plain[0]["params"]) <= TOLERANCE
+
+
+# ---- the option ------------------------------------------------------------------------------------------------------
+def test_option_and_environment():
+    assert MemoryKwargs().ulysses_head_chunks is None
+    assert MemoryKwargs(ulysses_head_chunks="4").ulysses_head_chunks == 4
+    assert MemoryKwargs(ulysses_head_chunks=1).ulysses_head_chunks is None
+    assert MemoryKwargs(ulysses_head_chunks="Auto").ulysses_head_chunks == "auto"
+    env = {"NDPARALLEL_ULYSSES_HEAD_CHUNKS": "2"}
+    assert MemoryKwargs.from_env(None, env).ulysses_head_chunks == 2
+    assert MemoryKwargs.from_env(MemoryKwargs(ulysses_head_chunks=4), env).ulysses_head_chunks == 4
+    with pytest.raises(ValueError, match=r"ulysses_head_chunks must be None, 'auto' or an int >= 1, got 'two'"):
+        MemoryKwargs(ulysses_head_chunks="two")
+
+
+def test_auto_picks_the_fewest_chunks_that_fit_and_refusals():
+    assert chunk_counts(32, 8) == [1, 2, 4]
+    # Llama-3.1-8B shaped, sp 8, bf16: 4 query heads and 1 key/value head (repeated as chunks need) per rank
+    per_head = 128 * 2  # bytes of one head's token
+    assert auto_head_chunks(32, 8, 8, 1 << 20, 1, 128, 2) == 4  # even one head each is over 128 MiB: the most
+    assert auto_head_chunks(32, 8, 8, 4096, 1, 128, 2) == 1  # 10 heads x 4096 x 256 B = 10 MiB: unchunked
+    fits_two = 128 * 2**20 // ((2 + 2 + 1 + 1) * per_head)  # 2 chunks: q, o of 2 heads, k, v of 1 (repeated) each
+    assert auto_head_chunks(32, 8, 8, fits_two, 1, 128, 2) == 2
+    assert auto_head_chunks(32, 8, 8, fits_two + 1, 1, 128, 2) == 4
+    check_head_chunks(2, 8, sp_size=2, tp_size=2)
+    check_head_chunks("auto", 8, sp_size=2)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: ulysses_head_chunks=3 does not divide the 4 query heads "
+                                         r"each sp rank holds .* chunk counts that work: \[1, 2, 4\]"):
+        check_head_chunks(3, 8, sp_size=2, where="LlamaForCausalLM")
+
+
+def _prepared_setting() -> dict:
+    from ndparallel import Accelerator, ParallelismConfig
+    from tiny_models import build_model
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(sp_size=2))
+    chunks = acc.sequence_sharding.head_chunks
+    try:
+        acc.prepare(build_model("llama"))
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return {"chunks": chunks, "refused": refused}
+
+
+def test_the_environment_reaches_attention_and_prepare_refuses_chunks_that_do_not_divide():
+    on = run_ranks(_prepared_setting, 2, env={"NDPARALLEL_ULYSSES_HEAD_CHUNKS": "2"}, timeout=60)
+    assert [r["chunks"] for r in on] == [2, 2] and not on[0]["refused"]
+    bad = run_ranks(_prepared_setting, 2, env={"NDPARALLEL_ULYSSES_HEAD_CHUNKS": "3"}, timeout=60)
+    assert "ulysses_head_chunks=3 does not divide the 4 query heads each sp rank holds" in bad[0]["refused"]
