@@ -131,9 +131,9 @@ def test_head_chunks_add_no_host_sync(costs):
 
 
 # ---- the prepared models ---------------------------------------------------------------------------------------------
-def _train(model: str, chunks: str | None) -> list[dict]:
+def _train(model: str, chunks: str | None, *flags: str) -> list[dict]:
     argv = ["--model", model, "--micro-batch", str(GLOBAL_BATCH), "--accum", "1", "--sp-size", "2",
-            "--optimizer", "sgd", "--lr", "0.5", "--return-params"]
+            "--optimizer", "sgd", "--lr", "0.5", "--return-params", *flags]
     return run_ranks(accelerate_style.main, 2, argv, env={"NDPARALLEL_ULYSSES_HEAD_CHUNKS": chunks} if chunks else {})
 
 
@@ -146,6 +146,16 @@ def test_prepared_models_train_as_unchunked(model):
         diff = max(abs(a - b) for a, b in zip(got[0]["losses"], plain[0]["losses"]))
         assert diff <= TOLERANCE, f"{model} chunks={chunks}: per-step losses differ by {diff:.2e}"
         assert max_param_diff(got[0]["params"], plain[0]["params"]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_head_chunks_under_activation_checkpointing_train_as_unchunked():
+    """The decoder layers checkpointed too: their recomputation runs the chunked forward again, whose backward then
+    recomputes each chunk."""
+    flags = ("--activation-checkpointing",)
+    plain, got = _train("llama", None, *flags), _train("llama", "2", *flags)
+    assert max(abs(a - b) for a, b in zip(got[0]["losses"], plain[0]["losses"])) <= TOLERANCE
+    assert max_param_diff(got[0]["params"], plain[0]["params"]) <= TOLERANCE
 
 
 # ---- the option ------------------------------------------------------------------------------------------------------
