@@ -40,9 +40,11 @@ class MemoryKwargs(KwargsHandler):
         ulysses_head_chunks: under Ulysses sequence parallelism (sp > 1), its all-to-alls, attention and backward run
             over this many groups of each rank's heads, one after the other, each recomputed in backward, so that a
             layer holds ``heads / chunks`` heads' full-sequence q/k/v/o at a time (`ndparallel.parallel.sequence.
-            ulysses`): exact against the unchunked path, at the price of each chunk's forward again in backward. An
-            int dividing the query heads each sp rank holds; "auto": the fewest chunks whose q/k/v/o fit in 128 MiB
-            (the chunked loss's rule; one wherever all fit); None (default) or 1: off.
+            ulysses`): exact against the unchunked path, at the price of each chunk's forward again in backward.
+            Under context parallelism alone (sp 1) the cp attention runs over the groups the same way (its gathered
+            key/value then exist for one group at a time). An int dividing the query heads each sp rank holds;
+            "auto": the fewest chunks whose q/k/v/o fit in 128 MiB (the chunked loss's rule; one wherever all fit);
+            None (default) or 1: off.
     """
 
     chunked_loss: bool | str = "auto"

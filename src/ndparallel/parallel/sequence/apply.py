@@ -26,14 +26,14 @@ def check_sequence_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepa
     if mesh.size("cp") == 1 and mesh.size("sp") == 1:
         return
     hooks.check_model(model, _sizes(mesh))
-    if mesh.size("sp") > 1:
-        config = getattr(model, "config", None)
-        heads = getattr(config, "num_attention_heads", None)
-        if isinstance(heads, int):
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int):
+        if mesh.size("sp") > 1:
             kv = getattr(config, "num_key_value_heads", None) or heads
             check_heads(heads, kv, mesh.size("sp"), mesh.size("tp"), where=type(model).__name__)
-            check_head_chunks(options.memory.ulysses_head_chunks, heads, mesh.size("sp"), mesh.size("tp"),
-                              where=type(model).__name__)
+        check_head_chunks(options.memory.ulysses_head_chunks, heads, mesh.size("sp"), mesh.size("tp"),
+                          where=type(model).__name__)
 
 
 def apply_sequence_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:

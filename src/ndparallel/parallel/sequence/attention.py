@@ -16,7 +16,7 @@ from .allgather import allgather_attention
 from .positions import SequenceLayout, SequenceShards
 from .masking import DocumentMask
 from .ring import ring_attention
-from .ulysses import ulysses_attention
+from .ulysses import head_chunked_attention, ulysses_attention
 
 # cp_comm_strategy -> attention over the cp shards; the names are `ndparallel.configuration.handlers.CP_STRATEGIES`,
 # which validates
@@ -52,8 +52,9 @@ def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: t
     `shards` says which positions this rank holds (`SequenceShards`); `cp_group` / `sp_group` are the ``cp`` and
     ``sp`` groups (needed when their size is above 1); `strategy` is the context-parallel one ("allgather" or
     "ring"). Tensors are ``[batch, heads, local_len, head_dim]``; key/value may have fewer heads (GQA). `doc`: which
-    keys each query sees in a padded or packed batch, and a sliding window (`masking.DocumentMask`). `head_chunks`
-    (sp > 1): Ulysses over that many groups of heads, one after the other (`ulysses.ulysses_attention`).
+    keys each query sees in a padded or packed batch, and a sliding window (`masking.DocumentMask`). `head_chunks`:
+    attention (and Ulysses' all-to-alls) over that many groups of heads, one after the other
+    (`ulysses.ulysses_attention`, `ulysses.head_chunked_attention`).
     """
     check_qkv(query, key, value, shards)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -70,5 +71,7 @@ def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: t
         return cp_attention(q, k, v, layout, cp_group, is_causal, scale, doc if masked else None)
 
     if shards.sp_size == 1:
+        if layout.size > 1:  # context parallelism alone: its head chunks, if any
+            return head_chunked_attention(query, key, value, attend, head_chunks, layout.seq_len)
         return attend(query, key, value)
     return ulysses_attention(query, key, value, sp_group, attend, head_chunks)

@@ -28,6 +28,8 @@ sequence-sharded q/k/v (`_HeadChunked`); backward runs each chunk's all-to-alls 
 one chunk at a time, adding the chunk's gradients into the whole shard's: backward too holds one chunk's full-sequence
 tensors. The same operations on the same heads as the unchunked path: exact against it; the price is each chunk's
 forward again (three all-to-alls and the attention) in backward. Nothing reads tensor values on the host.
+Context parallelism alone (sp 1) takes the same groups with nothing to exchange (`head_chunked_attention`): the cp
+attention's gathered key/value exist for one group at a time.
 """
 
 from __future__ import annotations
@@ -145,6 +147,16 @@ def _add(into: torch.Tensor, parts: torch.Tensor, runs: Runs) -> None:
             offset += n
 
 
+def _arrive(parts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`heads_from_parts` over sp; with no sp (context parallelism alone: one part) the part itself."""
+    return parts[0] if parts.shape[0] == 1 else heads_from_parts(parts, group)
+
+
+def _leave(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    """`parts_from_heads` over sp; with no sp, `x` as its one part."""
+    return x.unsqueeze(0) if size == 1 else parts_from_heads(x, group, size)
+
+
 class _HeadChunked(torch.autograd.Function):
     """Ulysses over groups of heads (module docstring). Forward runs the chunks one after the other and keeps only
     the sequence-sharded q/k/v; backward runs each chunk's all-to-alls and attention again and its backward, one
@@ -159,8 +171,8 @@ class _HeadChunked(torch.autograd.Function):
         b, h, n, _ = query.shape
         out = query.new_empty(b, size, chunks, h // (size * chunks), n, value.shape[-1])  # rank block, chunk, head
         for c, runs in enumerate(_HeadChunked.plan(query, key, size, chunks)):
-            heads = [heads_from_parts(_send(t, r), group) for t, r in zip((query, key, value), runs)]
-            out[:, :, c] = parts_from_heads(attend(*heads), group, size).transpose(0, 1)
+            heads = [_arrive(_send(t, r), group) for t, r in zip((query, key, value), runs)]
+            out[:, :, c] = _leave(attend(*heads), group, size).transpose(0, 1)
             del heads
         return out.view(b, h, n, value.shape[-1])
 
@@ -180,15 +192,31 @@ class _HeadChunked(torch.autograd.Function):
         grads = [torch.zeros_like(t) for t in inputs]
         for runs in _HeadChunked.plan(inputs[0], inputs[1], ctx.size, ctx.chunks):
             # the chunk's full-sequence heads as leaves: what was sent is freed as soon as it has arrived
-            heads = [heads_from_parts(_send(t, r), ctx.group).requires_grad_() for t, r in zip(inputs, runs)]
+            heads = [_arrive(_send(t, r), ctx.group).requires_grad_() for t, r in zip(inputs, runs)]
             with torch.enable_grad():
                 out = ctx.attend(*heads)
-            d_out = heads_from_parts(_send(grad, runs[0]), ctx.group)  # the output's all-to-all's adjoint
+            d_out = _arrive(_send(grad, runs[0]), ctx.group)  # the output's all-to-all's adjoint
             d_heads = list(torch.autograd.grad(out, heads, d_out))
             del out, d_out, heads
             for into, r in zip(grads, runs):
-                _add(into, parts_from_heads(d_heads.pop(0), ctx.group, ctx.size), r)
+                _add(into, _leave(d_heads.pop(0), ctx.group, ctx.size), r)
         return (*grads, None, None, None, None)
+
+
+def head_chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                           head_chunks: int | str | None, full_len: int) -> torch.Tensor:
+    """Context parallelism alone (no sp): `attend` over `head_chunks` groups of heads, one after the other, each
+    recomputed in backward (the module docstring's head chunks with nothing to exchange), so the gathered (or
+    circulating) key/value blocks and the attention's buffers exist for one group of heads at a time. "auto" counts
+    q/k/v/o at `full_len`, the whole sequence's length (the gathered key/value's; q/o are shards: an overcount)."""
+    if head_chunks == "auto":
+        b, h, _, d = query.shape
+        head_chunks = auto_head_chunks(h, key.shape[1], 1, full_len, b, d, query.element_size())
+    if head_chunks is None or head_chunks <= 1:
+        return attend(query, key, value)
+    check_head_chunks(head_chunks, query.shape[1], 1)
+    return _HeadChunked.apply(query, key, value, None, 1, head_chunks, attend)
 
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup,
