@@ -23,6 +23,7 @@ import accelerate_style
 from harness import run_ranks
 from ndparallel import MemoryKwargs
 from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention
+from ndparallel.parallel.sequence import ulysses
 from ndparallel.parallel.sequence.ulysses import auto_head_chunks, check_head_chunks, chunk_counts
 from step_costs import LiveBytes, StepCosts
 from test_parity import GLOBAL_BATCH, max_param_diff
@@ -92,7 +93,9 @@ def _costs(axis: str, strategy: str = "allgather") -> dict[str, dict]:
     full = [torch.randn(1, MEM_HEADS, SEQ, HEAD_DIM, generator=g) for _ in range(4)]
     local = [layout.shard(t, 2).contiguous() for t in full]
     report = {}
-    for chunks in (None, 2, 4):
+    # "auto" with a budget of 1 MiB: 4 chunks' q/k/v/o of one rank (4 x 2048 x 32 x 4 B) fit, 2 chunks' do not
+    ulysses.HEAD_CHUNK_BYTES = 2**20
+    for chunks in (None, 2, 4, "auto") if axis == "sp" else (None, 2, 4):
         leaves = [t.clone().requires_grad_() for t in local[:3]]
         with LiveBytes() as memory, StepCosts() as costs:
             out = sequence_parallel_attention(*leaves, layout, strategy=strategy, head_chunks=chunks, **groups)
@@ -113,7 +116,7 @@ def test_head_chunks_hold_fewer_bytes_at_the_peak(costs):
     rank's full-sequence heads (4 heads x 2048 tokens) are u too. Unchunked, attention's backward holds the layer's
     output (u) and 8u of full-sequence heads: q, k, v, o, the output's gradient, and the q/k/v gradients. Chunked,
     the shard's output and q/k/v gradients (4u, which the layer has anyway) and 8u / chunks of full-sequence heads:
-    6u with 4 chunks, 0.66x the unchunked peak."""
+    6u with 4 chunks, 0.66x the unchunked peak. "auto" under a 1 MiB budget picks those 4 chunks."""
     u = MEM_HEADS * (SEQ // 2) * HEAD_DIM * 4
     for report in costs:
         plain, two, four = (report[k]["peak"] for k in ("None", "2", "4"))
@@ -122,6 +125,7 @@ def test_head_chunks_hold_fewer_bytes_at_the_peak(costs):
             # the log-sum-exp (fp32, a head's tokens) aside: 4u + 8u / chunks
             assert peak <= 4 * u + 8 * u / chunks + 0.02 * u, f"{chunks} chunks: {peak / u:.2f}u at the peak"
         assert four <= 0.70 * plain, f"4 chunks: {four / plain:.2f}x the unchunked peak ({four} vs {plain} bytes)"
+        assert report["auto"]["peak"] == four and report["auto"]["collectives"] == report["4"]["collectives"]
 
 
 def test_head_chunks_add_no_host_sync(costs):

@@ -95,10 +95,11 @@ def check_head_chunks(chunks: int | str | None, num_heads: int, sp_size: int, tp
 
 
 def auto_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int, full_len: int, batch: int, head_dim: int,
-                     element_size: int, budget: int = HEAD_CHUNK_BYTES) -> int:
+                     element_size: int, budget: int | None = None) -> int:
     """The fewest head chunks whose full-sequence q/k/v/o (``batch x full_len x head_dim`` each head, the key/value
     heads as repeated for that count) fit in `budget` bytes; the most chunks (one query head per rank each) when none
-    does. One wherever all of them fit: the unchunked path."""
+    does. One wherever all of them fit: the unchunked path. `budget`: `HEAD_CHUNK_BYTES` unless given."""
+    budget = HEAD_CHUNK_BYTES if budget is None else budget
     counts = chunk_counts(num_heads, sp_size)
     for chunks in counts:
         kv = num_kv_heads * kv_repeats(num_heads, num_kv_heads, sp_size * chunks)
