@@ -75,8 +75,8 @@ def test_what_a_fused_norm_keeps():
     """A bf16 norm of T tokens x h keeps its input (2 h bytes per token) and 1/rms (4 bytes per token); the model's own
     keeps an fp32 copy of the input (4 h), 1/rms and the bf16 normalised value (2 h, which the next projection keeps
     anyway). In a model: 4 h bytes per token less for each of its norms (2 per layer and the final one), and so much
-    less held at the peak of forward + backward (step_costs.LiveBytes), less a few KiB that do not grow with the
-    tokens (12,416 B here: the fused backward's own buffers)."""
+    less held at the peak of forward + backward (step_costs.LiveBytes; to the byte here since the fused backward
+    computes in place, 12,416 B less before; the bound leaves 5% to the backward's own buffers)."""
     torch.manual_seed(0)
     tokens, hidden = 256, 64
     norm = next(m for m in build_model("llama", hidden_size=hidden).modules() if type(m).__name__.endswith("RMSNorm"))
