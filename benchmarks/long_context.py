@@ -1,8 +1,10 @@
-"""Long sequences in less memory, side by side on the CPU: the chunked loss, tiled MLPs, activation offloading.
+"""Long sequences in less memory, side by side on the CPU: the chunked loss, tiled MLPs, activation offloading, fused
+RMSNorms.
 
     python benchmarks/long_context.py [--hidden 256 --layers 2 --vocab 32000 --seq 4096 --cap-mib 512]
     python benchmarks/long_context.py --loss-only          # part 1 only
     python benchmarks/long_context.py --cap-only           # part 3 only
+    python benchmarks/long_context.py --norm-only --vocab 512 --cap-mib 128 --step 128   # part 6 only
     python benchmarks/long_context.py --gpu               # on a CUDA GPU (scripts/gpu_check.sh): see `gpu_rows`
 
 1. The loss alone: the LM head and transformers' ``ForCausalLMLoss`` on the full logits ("plain") next to
@@ -16,6 +18,15 @@
    + chunked loss, + tiled MLP, + offload, and all together.
 3. The longest sequence (a multiple of 1024, up to --max-seq) whose step stays within --cap-mib per rank, for the
    same settings. (Attention heads of 16 by default keep the CPU's attention time at long sequences bearable.)
+6. (4 is the GPU's, 5 the comparison with ALST in docs/long_context.md.) The fused RMSNorm
+   (``MemoryKwargs(fused_rms_norm=True)``), measured against the planner: (a) on a small bf16 Llama
+   in one process, the bytes autograd saves (tests/scripts/saved_tensors.py) and the most bytes of tensors alive at
+   once in a forward + backward (tests/parallel/step_costs.py's `LiveBytes`), without and with it; (b) for part 2's
+   model and layout with the chunked loss and tiled MLPs (offloading moves nothing on the CPU, and the planner's CPU
+   prediction leaves it out), the step's peak per rank at --seq tokens and the longest sequence within --cap-mib (a
+   multiple of --step, part 3's search), without and with the fused norm, each beside what the planner's memory
+   model (`ndparallel.planner.footprint.estimate`, no allocator reserve on the CPU: the step's allocated bytes above
+   the parameters and optimizer state) predicts for the same model, layout and cap, and the growth factor of both.
 
 How memory is measured: each measurement runs in freshly forked processes (tests/harness.py), glibc told to serve
 large blocks from mmap so that freed memory leaves the resident set, the peak resident set size (Linux VmHWM, reset
@@ -51,6 +62,10 @@ SETTINGS = {  # name -> (MemoryKwargs fields, offload)
     "+ tiled MLP": ({"chunked_loss": False, "tiled_mlp": True}, False),
     "+ offload": ({"chunked_loss": False}, True),
     "all together": ({"tiled_mlp": True}, True),
+}
+NORM_SETTINGS = {  # part 6: the fused RMSNorm on top of the chunked loss and tiled MLPs (checkpointing on)
+    "chunked loss + tiled MLP": ({"tiled_mlp": True}, False),
+    "+ fused RMSNorm": ({"tiled_mlp": True, "fused_rms_norm": True}, False),
 }
 
 
@@ -139,23 +154,28 @@ def loss_table(args: argparse.Namespace) -> None:
 
 
 # ---- 2 and 3. a training step ----------------------------------------------------------------------------------------
+def llama_config(seq: int, hidden: int, layers: int, vocab: int, head_dim: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                       max_position_embeddings=max(seq, 1024),
+                       tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+
+
 def _train_run(setting: str, seq: int, hidden: int, layers: int, vocab: int, head_dim: int, timed: int) -> dict:
     _mmap_large_blocks()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs, ParallelismConfig
 
-    fields, offload = SETTINGS[setting]
+    fields, offload = {**SETTINGS, **NORM_SETTINGS}[setting]
     checkpointing = {"every": 1, "offload": True} if offload else True
     accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2),
                               fsdp_plugin=FullyShardedDataParallelPlugin(activation_checkpointing=checkpointing),
                               kwargs_handlers=[MemoryKwargs(**fields)])
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                         max_position_embeddings=max(seq, 1024),
-                         tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
-    model = accelerator.prepare(LlamaForCausalLM(config))
+    model = accelerator.prepare(LlamaForCausalLM(llama_config(seq, hidden, layers, vocab, head_dim)))
     optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
     model.train()
 
@@ -192,16 +212,20 @@ def step_table(args: argparse.Namespace) -> None:
               f"{r['time'] / base['time']:>8.2f}x", flush=True)
 
 
-def longest_within(cap: int, setting: str, args: argparse.Namespace) -> int:
-    fits, length = 0, 1024
-    while length <= args.max_seq and train(setting, length, args)["peak"] <= cap:
-        fits, length = length, 2 * length
+def longest_within(cap: int, setting: str, args: argparse.Namespace, step: int = 1024, fits=None) -> int:
+    """The longest multiple of `step` up to --max-seq whose step's peak per rank (`train`) is within `cap`: doubling
+    from 1024 tokens, then bisection down to `step` (memory grows with the length). `fits(length)`: another test of
+    a length than a measured step (part 6 searches the planner's prediction so)."""
+    fits = fits or (lambda length: train(setting, length, args)["peak"] <= cap)
+    fits_at, length = 0, 1024
+    while length <= args.max_seq and fits(length):
+        fits_at, length = length, 2 * length
     if length > args.max_seq:
-        return fits
-    lo, hi = fits, length
-    while hi - lo > 1024:
-        mid = (lo + hi) // 2 // 1024 * 1024
-        if train(setting, mid, args)["peak"] <= cap:
+        return fits_at
+    lo, hi = fits_at, length
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if fits(mid):
             lo = mid
         else:
             hi = mid
@@ -219,6 +243,81 @@ def cap_table(args: argparse.Namespace) -> None:
         print(f"{setting:<18} {tokens:>8} {tokens / base:>8.1f}x", flush=True)
 
 
+# ---- 6. the fused RMSNorm, measured against the planner ---------------------------------------------------------------
+def _norm_bytes(fused: bool, hidden: int, tokens: int) -> dict:
+    """(a) A bf16 Llama of tests/scripts/tiny_models.py (hidden `hidden`, 2 layers), one forward + backward of
+    `tokens` tokens: the bytes autograd saves for backward, and the most bytes of tensors alive at once."""
+    sys.path[:0] = [str(TESTS / "scripts"), str(TESTS / "parallel")]
+    from saved_tensors import training_step_kept_bytes
+    from step_costs import LiveBytes
+    from tiny_models import build_model
+
+    from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm
+
+    torch.manual_seed(0)
+    model = build_model("llama", hidden_size=hidden, intermediate_size=4 * hidden, max_position_embeddings=tokens)
+    model = model.to(torch.bfloat16)
+    if fused:
+        apply_fused_rms_norm(model)
+    ids = torch.randint(0, 96, (1, tokens), generator=torch.Generator().manual_seed(1))
+    saved = training_step_kept_bytes(model, ids)
+    model.zero_grad(set_to_none=True)
+    with LiveBytes() as live:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return {"saved": saved, "peak": live.peak, "norms": 2 * model.config.num_hidden_layers + 1}
+
+
+def predicted_step_peak(seq: int, setting: str, args: argparse.Namespace) -> float:
+    """The planner's peak of part 6's step on one rank above the parameters and optimizer state (the CPU model:
+    no allocator reserve; benchmarks/planner_check.py's `predicted_step_peak`)."""
+    from ndparallel.planner import Layout, Recipe, spec_from_config
+    from ndparallel.planner.footprint import estimate
+
+    fields, offload = NORM_SETTINGS[setting]
+    spec = spec_from_config(llama_config(seq, args.hidden, args.layers, args.vocab, args.head_dim).to_dict(), "bench")
+    recipe = Recipe(seq, 1, 1, "fp32", True, chunked_loss=fields.get("chunked_loss", True),
+                    tiled_mlp=fields.get("tiled_mlp", False), offload=offload,
+                    fused_norms=fields.get("fused_rms_norm", False))
+    memory = estimate(spec, Layout(dp_shard=2), recipe)
+    return memory["allocated"] - memory["params"] - memory["optimizer"]
+
+
+def norm_table(args: argparse.Namespace) -> None:
+    hidden, tokens = 64, 1024
+    print(f"\n6a. The fused RMSNorm on a bf16 Llama (hidden {hidden}, MLP {4 * hidden}, 2 layers, 8 / 4 heads, "
+          f"tests/scripts/tiny_models.py), one forward + backward of {tokens} tokens in one process, no "
+          "checkpointing\n")
+    rows = {fused: run_ranks(_norm_bytes, 1, fused, hidden, tokens, timeout=600)[0] for fused in (False, True)}
+    print(f"{'':<18} {'saved for backward':>19} {'live bytes at the peak':>23}")
+    for fused, name in ((False, "model's own norms"), (True, "fused RMSNorms")):
+        print(f"{name:<18} {rows[fused]['saved']:>17,} B {rows[fused]['peak']:>21,} B")
+    less = {key: rows[False][key] - rows[True][key] for key in ("saved", "peak")}
+    print(f"{'less by':<18} {less['saved']:>17,} B {less['peak']:>21,} B   (4 h bytes per token per norm: "
+          f"{rows[True]['norms']} x {tokens} x {hidden} x 4 = {rows[True]['norms'] * tokens * hidden * 4:,} B)")
+
+    cap = int(args.cap_mib * MiB)
+    print(f"\n6b. Part 2's model (hidden {args.hidden}, {args.layers} layers, heads of {args.head_dim}, MLP "
+          f"{4 * args.hidden}, vocabulary {args.vocab}), FSDP2 over 2 ranks, full activation checkpointing, fp32: the "
+          f"step's peak per rank at {args.seq} tokens, and the longest sequence within {args.cap_mib:g} MiB per rank "
+          f"(multiples of {args.step}), measured and predicted by the planner\n")
+    print(f"{'setting':<26} {'peak measured':>14} {'predicted':>10} {'meas/pred':>9} {'longest measured':>17} "
+          f"{'predicted':>10}")
+    longest = {}
+    for setting in NORM_SETTINGS:
+        measured = train(setting, args.seq, args)["peak"]
+        predicted = predicted_step_peak(args.seq, setting, args)
+        found = longest_within(cap, setting, args, args.step)
+        planned = longest_within(cap, setting, args, args.step,
+                                 fits=lambda length, s=setting: predicted_step_peak(length, s, args) <= cap)
+        longest[setting] = (found, planned)
+        print(f"{setting:<26} {measured / MiB:>10.1f} MiB {predicted / MiB:>6.1f} MiB {measured / predicted:>9.3f} "
+              f"{found:>17,} {planned:>10,}", flush=True)
+    (before, plan_before), (after, plan_after) = longest.values()
+    grown, predicted = after / max(before, 1), plan_after / max(plan_before, 1)
+    print(f"\nthe longest sequence grows by {grown:.3f}x measured, {predicted:.3f}x predicted: measured / predicted "
+          f"= {grown / predicted:.3f} ({'within' if abs(grown / predicted - 1) <= 0.15 else 'NOT within'} 15%)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=256)
@@ -234,6 +333,8 @@ def main() -> None:
     p.add_argument("--loss-only", action="store_true")
     p.add_argument("--no-cap", action="store_true", help="skip part 3 (the longest sequence)")
     p.add_argument("--cap-only", action="store_true", help="part 3 only")
+    p.add_argument("--norm-only", action="store_true", help="part 6 only (the fused RMSNorm)")
+    p.add_argument("--step", type=int, default=128, help="part 6: the longest sequence is a multiple of this")
     p.add_argument("--gpu", action="store_true", help="the GPU rows (scripts/gpu_check.sh)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -245,12 +346,16 @@ def main() -> None:
     if args.cap_only:
         cap_table(args)
         return
+    if args.norm_only:
+        norm_table(args)
+        return
     loss_table(args)
     if args.loss_only:
         return
     step_table(args)
     if not args.no_cap:
         cap_table(args)
+    norm_table(args)
 
 
 if __name__ == "__main__":
