@@ -3,7 +3,7 @@ runs once) and, under tensor parallelism, the plan is resolved once (`tensor.pla
 once), the checks and the applies reading the same `ndparallel.parallel.target.Target`.
 
 Counted in forked ranks (2, gloo) by wrapping each function where every module of the package bound it, around one
-`parallelize` call, on a PEFT LoRA model and a plain one, under TP 2 and FSDP2 2.
+`parallelize` call, on a PEFT LoRA model and a plain one, under TP 2, FSDP2 2, CP 2 and pipeline stages 2.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def count_calls(sizes: dict[str, int], peft: bool) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("peft", [True, False], ids=["peft_lora", "plain"])
-@pytest.mark.parametrize("sizes", [{"tp": 2}, {"dp_shard": 2}], ids=["tp2", "fsdp2"])
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"dp_shard": 2}, {"cp": 2}, {"pp": 2}],
+                         ids=["tp2", "fsdp2", "cp2", "pp2"])
 def test_one_parallelize_peels_the_adapter_and_resolves_the_plan_once(sizes, peft):
     for counts in run_ranks(count_calls, 2, sizes, peft, timeout=300):
         assert counts["adapter_free"] == 1, counts

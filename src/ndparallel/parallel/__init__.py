@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     if stages is not None:
         # Each stage is split as the whole model would be: the whole model's resolved plan (`options.target`; ties
         # completed: a cut stage no longer sees its embedding tied to the last stage's head) applies to its modules.
-        model = cut_to_rank(model, stages, mesh.rank("pp"))
+        model = cut_to_rank(model, stages, mesh.rank("pp"), target.inner)
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
     # ndparallel.checkpoint.load_pretrained) stay there.
     model._apply(lambda t: t if t.is_meta else t.to(options.device))

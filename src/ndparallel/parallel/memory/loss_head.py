@@ -192,9 +192,10 @@ def install(model: nn.Module, settings: MemoryKwargs, inner: nn.Module | None = 
     return chunked
 
 
-def chunked_loss_of(model: nn.Module) -> ChunkedLoss | None:
-    """The chunked loss installed on `model` (or the transformers model inside it), or None."""
-    status = getattr(adapter_free(model), STATUS_ATTR, None)
+def chunked_loss_of(model: nn.Module, peeled: bool = False) -> ChunkedLoss | None:
+    """The chunked loss installed on `model` (or the transformers model inside it), or None. `peeled`: `model` is
+    already the transformers model (no adapter wrapper to look through)."""
+    status = getattr(model if peeled else adapter_free(model), STATUS_ATTR, None)
     return status if isinstance(status, ChunkedLoss) else None
 
 
