@@ -43,7 +43,7 @@ def compare(name: str, nodes: int, gpus: int, published: int, host_gib: float) -
     request = Request(load_model(name), get_hardware("h100"), nodes, gpus, 1024, 1024, host_memory_gib=host_gib)
     best = longest(request)[0]
     layout = best.layout
-    step = QUANTUM * 2 * layout.cp * layout.sp
+    step = QUANTUM * layout.sequence_divisor
     at = -(-published // step) * step  # ALST's length, rounded up to what the layout splits
     mem = estimate(request.model, layout, _setting("all", at, request.mixed_precision, request.optimizer,
                                                    best.offload_params), request.hardware.fragmentation)

@@ -65,7 +65,9 @@ def batches(kind: str, lengths: list[int], row_len: int, cp: int, pad_batch: int
                         "dealt": kind == "packed, dealt", "tokens": sum(row)})
         return out
     lengths = [n for row in rows for n in row]  # the packed rows' documents: the same tokens
-    multiple = 2 * cp
+    from ndparallel.distributed.layout import load_balanced_chunks
+
+    multiple = load_balanced_chunks(cp)
     for i in range(0, len(lengths), pad_batch):
         group = lengths[i:i + pad_batch]
         width = -(-max(group) // multiple) * multiple

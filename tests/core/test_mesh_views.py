@@ -119,7 +119,9 @@ def test_no_module_restates_the_axes_or_a_view():
 
     import ndparallel.distributed.layout as layout
 
-    declared = {tuple(layout.AXES), *VIEWS.values()}
+    declared = {tuple(layout.AXES), *VIEWS.values(), *layout.DATA_PARALLEL.values(), layout.SAME_SAMPLES}
+    declared |= {views[1:] for views in layout.DATA_PARALLEL.values()}  # (fsdp,) alone is no restatement: one name
+    declared = {d for d in declared if len(d) > 1}
     src = Path(layout.__file__).parent
     found = []
     for path in sorted(src.rglob("*.py")):
@@ -130,6 +132,72 @@ def test_no_module_restates_the_axes_or_a_view():
                 if tuple(e.value for e in node.elts) in declared:
                     found.append(f"{path.relative_to(src)}:{node.lineno}")
     assert not found, f"axes or a view restated (import them from ndparallel.distributed.layout): {found}"
+
+
+# Names a size of cp, sp or dp_shard goes by in the package (a variable, an attribute, a config field).
+_CP, _SP, _DP_SHARD = {"cp", "cp_size"}, {"sp", "sp_size"}, {"dp_shard", "dp_shard_size"}
+# Benchmarks that write the layout out on purpose, as an independent check of the library: the plain-PyTorch step
+# (workloads.py's plain runner and its Layout, plain_sequence.py's attention) and run.py's expected bytes.
+_WRITTEN_OUT_ON_PURPOSE = {"workloads.py", "plain_sequence.py", "run.py"}
+
+
+def _product_factors(node) -> list:
+    import ast
+
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _product_factors(node.left) + _product_factors(node.right)
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    return [node.value] if isinstance(node, ast.Constant) else [None]
+
+
+def restates_a_mesh_fact(factors: list) -> bool:
+    """A product that computes a view's size or the sequence divisor from the sizes: cp x sp (what holds different
+    tokens of a sample; the sequence divisor 2 x cp x sp), dp_shard x cp (the fsdp size), 2 x cp (the load-balanced
+    chunks)."""
+    names = {f for f in factors if isinstance(f, str)}
+    return bool(names & _CP) and bool(names & _SP or names & _DP_SHARD or 2 in factors)
+
+
+def test_restatement_check_catches_planted_products():
+    import ast
+
+    def caught(code: str) -> bool:
+        return any(restates_a_mesh_fact(_product_factors(node)) for node in ast.walk(ast.parse(code))
+                   if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult))
+
+    for planted in ("n = 2 * cp * sp", "n = config.dp_shard_size * config.cp_size * config.sp_size",
+                    "n = 2 * self.cp_size", "n = layout.cp * layout.sp", "n = QUANTUM * 2 * layout.cp * layout.sp"):
+        assert caught(planted), planted
+    for fine in ("n = layout.sequence_divisor * QUANTUM", "n = 2 * tp", "n = cp + sp", "n = heads * tp"):
+        assert not caught(fine), fine
+
+
+def test_no_module_computes_a_mesh_fact():
+    """The fsdp size (dp_shard x cp x sp), the sequence divisor (2 x cp x sp) and the load-balanced chunks (2 x cp)
+    are computed in ndparallel/distributed/layout.py only (`Layout.fsdp`, `Layout.sequence_divisor`,
+    `sequence_divisor`, `load_balanced_chunks`): no other module of the package, and no benchmark but the ones that
+    write the layout out on purpose, multiplies those sizes again."""
+    import ast
+    from pathlib import Path
+
+    import ndparallel.distributed.layout as layout
+
+    src = Path(layout.__file__).parent.parent
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    paths = [*sorted(src.rglob("*.py")), *(p for p in sorted(benchmarks.glob("*.py"))
+                                           if p.name not in _WRITTEN_OUT_ON_PURPOSE)]
+    found = set()
+    for path in paths:
+        if path == Path(layout.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and restates_a_mesh_fact(
+                    _product_factors(node)):
+                found.add(f"{path.name}:{node.lineno}")
+    assert not found, f"a mesh fact computed outside ndparallel/distributed/layout.py (ask Layout): {sorted(found)}"
 
 
 # ---- every shape, every rank ----------------------------------------------------------------------

@@ -82,7 +82,8 @@ class DataMixin:
     def _lockstep_reason(self) -> str:
         """Why every rank must run every step of a data loader (collectives in every forward), or "" under DDP (whose
         ranks can run uneven numbers of steps inside `join_uneven_inputs`) and on one process."""
-        sizes = [f"{axis}_size={self.mesh.size(axis)}" for axis in ("tp", "cp", "sp", "pp") if self.mesh.size(axis) > 1]
+        axes = (*self.mesh.config.non_dp_dim_names, "pp")  # the ranks that receive the same samples, and stages
+        sizes = [f"{axis}_size={self.mesh.size(axis)}" for axis in axes if self.mesh.size(axis) > 1]
         reasons = [f"{' x '.join(sizes)} runs collectives in every forward"] if sizes else []
         if self._settings.fsdp and self.num_processes > 1:
             reasons.insert(0, "FSDP2 all-gathers the sharded parameters in every forward")

@@ -23,13 +23,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..parallel import interface
+from ..parallel.adapted import adapter_free, is_peft_model
 from .storage import rank
 
 _LORA_PART = re.compile(r"^(?P<layer>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.(?P<what>weight|bias)$")
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,7 +79,7 @@ def merged_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], nn.Mod
     parts = interface(model)
     parts.release_gathered()
     peft_model = parts.unwrapped()
-    base = peft_model.get_base_model()
+    base = adapter_free(peft_model)
     prefix = next(f"{name}." for name, m in peft_model.named_modules() if m is base).lstrip(".")
     active = peft_model.active_adapters if isinstance(peft_model.active_adapters, list) else \
         [peft_model.active_adapters]

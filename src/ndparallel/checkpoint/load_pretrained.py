@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..parallel import interface, state_module
+from ..parallel.adapted import is_peft_model
 from . import per_expert
 from .manifest import compare_tensors, model_tensors
 from .storage import CheckpointError, agree, is_distributed, on_main, rank
@@ -145,7 +146,7 @@ def _plan(model: nn.Module, plugin: Any) -> _Plan | None:
             error = (f"prepare(): non-persistent buffer(s) {stuck[:5]} of {type(model).__name__} are on the meta "
                      "device and no checkpoint holds them; build the model under ndparallel.init_empty_weights() "
                      "(buffers stay real) instead of torch.device('meta')")
-    if error is None and flags[0] and hasattr(model, "peft_config"):
+    if error is None and flags[0] and is_peft_model(model):
         error = (f"prepare(): every rank's {type(model).__name__} (PEFT) is on the meta device, and the adapter's "
                  "weights are in no pretrained file: with cpu_ram_efficient_loading, load the base's real weights on "
                  "rank 0 (from_pretrained there, init_empty_weights elsewhere) before get_peft_model, so that the "

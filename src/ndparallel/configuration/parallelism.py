@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..distributed.layout import AXES, VIEWS, Layout  # the axes, outermost first, and the views: declared once, there
+from ..distributed.layout import AXES, SAME_SAMPLES, VIEWS, Layout  # the axes and the views: declared once, there
 from .environment import ACCELERATE_ENV_PREFIX, load_yaml, size_env_var
 from .handlers import PipelineParallelConfig, TorchContextParallelConfig, TorchTensorParallelConfig, strategy_from_env
 
@@ -251,7 +251,7 @@ class ParallelismConfig:
 
     @property
     def non_data_parallel_size(self) -> int:
-        return self.cp_size * self.sp_size * self.tp_size
+        return self.layout().same_samples
 
     pp_enabled = property(lambda self: self.pp_size != 1)
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size != 1)
@@ -276,7 +276,7 @@ class ParallelismConfig:
     @property
     def non_dp_dim_names(self) -> list[str]:
         """Enabled dimensions whose ranks receive the same samples."""
-        return self._enabled("tp", "cp", "sp")
+        return self._enabled(*SAME_SAMPLES)
 
     @property
     def dp_shard_cp_dim_names(self) -> list[str]:

@@ -18,6 +18,10 @@ links with the least traffic; TP innermost: it needs the fastest). Their product
 - ``ep`` and ``expert_shard`` (expert parallelism, ``ep_size``): the ``fsdp`` ranks cut into consecutive groups of ep
   (`EXPERT_VIEWS`). ep is carved out of ranks that already hold different tokens, so it is no axis and no factor of
   the world size.
+
+Facts that follow from the sizes are declared here too: the mesh FSDP2 wraps over (`DATA_PARALLEL`,
+`Layout.data_parallel_views`: HSDP's two dimensions when there are replicas), Accelerate's ranks that receive the same
+samples (`SAME_SAMPLES`), and what a sequence length must be a multiple of to split over cp x sp (`sequence_divisor`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,28 @@ EXPERT_VIEWS: dict[str, Callable[[int, int], int]] = {
     "ep": lambda fsdp, ep: ep,
     "expert_shard": lambda fsdp, ep: fsdp // ep,
 }
+
+# The meshes FSDP2 wraps over, outermost first: HSDP replicates over dp_replicate (outside) and shards over the inner
+# view -- ``fsdp`` for the dense parameters, ``expert_shard`` for the experts under expert parallelism. Without
+# replicas, the inner view alone (`Layout.data_parallel_views`).
+DATA_PARALLEL: dict[str, tuple[str, ...]] = {
+    "dense": ("dp_replicate", "fsdp"),
+    "experts": ("dp_replicate", "expert_shard"),
+}
+# Axes whose ranks receive the same samples (Accelerate's ``non_dp_dim_names``, in its order).
+SAME_SAMPLES: tuple[str, ...] = ("tp", "cp", "sp")
+
+
+def load_balanced_chunks(cp: int, load_balance: bool = True) -> int:
+    """The equal chunks context parallelism cuts each sequence into: 2 x cp load-balanced (rank r holds chunks r and
+    2cp - 1 - r), else cp."""
+    return 2 * cp if load_balance else cp
+
+
+def sequence_divisor(cp: int, sp: int, load_balance: bool = True) -> int:
+    """What a sequence length must be a multiple of to split over cp x sp: each of cp's chunks
+    (`load_balanced_chunks`) is split again over the sp ranks."""
+    return load_balanced_chunks(cp, load_balance) * sp
 
 
 def view_axes(name: str) -> tuple[str, ...]:
@@ -94,6 +120,22 @@ class Layout:
     def seq_split(self) -> int:
         """Ranks that hold different tokens of the same samples: cp x sp."""
         return self.cp * self.sp
+
+    @property
+    def sequence_divisor(self) -> int:
+        """What a sequence length must be a multiple of to split over cp x sp, load-balanced: 2 x cp x sp."""
+        return sequence_divisor(self.cp, self.sp)
+
+    @property
+    def same_samples(self) -> int:
+        """Ranks that receive the same samples (Accelerate's ``non_data_parallel_size``): tp x cp x sp."""
+        return math.prod(getattr(self, axis) for axis in SAME_SAMPLES)
+
+    def data_parallel_views(self, experts: bool = False) -> tuple[str, ...]:
+        """The views of the mesh FSDP2 wraps over (`DATA_PARALLEL`), outermost first: (dp_replicate, fsdp) for HSDP
+        when dp_replicate > 1, else (fsdp,); with `experts`, expert_shard in fsdp's place."""
+        views = DATA_PARALLEL["experts" if experts else "dense"]
+        return views if self.dp_replicate > 1 else views[1:]
 
     @property
     def expert_shard(self) -> int:

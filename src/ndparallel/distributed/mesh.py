@@ -148,10 +148,7 @@ class ParallelMesh:
             if self._views["fsdp"] is None:
                 raise ValueError("FSDP2 over a one-rank fsdp view needs the mesh built with "
                                  "ParallelMesh(..., fsdp=True)")
-            if self.size("dp_replicate") > 1:
-                self._data_parallel = self._concatenate(("dp_replicate", "fsdp"))
-            else:
-                self._data_parallel = self._views["fsdp"]
+            self._data_parallel = self._over(self.layout.data_parallel_views(), self._views["fsdp"])
         return self._data_parallel
 
     def expert_data_parallel(self) -> DeviceMesh:
@@ -161,13 +158,14 @@ class ParallelMesh:
         if self._expert_shard is None:
             raise ValueError("expert_data_parallel(): no expert parallelism on this mesh (ep_size=1)")
         if self._expert_data_parallel is None:
-            self._expert_data_parallel = self._expert_shard
-            if self.size("dp_replicate") > 1:
-                self._expert_data_parallel = self._concatenate_meshes([self._views["dp_replicate"], self._expert_shard])
+            self._expert_data_parallel = self._over(self.layout.data_parallel_views(experts=True), self._expert_shard)
         return self._expert_data_parallel
 
-    def _concatenate(self, names: tuple[str, ...]) -> DeviceMesh:
-        return self._concatenate_meshes([self._views[n] for n in names])
+    def _over(self, views: tuple[str, ...], inner: DeviceMesh) -> DeviceMesh:
+        """The mesh over `views` (`Layout.data_parallel_views`, outermost first), the last one given as `inner` (a
+        dimension kept where it has one rank): the views concatenated, or `inner` alone."""
+        meshes = [*(self._views[name] for name in views[:-1]), inner]
+        return meshes[0] if len(meshes) == 1 else self._concatenate_meshes(meshes)
 
     def _concatenate_meshes(self, views: list[DeviceMesh]) -> DeviceMesh:
         if hasattr(DeviceMesh, "_concatenate"):

@@ -348,7 +348,7 @@ def _sequence_sharded(acc: Any, model: nn.Module, buffers: list[torch.Tensor], l
                                     no_restore_buffers=set(buffers)):
         handle = None
         if whole is not None and acc.mesh.size("pp") == 1:  # pipeline stages weigh their loss inside the model
-            ranks = acc.sequence_sharding.cp_size * acc.sequence_sharding.sp_size
+            ranks = acc.mesh.layout.seq_split  # cp x sp: the ranks that hold a share of these rows
             share = (labels != IGNORE_INDEX).sum().double() * ranks / whole.clamp(min=1).double()  # labels: the shard
             handle = model.register_forward_hook(functools.partial(_weigh_mean_loss, share), with_kwargs=True)
         try:

@@ -26,7 +26,8 @@ from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
 from .precision import apply_autocast, apply_master_weights
 from .quantized import check_quantized
 from .sequence import apply_sequence_parallel, check_sequence_parallel
-from .tensor import apply_tensor_parallel, check_tensor_parallel, gather_presharded, plan_styles
+from .target import Target
+from .tensor import apply_tensor_parallel, check_tensor_parallel, gather_presharded, resolve_tensor_parallel
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
@@ -34,6 +35,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # A model transformers already tensor-parallelised (from_pretrained(tp_plan="auto")), on a mesh of its own, is
     # gathered back to full weights: the layout below applies to it as to any model (`tensor.presharded`).
     model = gather_presharded(model)
+    # The model resolved once, for every step below (`target.Target`): the adapter wrapper peeled, its family, and at
+    # tp > 1 the plan resolved over the whole model (raising, on every rank, where it cannot split it).
+    target = Target.of(model)
+    options = dataclasses.replace(options, target=resolve_tensor_parallel(model, mesh, options, target))
     # Checks only, on every rank, before the first collective: a plan or model the layout cannot split raises here.
     stages = plan_pipeline(model, mesh, options)  # None without pipeline stages
     check_tensor_parallel(model, mesh, options)
@@ -45,12 +50,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # 1. Pipeline stages: this rank keeps only what its stages run (names unchanged); the rest of the layout applies
     # to that part. Before the move to the device, so nothing else is ever placed there.
     if stages is not None:
-        if mesh.size("tp") > 1:
-            # Each stage is split as the whole model would be: the whole model's plan, resolved module by module
-            # (ties completed: a cut stage no longer sees its embedding tied to the last stage's head), applies to it.
-            options = dataclasses.replace(options, tp_plan=plan_styles(model, mesh.size("tp"), options.tp_handler,
-                                                                       options.tp_plan)[0])
-        model = cut_to_rank(model, stages, mesh.rank("pp"))
+        # Each stage is split as the whole model would be: the whole model's resolved plan (`options.target`; ties
+        # completed: a cut stage no longer sees its embedding tied to the last stage's head) applies to its modules.
+        model = cut_to_rank(model, stages, mesh.rank("pp"), target.inner)
     # To this rank's device; tensors on the meta device (weights loaded after parallelisation, see
     # ndparallel.checkpoint.load_pretrained) stay there.
     model._apply(lambda t: t if t.is_meta else t.to(options.device))

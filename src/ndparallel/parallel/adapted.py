@@ -6,13 +6,15 @@ from __future__ import annotations
 from torch import nn
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT model (``PeftModel`` and its task classes): the one test of it in the package."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
 def adapter_free(model: nn.Module) -> nn.Module:
     """The model a plan, a config or a forward signature belongs to: under a PEFT model, the transformers model it
-    adapts; any other model is itself."""
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base) and hasattr(model, "peft_config"):
-        return get_base()
-    return model
+    adapts; any other model is itself. `parallelize` peels it once, into its `ndparallel.parallel.target.Target`."""
+    return model.get_base_model() if is_peft_model(model) else model
 
 
 def is_adapter_wrapper(module: nn.Module) -> bool:

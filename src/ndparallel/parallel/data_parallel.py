@@ -47,7 +47,7 @@ def uses_fsdp(config: ParallelismConfig, plugin: FullyShardedDataParallelPlugin 
     """Whether FSDP2 wraps the model under the resolved `config`: parameters are sharded (fsdp > 1), a plugin asks
     for it (and there is more than one rank, or it asks for what FSDP2 does on one), or DDP meets TP or pipeline
     stages (above)."""
-    fsdp = config.dp_shard_size * config.cp_size * config.sp_size
+    fsdp = config.layout().fsdp
     replicated = config.dp_replicate_size * fsdp > 1
     if plugin is not None and config.total_size == 1:
         return bool(plugin.offloads_to_cpu or plugin.mixed_precision_policy is not None

@@ -17,6 +17,7 @@ from ..configuration.handlers import PipelineParallelConfig, TorchContextParalle
 from ..configuration.dtypes import compute_dtype
 from ..configuration.plugins import AORecipeKwargs, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from .memory.config import MemoryKwargs
+from .target import Target
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class PrepareOptions:
     # optimizer step. Read at every step, so they are functions.
     loss_factor: Callable[[], float] = lambda: 1.0
     sync_gradients: Callable[[], bool] = lambda: True
+    # The model resolved once by `parallelize` at its entry (`target.Target`: the adapter wrapper peeled, its family,
+    # the tensor-parallel plan), read by every step; None until then.
+    target: Target | None = None
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -29,7 +29,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..distributed.layout import AXES, Layout  # the axes, outermost first, and their sizes: declared there
+from ..distributed.layout import AXES, Layout, load_balanced_chunks  # the axes and their sizes: declared there
 from .model import ModelSpec
 from .mixture import EP_TYPES
 
@@ -137,11 +137,12 @@ def sequence_reasons(cp: int, sp: int, tp: int, c: Constraints) -> list[str]:
     m, out = c.model, []
     if sp > 1 and m.heads % (tp * sp):
         out.append(f"sp={sp}{f' x tp={tp}' if tp > 1 else ''} does not divide num_attention_heads={m.heads}")
-    if cp > 1 and c.seq_len % (2 * cp):
-        out.append(f"seq_len={c.seq_len} is not a multiple of 2 x cp = {2 * cp} (load-balanced chunks)")
+    chunks = load_balanced_chunks(cp)
+    if cp > 1 and c.seq_len % chunks:
+        out.append(f"seq_len={c.seq_len} is not a multiple of 2 x cp = {chunks} (load-balanced chunks)")
     elif c.seq_len % cp == 0 and (c.seq_len // cp) % sp:
         out.append(f"seq_len={c.seq_len} does not split over cp={cp} x sp={sp}")
-    if cp * sp > 1 and m.softcap is not None:
+    if (cp > 1 or sp > 1) and m.softcap is not None:
         out.append("attention logit soft-capping is not computed by the cp/sp attention")
     return out
 

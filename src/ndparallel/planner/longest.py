@@ -69,9 +69,9 @@ def _fits(layout: Layout, seq: int, name: str, request: Request, params: bool = 
 
 
 def longest_for(layout: Layout, name: str, request: Request, params: bool = False) -> tuple[int, Memory | None]:
-    """The longest multiple of the layout's step (QUANTUM x 2 cp x sp) that fits, and its memory; `params`: with
-    FSDP2's CPU offload."""
-    step = QUANTUM * 2 * layout.cp * layout.sp
+    """The longest multiple of the layout's step (QUANTUM x `Layout.sequence_divisor`) that fits, and its memory;
+    `params`: with FSDP2's CPU offload."""
+    step = QUANTUM * layout.sequence_divisor
 
     def fits(k: int) -> Memory | None:
         return _fits(layout, k * step, name, request, params)
@@ -106,7 +106,7 @@ def longest(request: Request) -> list[Longest]:
     out = []
     meshes = [mesh for mesh in all_layouts(request.world) if mesh.pp == 1]
     for layout in (x for mesh in meshes for x in expert_layouts(mesh, _constraints(mesh, QUANTUM, request))):
-        if not _accepts(layout, QUANTUM * 2 * layout.cp * layout.sp, request):
+        if not _accepts(layout, QUANTUM * layout.sequence_divisor, request):
             continue
         tokens, memory, params, without = longest_all(layout, request)
         plain = longest_for(layout, "plain", request)
@@ -160,7 +160,7 @@ def missing_features(row: Longest, request: Request) -> list[str]:
     if mem is None:
         return []
     gib, out = 2**30, []
-    step = QUANTUM * 2 * row.layout.cp * row.layout.sp
+    step = QUANTUM * row.layout.sequence_divisor
     longer = estimate(model, row.layout, _setting("all", row.tokens["all"] + step, request.mixed_precision,
                                                   request.optimizer, row.offload_params),
                       request.hardware.fragmentation)
@@ -180,10 +180,10 @@ def missing_features(row: Longest, request: Request) -> list[str]:
 
 
 def curve_lengths(row: Longest, points: int = 25) -> list[int]:
-    """Sequence lengths to draw `row`'s layout at: multiples of its step (QUANTUM x 2 cp x sp), up to `points` of
-    them spaced evenly on a log scale from one step to twice its longest with every feature, and the longest
+    """Sequence lengths to draw `row`'s layout at: multiples of its step (QUANTUM x `Layout.sequence_divisor`), up to
+    `points` of them spaced evenly on a log scale from one step to twice its longest with every feature, and the longest
     sequences found (`row.tokens`)."""
-    step = QUANTUM * 2 * row.layout.cp * row.layout.sp
+    step = QUANTUM * row.layout.sequence_divisor
     end = 2 * max(row.tokens["all"], step) // step
     found = {tokens // step for tokens in row.tokens.values() if tokens}
     return [k * step for k in sorted({round(end ** (i / (points - 1))) for i in range(points)} | found)]

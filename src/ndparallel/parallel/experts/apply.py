@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
+from ..target import target_of
 from .dispatch import ExpertShard, expert_parallel_forward
 from .layout import check_experts, expert_count, expert_modules, family_experts
 
@@ -19,7 +20,7 @@ SHARD_ATTRIBUTE = "_ndparallel_expert_shard"  # set on each experts module the a
 
 def check_expert_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> None:
     """Raise, on every rank alike, where ``ep_size`` cannot split `model` (`layout.check_experts`)."""
-    check_experts(model, mesh.size("ep"))
+    check_experts(model, mesh.size("ep"), target_of(model, options))
 
 
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
@@ -28,8 +29,9 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
     (`dispatch.expert_parallel_forward`). A no-op when ``ep`` has one rank."""
     if mesh.size("ep") == 1:
         return model
-    _, experts = family_experts(model)
-    shard = ExpertShard(mesh.group("ep"), mesh.size("ep"), mesh.rank("ep"), expert_count(model, experts))
+    target = target_of(model, options)
+    _, experts = family_experts(model, target)
+    shard = ExpertShard(mesh.group("ep"), mesh.size("ep"), mesh.rank("ep"), expert_count(model, experts, target))
     mine = slice(shard.rank * shard.local, (shard.rank + 1) * shard.local)
     for _, module in expert_modules(model, experts):
         for name, param in list(module.named_parameters(recurse=False)):

@@ -7,8 +7,8 @@ import re
 
 from torch import nn
 
-from ...models.families import Experts, expert_count_fields, expert_counts, expert_types, experts_of
-from ..adapted import adapter_free
+from ...models.families import Experts, expert_count_fields, expert_counts, expert_types
+from ..target import Target
 
 # Config fields through which the table's mixtures of experts give their number of routed experts.
 EXPERT_COUNTS = expert_count_fields()
@@ -16,14 +16,16 @@ EXPERT_COUNTS = expert_count_fields()
 LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_transposed")
 
 
-def family_experts(model: nn.Module) -> tuple[str | None, Experts | None]:
-    """The model type and the family table's `Experts` entry for it (None where it has none)."""
-    model_type = getattr(getattr(adapter_free(model), "config", None), "model_type", None)
-    return model_type, experts_of(model_type)
+def family_experts(model: nn.Module, target: Target | None = None) -> tuple[str | None, Experts | None]:
+    """The model type and the family table's `Experts` entry for it (None where it has none). `target`: `model` as
+    `parallelize` resolved it (resolved here when not given)."""
+    target = Target.of(model) if target is None else target
+    return target.model_type, target.experts
 
 
-def expert_count(model: nn.Module, experts: Experts) -> int:
-    return int(getattr(adapter_free(model).config, experts.count))
+def expert_count(model: nn.Module, experts: Experts, target: Target | None = None) -> int:
+    target = Target.of(model) if target is None else target
+    return int(getattr(target.config, experts.count))
 
 
 def _under_layers(model: nn.Module, suffix: str) -> list[tuple[str, nn.Module]]:
@@ -40,16 +42,16 @@ def _stacked(module: nn.Module, count: int) -> list[str]:
     return [name for name, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == count]
 
 
-def check_experts(model: nn.Module, ep: int) -> None:
+def check_experts(model: nn.Module, ep: int, target: Target | None = None) -> None:
     """Raise where ``ep_size=ep`` cannot split `model`'s experts: a model without experts, a family the table does not
     know, experts ep does not divide, an experts module that is not transformers' stacked layout."""
     if ep == 1:
         return
-    name = type(adapter_free(model)).__name__
-    model_type, experts = family_experts(model)
+    target = Target.of(model) if target is None else target
+    name = type(target.inner).__name__
+    model_type, experts = target.model_type, target.experts
     if experts is None:
-        config = getattr(adapter_free(model), "config", None)
-        counts = expert_counts(config)
+        counts = expert_counts(target.config)
         if not any(counts.values()):
             raise ValueError(f"ep_size={ep}: {name} has no experts (no {'/'.join(EXPERT_COUNTS)} in its config): "
                              "expert parallelism splits the experts of a mixture-of-experts model; drop ep_size")
@@ -58,7 +60,7 @@ def check_experts(model: nn.Module, ep: int) -> None:
                          f"router and experts ndparallel's family table does not know (it knows {known}: "
                          "ndparallel.models.families.FAMILIES); train it without ep_size (FSDP2 shards its "
                          "experts), or add an Experts entry for its family")
-    count = expert_count(model, experts)
+    count = expert_count(model, experts, target)
     if count % ep:
         divisors = [d for d in range(1, count + 1) if count % d == 0]
         raise ValueError(f"ep_size={ep} must divide the experts of {name}: {experts.count}={count} cannot be split "

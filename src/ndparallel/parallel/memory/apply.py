@@ -7,6 +7,7 @@ from torch import nn
 
 from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
+from ..target import target_of
 from .loss_head import install
 from .rms_norm import apply_fused_rms_norm
 from .tiled_mlp import apply_tiled_mlp
@@ -14,11 +15,12 @@ from .tiled_mlp import apply_tiled_mlp
 
 def apply_memory_features(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """The chunked loss, the tiled MLPs and the fused RMSNorms `options.memory` asks for (`MemoryKwargs`)."""
-    install(model, options.memory)
+    inner = target_of(model, options).inner  # the model under its adapter wrapper, peeled once by `parallelize`
+    install(model, options.memory, inner)
     if options.memory.tiled_mlp:
         plugin = options.fsdp_plugin
         apply_tiled_mlp(model, options.memory.mlp_tile_size,
-                        plugin.transformer_cls_names_to_wrap if plugin is not None else None)
+                        plugin.transformer_cls_names_to_wrap if plugin is not None else None, inner)
     if options.memory.fused_rms_norm:
-        apply_fused_rms_norm(model)
+        apply_fused_rms_norm(model, inner)
     return model

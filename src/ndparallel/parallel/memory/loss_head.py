@@ -56,9 +56,10 @@ def _model_loss(model: nn.Module) -> tuple[Callable | None, Callable | None]:
     return LOSS_MAPPING.get(loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"), ForCausalLMLoss
 
 
-def eligibility(model: nn.Module) -> tuple[nn.Module, nn.Module, tuple[Transform, ...]]:
-    """(the transformers model, its LM head, the transforms between head and loss), or raise `Ineligible`."""
-    inner = adapter_free(model)
+def eligibility(model: nn.Module, inner: nn.Module | None = None) -> tuple[nn.Module, nn.Module, tuple[Transform, ...]]:
+    """(the transformers model, its LM head, the transforms between head and loss), or raise `Ineligible`. `inner`:
+    `model` under its adapter wrapper, as `parallelize` peeled it (peeled here when not given)."""
+    inner = adapter_free(model) if inner is None else inner
     name = type(inner).__name__
     loss, reference = _model_loss(inner)
     if reference is None or not is_causal_lm(inner):
@@ -162,15 +163,15 @@ class ChunkedLoss:
                                     chunk=self.chunk)
 
 
-def install(model: nn.Module, settings: MemoryKwargs) -> ChunkedLoss | None:
+def install(model: nn.Module, settings: MemoryKwargs, inner: nn.Module | None = None) -> ChunkedLoss | None:
     """Put the chunked loss on `model` as `settings` ask ("auto": where eligible); returns it, or None when off.
-    Raises ValueError when ``chunked_loss=True`` and the model is not eligible."""
-    inner = adapter_free(model)
+    Raises ValueError when ``chunked_loss=True`` and the model is not eligible. `inner`: as for `eligibility`."""
+    inner = adapter_free(model) if inner is None else inner
     if settings.chunked_loss is False:
         setattr(inner, STATUS_ATTR, "off: MemoryKwargs(chunked_loss=False)")
         return None
     try:
-        inner, head, transforms = eligibility(model)
+        inner, head, transforms = eligibility(model, inner)
     except Ineligible as exc:
         if settings.chunked_loss is True:
             raise ValueError(f"MemoryKwargs(chunked_loss=True): {exc}; leave it 'auto' (the model's own loss then "
@@ -191,9 +192,10 @@ def install(model: nn.Module, settings: MemoryKwargs) -> ChunkedLoss | None:
     return chunked
 
 
-def chunked_loss_of(model: nn.Module) -> ChunkedLoss | None:
-    """The chunked loss installed on `model` (or the transformers model inside it), or None."""
-    status = getattr(adapter_free(model), STATUS_ATTR, None)
+def chunked_loss_of(model: nn.Module, peeled: bool = False) -> ChunkedLoss | None:
+    """The chunked loss installed on `model` (or the transformers model inside it), or None. `peeled`: `model` is
+    already the transformers model (no adapter wrapper to look through)."""
+    status = getattr(model if peeled else adapter_free(model), STATUS_ATTR, None)
     return status if isinstance(status, ChunkedLoss) else None
 
 

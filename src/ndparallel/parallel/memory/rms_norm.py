@@ -130,9 +130,10 @@ def recognised_form(norm: nn.Module) -> tuple[float, float, str] | None:
     return eps, offset, form
 
 
-def apply_fused_rms_norm(model: nn.Module) -> list[FusedRMSNorm]:
-    """Fuse every RMSNorm of `model` whose forward is recognised (module docstring). Raises ValueError when none is."""
-    inner = adapter_free(model)
+def apply_fused_rms_norm(model: nn.Module, inner: nn.Module | None = None) -> list[FusedRMSNorm]:
+    """Fuse every RMSNorm of `model` whose forward is recognised (module docstring). Raises ValueError when none is.
+    `inner`: `model` under its adapter wrapper, as `parallelize` peeled it (peeled here when not given)."""
+    inner = adapter_free(model) if inner is None else inner
     fused: list[FusedRMSNorm] = []
     kept: list[str] = []
     for name, module in inner.named_modules():

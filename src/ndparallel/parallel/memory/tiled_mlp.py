@@ -126,10 +126,12 @@ def default_tile(hidden: int | None) -> int:
     return max(MIN_TILE, int(hidden or 0))
 
 
-def apply_tiled_mlp(model: nn.Module, tile: int | None, block_names: list[str] | None = None) -> list[TiledMLP]:
+def apply_tiled_mlp(model: nn.Module, tile: int | None, block_names: list[str] | None = None,
+                    inner: nn.Module | None = None) -> list[TiledMLP]:
     """Tile the dense MLP of every transformer block of `model` (tiles of `tile` tokens; None: the hidden size, at
-    least `MIN_TILE`). Raises ValueError when there is none."""
-    inner = adapter_free(model)
+    least `MIN_TILE`). Raises ValueError when there is none. `inner`: `model` under its adapter wrapper, as
+    `parallelize` peeled it (peeled here when not given)."""
+    inner = adapter_free(model) if inner is None else inner
     hidden = getattr(getattr(inner, "config", None), "hidden_size", None)
     tile = tile or default_tile(hidden)
     tiled: list[TiledMLP] = []

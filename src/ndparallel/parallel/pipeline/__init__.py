@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...distributed.mesh import ParallelMesh
-from ..adapted import adapter_free
 from ..options import PrepareOptions
+from ..target import target_of
 from .balancing import balancing_term
 from .runner import PipelineModel, check_schedule
 from .split import StageLayers, StagePlan, cut_to_rank, plan_stages
@@ -51,7 +51,7 @@ def plan_pipeline(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions)
         if plugin is not None and plugin.activation_checkpointing:
             raise ValueError(f"pp_size={pp}: schedule {handler.schedule!r} splits backward in two, which "
                              "activation checkpointing does not support; use '1f1b' or 'interleaved_1f1b'")
-    plan = plan_stages(model, pp, handler)
+    plan = plan_stages(model, pp, handler, target_of(model, options))
     check_schedule(handler, plan)
     return plan
 
@@ -61,13 +61,14 @@ def apply_pipeline(model: nn.Module, plan: StagePlan, mesh: ParallelMesh, option
     """Build this rank's stage modules from `model` (already cut to them), ``wrap`` each, and return the model that
     runs the schedule."""
     pp_rank = mesh.rank("pp")
-    stages = {s: wrap(build_stage(model, plan, s)) for s in plan.stages_of(pp_rank)}
+    target = target_of(model, options)
+    stages = {s: wrap(build_stage(model, plan, s, target.inner)) for s in plan.stages_of(pp_rank)}
     # A mixture of experts' load-balancing term over every stage's layers and the global batch (`balancing`).
-    balancing = balancing_term(adapter_free(model), stages, mesh.group("pp"),
-                               mesh.group("loss") if mesh.size("loss") > 1 else None, options.device)
+    balancing = balancing_term(target.inner, stages, mesh.group("pp"),
+                               mesh.group("loss") if mesh.size("loss") > 1 else None, options.device, target)
     return PipelineModel(model, stages, plan, options.pp_handler, mesh.group("pp"), options.device,
                          tie_group=_ends_group(mesh) if plan.tied else None, loss_factor=options.loss_factor,
-                         sync_gradients=options.sync_gradients, balancing=balancing)
+                         sync_gradients=options.sync_gradients, balancing=balancing, adapted=target.inner)
 
 
 def _ends_group(mesh: ParallelMesh) -> dist.ProcessGroup | None:

@@ -37,6 +37,7 @@ from torch.distributed import pipelining
 from ...models.families import ROUTER_LOSS, USUAL_EXPERTS
 from ..experts.layout import family_experts
 from ..moe import gather_token_rows, load_balancing_function
+from ..target import Target
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the router logits' dtype, by its index
 # A new schedule's first call runs each stage once more to learn the shapes it sends. Stages with
@@ -46,9 +47,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the r
 _SHAPE_CALL_WITH_GRAD = hasattr(pipelining.PipelineStage, "_forward_metadata_inference")
 
 
-def routers(model: nn.Module, stages: dict[int, nn.Module]) -> list[nn.Module]:
-    """The router modules of this rank's stages, stage by stage, layer by layer (sparse layers only)."""
-    _, experts = family_experts(model)
+def routers(model: nn.Module, stages: dict[int, nn.Module], target: Target | None = None) -> list[nn.Module]:
+    """The router modules of this rank's stages, stage by stage, layer by layer (sparse layers only). `target`:
+    `model` as `parallelize` resolved it (resolved here when not given)."""
+    _, experts = family_experts(model, target)
     path = (experts or USUAL_EXPERTS).router
     found = []
     for index in sorted(stages):
@@ -193,10 +195,11 @@ def _all_gather_small(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[to
 
 
 def balancing_term(model: nn.Module, stages: dict[int, nn.Module], pp_group: dist.ProcessGroup,
-                   loss_group: dist.ProcessGroup | None, device: torch.device) -> BalancingTerm | None:
+                   loss_group: dist.ProcessGroup | None, device: torch.device,
+                   target: Target | None = None) -> BalancingTerm | None:
     """The term for a model whose loss adds a load-balancing term (`moe.load_balancing_function` and
     ``output_router_logits`` on), else None."""
     function = load_balancing_function(model)
     if function is None or not ROUTER_LOSS.on(model.config):
         return None
-    return BalancingTerm(function, model, routers(model, stages), pp_group, loss_group, device)
+    return BalancingTerm(function, model, routers(model, stages, target), pp_group, loss_group, device)

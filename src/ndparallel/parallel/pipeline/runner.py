@@ -58,12 +58,13 @@ class PipelineModel(nn.Module, PreparedModel):
     def __init__(self, module: nn.Module, stages: dict[int, nn.Module], plan: StagePlan,
                  handler: PipelineParallelConfig, group: dist.ProcessGroup, device: torch.device,
                  tie_group: dist.ProcessGroup | None = None, loss_factor: Callable[[], float] = lambda: 1.0,
-                 sync_gradients: Callable[[], bool] = lambda: True, balancing: BalancingTerm | None = None) -> None:
+                 sync_gradients: Callable[[], bool] = lambda: True, balancing: BalancingTerm | None = None,
+                 adapted: nn.Module | None = None) -> None:
         super().__init__()
         self.module = module
         # The causal LM whose parts the stages run: the module itself, or under PEFT the transformers model it adapts
         # (an attribute, not a submodule: `module` holds it under its own names).
-        object.__setattr__(self, "adapted", adapter_free(module))
+        object.__setattr__(self, "adapted", adapter_free(module) if adapted is None else adapted)
         self._stage_modules = stages  # stage index -> its module (FSDP2 / DDP roots); not registered twice
         self.plan = plan
         self.handler = handler

@@ -22,7 +22,7 @@ from torch import nn
 from ...configuration.handlers import PP_SCHEDULES, PipelineParallelConfig
 from ...models.families import ROUTER_LOSS, expert_counts
 from ..adapted import adapter_free
-from ..experts.layout import family_experts
+from ..target import Target
 
 # Attributes of a decoder's inner model that hold positions added to the embeddings in its forward: a later stage
 # that is handed hidden states would add them again, so such models are split by the user (an nn.Sequential).
@@ -97,10 +97,12 @@ def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
     return inner, inner.layers
 
 
-def check_splittable(model: nn.Module, pp: int) -> str:
-    """The plan kind for `model` ("decoder" or "sequential"), or raise saying why it cannot be split."""
+def check_splittable(model: nn.Module, pp: int, target: Target | None = None) -> str:
+    """The plan kind for `model` ("decoder" or "sequential"), or raise saying why it cannot be split. `target`: `model`
+    as `parallelize` resolved it (resolved here when not given)."""
     where = f"pp_size={pp}"
-    model = adapter_free(model)  # under PEFT: the transformers model it adapts (its layers hold the adapters)
+    target = Target.of(model) if target is None else target
+    model = target.inner  # under PEFT: the transformers model it adapts (its layers hold the adapters)
     parts = decoder_parts(model)
     if parts is None:
         if isinstance(model, nn.Sequential):
@@ -118,7 +120,7 @@ def check_splittable(model: nn.Module, pp: int) -> str:
         raise ValueError(f"{where}: {name} adds learned positions ({positions[0]}) to its embeddings inside its "
                          "forward, which a later stage cannot skip; pipeline stages are not supported for it")
     experts = [k for k, v in expert_counts(config).items() if v]
-    if experts and ROUTER_LOSS.on(config) and family_experts(model)[1] is None:
+    if experts and ROUTER_LOSS.on(config) and target.experts is None:
         # The stages add the load-balancing term from the routers' logits (`balancing`): the family table says
         # where a family's routers are.
         raise ValueError(f"{where}: {name} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}) "
@@ -157,11 +159,13 @@ def _balanced(weights: Sequence[int], stages: int) -> list[int]:
     return starts[::-1]
 
 
-def plan_stages(model: nn.Module, pp: int, handler: PipelineParallelConfig) -> StagePlan:
+def plan_stages(model: nn.Module, pp: int, handler: PipelineParallelConfig, target: Target | None = None) -> StagePlan:
     """The `StagePlan` of `model` over `pp` ranks under `handler`; raises (naming what works) for a split that
-    leaves a stage empty, names units the model lacks, or asks for more stages than the model has units."""
-    kind = check_splittable(model, pp)
-    model = adapter_free(model)
+    leaves a stage empty, names units the model lacks, or asks for more stages than the model has units. `target`:
+    as for `check_splittable`."""
+    target = Target.of(model) if target is None else target
+    kind = check_splittable(model, pp, target)
+    model = target.inner
     stages = pp * handler.stages_per_rank
     if kind == "decoder":
         inner, layers = decoder_parts(model)
@@ -209,14 +213,15 @@ def _unit_index(entry: int | str, units: tuple[str, ...], kind: str) -> int:
 
 
 # ---- cutting --------------------------------------------------------------------------------------------------
-def cut_to_rank(model: nn.Module, plan: StagePlan, pp_rank: int) -> nn.Module:
+def cut_to_rank(model: nn.Module, plan: StagePlan, pp_rank: int, inner: nn.Module | None = None) -> nn.Module:
     """Drop from `model`, in place, every unit (and embedding / norm / head) that no stage of rank `pp_rank` runs.
-    Names of what is kept do not change."""
+    Names of what is kept do not change. `inner`: `model` under its adapter wrapper, as `parallelize` peeled it."""
     stages = plan.stages_of(pp_rank)
     kept = {u for s in stages for u in plan.stage_units(s)}
     first, last = 0 in stages, plan.num_stages - 1 in stages
     if plan.kind == "decoder":
-        adapted = adapter_free(model)  # under PEFT, cut in place inside it: the PEFT model keeps its names
+        # Under PEFT, cut in place inside it: the PEFT model keeps its names.
+        adapted = adapter_free(model) if inner is None else inner
         inner, layers = decoder_parts(adapted)
         inner.layers = StageLayers({str(i): layer for i, layer in enumerate(layers) if str(i) in kept})
         if not first:

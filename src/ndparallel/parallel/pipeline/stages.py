@@ -63,7 +63,8 @@ class DecoderStage(nn.Module):
         self.config = model.config
         self._no_split_modules = getattr(model, "_no_split_modules", None)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
-        self.chunked = chunked_loss_of(model) if last else None  # the head and loss over chunks of tokens
+        # The head and loss over chunks of tokens (`model`: the transformers model, under PEFT the one it adapts).
+        self.chunked = chunked_loss_of(model, peeled=True) if last else None
         install_packed_check()
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -100,8 +101,10 @@ class SequentialStage(nn.Sequential):
         return super().forward(x)
 
 
-def build_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
+def build_stage(model: nn.Module, plan: StagePlan, stage: int, inner: nn.Module | None = None) -> nn.Module:
+    """Stage `stage`'s module. `inner`: `model` under its adapter wrapper, as `parallelize` peeled it."""
     units = list(plan.stage_units(stage))
     if plan.kind == "decoder":  # under PEFT, the transformers model it adapts (its layers hold the adapters)
-        return DecoderStage(adapter_free(model), units, first=stage == 0, last=stage == plan.num_stages - 1)
+        return DecoderStage(adapter_free(model) if inner is None else inner, units, first=stage == 0,
+                            last=stage == plan.num_stages - 1)
     return SequentialStage(model, units)

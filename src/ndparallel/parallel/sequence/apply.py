@@ -12,6 +12,7 @@ from torch import nn
 
 from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
+from ..target import target_of
 from . import hooks
 from .sharding import describe_sizes
 from .ulysses import check_head_chunks, check_heads
@@ -43,5 +44,5 @@ def apply_sequence_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepa
     attention function; any other model must call `ndparallel.context_parallel_attention` itself.
     """
     if mesh.size("cp") > 1 or mesh.size("sp") > 1:
-        hooks.prepare_model(model, _sizes(mesh))
+        hooks.prepare_model(model, _sizes(mesh), target_of(model, options).inner)
     return model

@@ -149,11 +149,12 @@ def check_model(model: nn.Module, sizes: str) -> None:
         )
 
 
-def prepare_model(model: nn.Module, sizes: str) -> None:
+def prepare_model(model: nn.Module, sizes: str, inner: nn.Module | None = None) -> None:
     """Make `model` compute context-parallel attention while a sequence is sharded (see the module docstring).
 
     Hugging Face models are switched to ndparallel's attention function; for every model, a forward pre-hook
     refuses training forwards outside ``maybe_context_parallel`` and (Hugging Face models) inputs CP cannot honour.
+    `inner`: `model` under its adapter wrapper, as `parallelize` peeled it (peeled here when not given).
     """
     check_model(model, sizes)
     is_hf = _is_hf(model)
@@ -170,7 +171,7 @@ def prepare_model(model: nn.Module, sizes: str) -> None:
                 f"{sizes}: {type(model).__name__} does not dispatch attention through transformers' "
                 "AttentionInterface, so ndparallel cannot make it context-parallel"
             )
-    check = _InputCheck(model if is_hf else None, sizes)
+    check = _InputCheck(model if is_hf else None, sizes, inner)
     model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
     # Under pipeline stages the model's own forward never runs (its stages do): the pipeline calls the check itself.
     model.sequence_input_check = check
@@ -179,12 +180,13 @@ def prepare_model(model: nn.Module, sizes: str) -> None:
 class _InputCheck:
     """Forward pre-hook of a model prepared for context parallelism."""
 
-    def __init__(self, hf_model: nn.Module | None, sizes: str) -> None:
+    def __init__(self, hf_model: nn.Module | None, sizes: str, inner: nn.Module | None = None) -> None:
         self.config = getattr(hf_model, "config", None)
         self.is_hf = hf_model is not None
         # What the model's forward takes by name (under PEFT, whose forward passes **kwargs on: the adapted model's).
-        self.accepts = set(inspect.signature(adapter_free(hf_model).forward).parameters) if hf_model is not None \
-            else set()
+        if hf_model is not None and inner is None:
+            inner = adapter_free(hf_model)
+        self.accepts = set(inspect.signature(inner.forward).parameters) if hf_model is not None else set()
         self.sizes = sizes  # e.g. "cp_size=2 x sp_size=2", for messages
         self.counted_on_host = False  # whether a training forward's loss tokens were checked on the host yet
 

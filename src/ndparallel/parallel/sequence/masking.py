@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...distributed.layout import load_balanced_chunks
+
 SKIP, FULL, CAUSAL, MASKED = "skip", "full", "causal", "masked"
 
 
@@ -269,7 +271,8 @@ def balanced_assignment(doc: torch.Tensor, cp_size: int, chunks_per_rank: int = 
     do not split into that many chunks, or when the deal is no more even than the load-balanced layout."""
     seq = doc.shape[1]
     n = cp_size * chunks_per_rank
-    if seq % n or seq % (2 * cp_size):
+    halves_count = load_balanced_chunks(cp_size)
+    if seq % n or seq % halves_count:
         return None
     work = chunk_work(doc, n)
     load, ranks = [0] * cp_size, [[] for _ in range(cp_size)]
@@ -277,8 +280,8 @@ def balanced_assignment(doc: torch.Tensor, cp_size: int, chunks_per_rank: int = 
         r = min((r for r in range(cp_size) if len(ranks[r]) < chunks_per_rank), key=lambda r: (load[r], r))
         ranks[r].append(c)
         load[r] += work[c]
-    halves = chunk_work(doc, 2 * cp_size)
-    default = [halves[r] + halves[2 * cp_size - 1 - r] for r in range(cp_size)]
+    halves = chunk_work(doc, halves_count)
+    default = [halves[r] + halves[halves_count - 1 - r] for r in range(cp_size)]
     if max(load) >= max(default):
         return None
     return tuple(tuple(sorted(chunks)) for chunks in ranks)

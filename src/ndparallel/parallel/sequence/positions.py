@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...distributed.layout import load_balanced_chunks
+
 
 @dataclass(frozen=True)
 class SequenceLayout:
@@ -66,7 +68,7 @@ class SequenceLayout:
     def num_chunks(self) -> int:
         if self.assignment is not None:
             return sum(len(c) for c in self.assignment)
-        return 2 * self.size if self.load_balance else self.size
+        return load_balanced_chunks(self.size, self.load_balance)
 
     @property
     def chunk_len(self) -> int:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ...configuration.handlers import TorchContextParallelConfig
 from ...training.loss import count_loss_tokens
+from ...distributed.layout import sequence_divisor
 from ...distributed.mesh import ParallelMesh
 from .attention import sequence_parallel_attention
 from .positions import SequenceLayout, SequenceShards
@@ -73,8 +74,8 @@ class SequenceSharding:
         return SequenceShards.of(seq_len, self.cp_size, self.cp_rank, self.load_balance, self.sp_size, self.sp_rank)
 
     def fitting_length(self, seq_len: int) -> int:
-        """The shortest length >= `seq_len` that splits over this layout (a multiple of 2 * cp * sp at most away)."""
-        for length in range(seq_len, seq_len + 2 * self.cp_size * self.sp_size + 1):
+        """The shortest length >= `seq_len` that splits over this layout (`layout.sequence_divisor` at most away)."""
+        for length in range(seq_len, seq_len + sequence_divisor(self.cp_size, self.sp_size) + 1):
             try:
                 self.layout(length)
                 return length

@@ -13,6 +13,7 @@ from .plans import (
     hf_plan,
     plan_styles,
     resolve_plan,
+    resolve_tensor_parallel,
     tensor_parallel_styles,
     tie_styles,
     with_sequence_parallel,
@@ -20,5 +21,5 @@ from .plans import (
 from .presharded import gather_presharded
 
 __all__ = ["ALIASES", "BUILTIN_PLANS", "STYLES", "apply_tensor_parallel", "check_plan", "check_tensor_parallel",
-           "choose_plan", "gather_presharded", "hf_plan", "plan_styles", "resolve_plan", "tensor_parallel_styles",
-           "tie_styles", "with_sequence_parallel"]
+           "choose_plan", "gather_presharded", "hf_plan", "plan_styles", "resolve_plan", "resolve_tensor_parallel",
+           "tensor_parallel_styles", "tie_styles", "with_sequence_parallel"]

@@ -26,6 +26,7 @@ both uses -- as in the unsplit model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import re
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from ...distributed.mesh import ParallelMesh
 from ...models.families import BUILTIN_PLANS, FAMILIES, Fused
 from ..options import PrepareOptions
 from ..adapted import adapter_free
+from ..target import Target, target_of
 from .adapters import expand_adapters, layer_of
 from .styles import (ALIASES, STYLES, PackedColwise, ShardSequenceOutput, build_style, is_conv1d, is_norm,
                      param_placements, split_dims)
@@ -65,24 +67,27 @@ def hf_plan(model: nn.Module) -> dict[str, str] | None:
     return plan
 
 
-def _model_type(model: nn.Module) -> str | None:
-    return getattr(getattr(adapter_free(model), "config", None), "model_type", None)
+def _model_type(inner: nn.Module) -> str | None:
+    return getattr(getattr(inner, "config", None), "model_type", None)
 
 
-def choose_plan(model: nn.Module, *user_plans: Mapping[str, str] | None) -> tuple[dict[str, str], str]:
+def choose_plan(model: nn.Module, *user_plans: Mapping[str, str] | None,
+                inner: nn.Module | None = None) -> tuple[dict[str, str], str]:
     """The plan for `model` and where it came from: the first user plan given, ndparallel's plan for the family where
-    it replaces the model's own, the model's own, or a built-in one."""
+    it replaces the model's own, the model's own, or a built-in one. `inner`: `model` under its adapter wrapper, as
+    `parallelize` peeled it (`target.Target`); peeled here when not given."""
     for plan, source in zip(user_plans, USER_SOURCES):
         if plan is not None:
             if not isinstance(plan, Mapping):
                 raise TypeError(f"{source}: a tensor-parallel plan is a dict of pattern -> style, got "
                                 f"{type(plan).__name__}")
             return dict(plan), source
-    model_type = _model_type(model)
+    inner = adapter_free(model) if inner is None else inner
+    model_type = _model_type(inner)
     family = FAMILIES.get(model_type)
     if family is not None and family.plan and family.replaces_own_plan:
         return dict(family.plan), f"ndparallel's plan for {model_type!r} (used because {family.replaces_own_plan})"
-    plan = hf_plan(adapter_free(model))  # under PEFT, the adapted model's plan (its patterns match the wrappers)
+    plan = hf_plan(inner)  # under PEFT, the adapted model's plan (its patterns match the wrappers)
     if plan:
         return plan, f"{type(model).__name__}'s own plan (config.base_model_tp_plan)"
     if model_type in BUILTIN_PLANS:
@@ -205,10 +210,11 @@ def _divisors_of(*numbers: int) -> list[int]:
     return [d for d in range(1, min(numbers) + 1) if all(n % d == 0 for n in numbers)]
 
 
-def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int) -> None:
+def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int, inner: nn.Module | None = None) -> None:
     """Raise, naming the module and a tp size that would work, where a style cannot split a module evenly, and where
-    a fused layer's output would stay split."""
-    config = getattr(adapter_free(model), "config", None)
+    a fused layer's output would stay split. `inner`: as for `choose_plan`."""
+    inner = adapter_free(model) if inner is None else inner
+    config = getattr(inner, "config", None)
     heads = {field: getattr(config, field) for field in ("num_attention_heads", "num_key_value_heads")
              if isinstance(getattr(config, field, None), int)}
     for field, count in heads.items():
@@ -229,7 +235,7 @@ def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int) -> None:
                 raise ValueError(f"tensor-parallel style {style!r} splits {name}.{what}={size} over tp_size={tp}, "
                                  f"which does not divide it; tp sizes that work: {_divisors_of(size)}")
     for name, style in resolved.items():
-        fused = _fused_entry(model, name)
+        fused = _fused_entry(_model_type(inner), name)
         if style == "colwise" and fused is not None:
             raise ValueError(
                 f"{name!r} packs {fused.what} in one weight; 'colwise' would leave each tp rank whole projections "
@@ -237,22 +243,24 @@ def check_plan(model: nn.Module, resolved: Mapping[str, str], tp: int) -> None:
                 "'packed_colwise' (each rank its slice of every projection) and the layer after it 'rowwise', or "
                 "'colwise_gather_output' and the layer after it 'rowwise_split_input'")
         if style == "packed_colwise":
-            packed_sizes(model, name, tp)  # raises where the projections are unknown or not divisible
+            packed_sizes(model, name, tp, inner)  # raises where the projections are unknown or not divisible
 
 
-def _fused_entry(model: nn.Module, name: str) -> Fused | None:
+def _fused_entry(model_type: str | None, name: str) -> Fused | None:
     """The family's description of the fused layer `name` (or of the layer an adapter's part `name` belongs to), if it
     is one."""
-    family = FAMILIES.get(_model_type(model))
+    family = FAMILIES.get(model_type)
     for pattern, fused in (family.fused if family else {}).items():
         if _pattern_regex(pattern).fullmatch(layer_of(name)):
             return fused
     return None
 
 
-def packed_sizes(model: nn.Module, name: str, tp: int) -> tuple[int, ...]:
-    """The features of each projection packed in layer `name` (a "packed_colwise" layer), checked to split over tp."""
-    fused = _fused_entry(model, name)
+def packed_sizes(model: nn.Module, name: str, tp: int, inner: nn.Module | None = None) -> tuple[int, ...]:
+    """The features of each projection packed in layer `name` (a "packed_colwise" layer), checked to split over tp.
+    `inner`: as for `choose_plan`."""
+    inner = adapter_free(model) if inner is None else inner
+    fused = _fused_entry(_model_type(inner), name)
     if fused is None:
         known = {t: list(f.fused) for t, f in FAMILIES.items() if f.fused}
         raise ValueError(f"tensor-parallel style 'packed_colwise' for {name!r}: ndparallel does not know which "
@@ -260,7 +268,7 @@ def packed_sizes(model: nn.Module, name: str, tp: int) -> tuple[int, ...]:
                          "'colwise_gather_output' and 'rowwise_split_input' after it")
     module = dict(model.named_modules())[name]
     features = module.nf if is_conv1d(module) else module.out_features
-    parts = fused.parts(adapter_free(model).config)
+    parts = fused.parts(inner.config)
     if features % sum(parts):
         raise ValueError(f"{name!r} has {features} output features, not {fused.what} in the proportions {parts}")
     sizes = tuple(features // sum(parts) * part for part in parts)
@@ -337,23 +345,47 @@ def check_not_sharded(model: nn.Module, tp_mesh) -> None:
 
 
 def plan_styles(model: nn.Module, tp: int, config: TorchTensorParallelConfig,
-                plan: Mapping[str, str] | None = None, strict: bool = True) -> tuple[dict[str, str], str]:
+                plan: Mapping[str, str] | None = None, strict: bool = True,
+                inner: nn.Module | None = None) -> tuple[dict[str, str], str]:
     """Module name -> style name for `model` split `tp` ways (the chosen plan resolved, ties completed, checked),
     and where the plan came from. `strict` False: a plan a user wrote may name modules `model` lacks (a model cut to
-    its pipeline stages; the whole model was checked first)."""
-    chosen, source = choose_plan(model, plan, config.plan)
+    its pipeline stages; the whole model was checked first). `inner`: as for `choose_plan`."""
+    inner = adapter_free(model) if inner is None else inner
+    chosen, source = choose_plan(model, plan, config.plan, inner=inner)
     resolved = resolve_plan(model, chosen, source, strict=strict and source in USER_SOURCES)
     resolved = tie_styles(model, resolved, config.sequence_parallel)
     resolved = expand_adapters(model, resolved, config.sequence_parallel)  # PEFT's LoRA layers: their parts
-    check_plan(model, resolved, tp)
+    check_plan(model, resolved, tp, inner)
     return resolved, source
 
 
+def resolve_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions, target: Target,
+                            strict: bool = True) -> Target:
+    """`target` with the plan of `model` (the whole model, before any cut) resolved over ``tp``, once: `parallelize`
+    does this at its entry, and every tensor-parallel step reads it (`Target.tp_plan`). Raises, before any collective,
+    where the model is already sharded or the plan cannot split it. Unchanged at tp 1. `strict`: as for
+    `plan_styles`."""
+    if mesh.size("tp") == 1:
+        return target
+    check_not_sharded(model, mesh["tp"])
+    plan, source = plan_styles(model, mesh.size("tp"), options.tp_handler, options.tp_plan,
+                               strict=strict, inner=target.inner)
+    return dataclasses.replace(target, tp_plan=plan, tp_source=source)
+
+
 def tensor_parallel_styles(model: nn.Module, tp: int, config: TorchTensorParallelConfig,
-                           plan: Mapping[str, str] | None = None, strict: bool = True) -> dict[str, ParallelStyle]:
+                           plan: Mapping[str, str] | None = None, strict: bool = True,
+                           target: Target | None = None) -> dict[str, ParallelStyle]:
     """Module name -> torch ParallelStyle for `model` split `tp` ways. Checks everything, communicates nothing,
-    so bad plans and sizes fail on every rank before any collective."""
-    resolved, source = plan_styles(model, tp, config, plan, strict)
+    so bad plans and sizes fail on every rank before any collective. With a `target` whose plan is resolved
+    (`resolve_tensor_parallel`), its styles for the modules `model` holds (all of them; a pipeline stage's own),
+    resolved nowhere again."""
+    target = Target.of(model) if target is None else target
+    if target.tp_plan is not None:
+        modules = dict(model.named_modules())
+        resolved, source = {n: s for n, s in target.tp_plan.items() if n in modules}, target.tp_source
+    else:
+        resolved, source = plan_styles(model, tp, config, plan, strict, inner=target.inner)
     if config.sequence_parallel:
         resolved = with_sequence_parallel(model, resolved)
         _check_sequence_parallel_coverage(model, resolved)
@@ -367,7 +399,7 @@ def tensor_parallel_styles(model: nn.Module, tp: int, config: TorchTensorParalle
     styles: dict[str, ParallelStyle] = {}
     for name, style in resolved.items():
         gathered = any(name.startswith(g + ".") for g in gathering)
-        packed = packed_sizes(model, name, tp) if style == "packed_colwise" else ()
+        packed = packed_sizes(model, name, tp, target.inner) if style == "packed_colwise" else ()
         built = build_style(style, modules[name], config.sequence_parallel, gathered, config.loss_parallel, packed)
         if built is not None:
             built.src_data_rank = None  # every rank holds the same full weights: each slices its own shard
@@ -383,8 +415,10 @@ def check_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
     """Raise, before any collective, if `model` cannot be split over ``tp`` with its plan (nothing to check at
     tp 1)."""
     if mesh.size("tp") > 1:
-        check_not_sharded(model, mesh["tp"])
-        tensor_parallel_styles(model, mesh.size("tp"), options.tp_handler, options.tp_plan)
+        target = target_of(model, options)
+        if target.tp_plan is None:  # called on its own: resolve here
+            target = resolve_tensor_parallel(model, mesh, options, target)
+        tensor_parallel_styles(model, mesh.size("tp"), options.tp_handler, target=target)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
@@ -392,11 +426,15 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
     if mesh.size("tp") == 1:
         return model
     handler = options.tp_handler
-    styles = tensor_parallel_styles(model, mesh.size("tp"), handler, options.tp_plan, strict=mesh.size("pp") == 1)
+    target = target_of(model, options)
+    if target.tp_plan is None:  # called on its own: resolve here
+        target = resolve_tensor_parallel(model, mesh, options, target, strict=mesh.size("pp") == 1)
+    styles = tensor_parallel_styles(model, mesh.size("tp"), handler, target=target)
     groups = tied_groups(model)
     model = parallelize_module(model, mesh["tp"], styles)
     _retie(model, groups)
-    _localize_packed(model, mesh.size("tp"), [n for n, s in styles.items() if isinstance(s, PackedColwise)])
+    _localize_packed(model, mesh.size("tp"), [n for n, s in styles.items() if isinstance(s, PackedColwise)],
+                     target.model_type)
     if handler.loss_parallel:
         _run_forward_in_loss_parallel(model)
     return model
@@ -422,14 +460,14 @@ class _ConfigView:
         setattr(self._config, name, value)
 
 
-def _localize_packed(model: nn.Module, tp: int, names: list[str]) -> None:
+def _localize_packed(model: nn.Module, tp: int, names: list[str], model_type: str | None) -> None:
     """Tell the parent of each packed_colwise layer the sizes it now sees (`ndparallel.models.families.Fused.local`),
     divided by tp (once per layer: an adapter's B, split with its base layer, tells nobody)."""
     modules = dict(model.named_modules())
     for name in names:
         if layer_of(name) != name and not name.endswith(".base_layer"):
             continue
-        fused = _fused_entry(model, name)
+        fused = _fused_entry(model_type, name)
         parent = modules[layer_of(name).rpartition(".")[0]]
         for attr in fused.local if fused else ():
             if attr.startswith("config."):

@@ -1,0 +1,52 @@
+"""The model `parallelize` applies the layout to, resolved once at its entry and handed to every check and apply step.
+
+Under PEFT the steps read the transformers model inside the ``PeftModel`` (its plan, config and forward signature:
+`adapted.adapter_free`) and the family table's entry for its ``config.model_type``; at tp > 1 they split the model by
+one resolved plan (module name -> style, `tensor.plans.plan_styles`). `parallelize` peels the wrapper and resolves the
+plan once, into a `Target` it hands the steps in ``options.target`` (`options.PrepareOptions`), so that no step peels
+or resolves again and the checks and the applies see the same resolution. A step called on its own (outside
+`parallelize`, as a unit test does) resolves its own (`target_of`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..models.families import FAMILIES, Experts, Family, experts_of
+from .adapted import adapter_free
+
+
+@dataclass(frozen=True)
+class Target:
+    """One model as the steps of `parallelize` see it."""
+
+    inner: nn.Module  # the model a plan, config or forward signature belongs to (under PEFT, the one it adapts)
+    model_type: str | None  # its config.model_type (None: no Hugging Face config)
+    family: Family | None  # the family table's entry for it (`ndparallel.models.families.FAMILIES`)
+    experts: Experts | None  # the family's routed experts and router, where it is a known mixture of experts
+    # At tp > 1: the plan resolved over the whole model (module name -> style name, ties completed, adapters'
+    # parts expanded, checked: `tensor.plans.plan_styles`) and where it came from; None at tp 1.
+    tp_plan: Mapping[str, str] | None = None
+    tp_source: str = ""
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Target:
+        """`model` resolved: the adapter wrapper peeled (once) and its family looked up."""
+        inner = adapter_free(model)
+        model_type = getattr(getattr(inner, "config", None), "model_type", None)
+        return cls(inner, model_type, FAMILIES.get(model_type), experts_of(model_type))
+
+    @property
+    def config(self) -> Any:
+        """The inner model's config (None where it has none)."""
+        return getattr(self.inner, "config", None)
+
+
+def target_of(model: nn.Module, options: Any) -> Target:
+    """The target `parallelize` resolved (``options.target``), or `model`'s own for a step called on its own."""
+    target = getattr(options, "target", None)
+    return target if target is not None else Target.of(model)

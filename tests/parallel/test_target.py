@@ -1,0 +1,67 @@
+"""One `parallelize` resolves its model once (issue 53, item 2): the PEFT wrapper is peeled once (`adapted.adapter_free`
+runs once) and, under tensor parallelism, the plan is resolved once (`tensor.plans.plan_styles` and `resolve_plan` run
+once), the checks and the applies reading the same `ndparallel.parallel.target.Target`.
+
+Counted in forked ranks (2, gloo) by wrapping each function where every module of the package bound it, around one
+`parallelize` call, on a PEFT LoRA model and a plain one, under TP 2, FSDP2 2, CP 2 and pipeline stages 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import lora_run
+from harness import run_ranks
+
+COUNTED = ("adapter_free", "plan_styles", "resolve_plan")
+
+
+def count_calls(sizes: dict[str, int], peft: bool) -> dict[str, int]:
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+    import ndparallel.parallel as parallel
+    from tiny_models import build_model
+
+    counts = dict.fromkeys(COUNTED, 0)
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    originals = {}
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("ndparallel") and m is not None]:
+        for name in COUNTED:
+            fn = getattr(module, name, None)
+            if callable(fn) and getattr(fn, "__module__", "").startswith("ndparallel"):
+                originals.setdefault(name, fn)
+                setattr(module, name, counting(name, originals[name]))
+    during = dict.fromkeys(COUNTED, 0)
+    parallelize = parallel.parallelize
+
+    def counted_parallelize(*args, **kwargs):
+        before = dict(counts)
+        try:
+            return parallelize(*args, **kwargs)
+        finally:
+            for name in COUNTED:
+                during[name] += counts[name] - before[name]
+
+    parallel.parallelize = counted_parallelize
+    acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = lora_run.lora_model("llama") if peft else build_model("llama")
+    acc.prepare(model)
+    return during
+
+
+@pytest.mark.parametrize("peft", [True, False], ids=["peft_lora", "plain"])
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"dp_shard": 2}, {"cp": 2}, {"pp": 2}],
+                         ids=["tp2", "fsdp2", "cp2", "pp2"])
+def test_one_parallelize_peels_the_adapter_and_resolves_the_plan_once(sizes, peft):
+    for counts in run_ranks(count_calls, 2, sizes, peft, timeout=300):
+        assert counts["adapter_free"] == 1, counts
+        tp = sizes.get("tp", 1) > 1
+        assert counts["plan_styles"] == counts["resolve_plan"] == (1 if tp else 0), counts
