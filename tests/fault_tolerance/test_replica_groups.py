@@ -124,8 +124,9 @@ def test_a_killed_group_restarts_heals_and_rejoins_while_the_other_keeps_steppin
     launch(tmp_path, "--steps", str(steps), "--kill-at", str(kill), "--step-seconds", "0.3")
     logs = check_against_replay(tmp_path, steps)
     healthy, restarted = logs[0], logs[1]
-    # group 0 lost the step group 1 died in (not committed), then stepped alone, never waiting a quorum timeout
-    assert any(not r["committed"] for r in healthy if r["step"] == kill), healthy
+    # group 0 stepped without group 1 (alone, or beside it while it healed), never waiting a quorum timeout;
+    # whether the step group 1 died in was dropped depends on when the lighthouse saw it go (a group restarted
+    # before the next quorum joins that one)
     assert any(r["committed"] and r["participants"] == 1 for r in healthy), healthy
     assert max(r["seconds"] for r in healthy) < QUORUM_TIMEOUT
     # group 1 came back: one step healing (taking group 0's live state, contributing nothing), then both again
