@@ -105,7 +105,8 @@ def check_against_replay(out: Path, steps: int, replicas: int = 2, shard: int = 
 
 @pytest.mark.slow
 def test_every_group_takes_part_in_every_step_without_faults_and_one_writes_the_checkpoint(tmp_path):
-    launch(tmp_path, "--steps", "6", "--checkpoint-every", "3")
+    # with an evaluation forward between steps, which must not start a step of its own
+    launch(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--evaluate-every", "2")
     logs = check_against_replay(tmp_path, 6)
     for recs in logs.values():
         assert [(r["committed"], r["participating"], r["participants"]) for r in recs] == [(True, True, 2)] * 6

@@ -9,6 +9,7 @@ At the end every rank writes its local parameter shards to OUT/params_replica{R}
 goes to OUT/log (FaultToleranceKwargs). --checkpoint-every C (the restart-from-checkpoint way, without
 --fault-tolerant): save_state to OUT/checkpoint every C steps, load_state from it on start when it exists.
 --verify-checkpoint: only load OUT/checkpoint and write the parameters loaded to OUT/loaded_rank{r}.pt.
+--evaluate-every E: a forward in evaluation mode, without gradients, after every E-th step.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--verify-checkpoint", action="store_true")
+    parser.add_argument("--evaluate-every", type=int, default=0)
     args = parser.parse_args()
     out = Path(args.out)
     fault_tolerant = "NDPARALLEL_FT_REPLICAS" in os.environ
@@ -104,6 +106,11 @@ def main() -> None:
         count.steps += 1
         if args.checkpoint_every and count.steps % args.checkpoint_every == 0:
             accelerator.save_state(checkpoint)
+        if args.evaluate_every and count.steps % args.evaluate_every == 0:  # an evaluation between steps
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
         time.sleep(args.step_seconds)
     torch.save(local_shards(model), out / f"params_replica{replica_id}_rank{accelerator.process_index}.pt")
     (out / f"steps_replica{replica_id}_rank{accelerator.process_index}.txt").write_text(str(count.steps))
