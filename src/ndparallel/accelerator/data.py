@@ -53,9 +53,10 @@ class DataMixin:
                              "reads its own share, so the dataset must yield the same order on every rank (not "
                              "only on rank 0, which dispatching reads); make it so and set dispatch_batches=False")
         seed = shuffle_seed(data_loader, config.data_seed, self.device)
+        shards, shard = self._batch_shards()
         sharding = self.sequence_sharding  # under CP/SP a rank's loss averages over its shard's tokens only
         prepared = prepared_loader_class(config.use_stateful_dataloader, bool(config.dispatch_batches))(
-            data_loader, num_shards=self._batch_shards()[0], shard_index=self._batch_shards()[1],
+            data_loader, num_shards=shards, shard_index=shard,
             seed=seed, device=self.device,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             window=self.gradient_accumulation_steps,

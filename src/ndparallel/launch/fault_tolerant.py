@@ -60,7 +60,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        help="with --fault-tolerant: a torchft lighthouse already running (default: start one here)")
 
 
-def plan_replicas(args: argparse.Namespace, sizes: dict[str, int] | None, nproc: int, nnodes: int,
+def plan_replicas(args: argparse.Namespace, dp_replicate: int, nproc: int, nnodes: int,
                   max_restarts: int | None) -> ReplicaLaunch | None:
     """The groups to start, or None without --fault-tolerant; raises on settings that cannot work, before any
     process starts."""
@@ -72,7 +72,7 @@ def plan_replicas(args: argparse.Namespace, sizes: dict[str, int] | None, nproc:
             raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --fault-tolerant runs; "
                              "add --fault-tolerant or drop them")
         return None
-    replicas = (sizes or {}).get("dp_replicate_size", 1)
+    replicas = dp_replicate
     if replicas < 2:
         raise ValueError("--fault-tolerant needs replica groups: give --dp-replicate-size R with R >= 2 (the groups "
                          "that keep training when one fails); the other sizes are each group's layout")

@@ -279,9 +279,8 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
                  f"per node ({nproc_source})")
         raise ValueError(f"{str(exc).replace(f'world size {nproc * nnodes}', world, 1)} Change the sizes, or the "
                          "nodes or GPUs / CPUs the job asks for, or give --nproc-per-node.") from None
-    replicas = fault_tolerant.plan_replicas(
-        args, None if resolved is None else {"dp_replicate_size": resolved.dp_replicate_size}, nproc, nnodes,
-        args.max_restarts)
+    replicas = fault_tolerant.plan_replicas(args, 1 if resolved is None else resolved.dp_replicate_size, nproc,
+                                            nnodes, args.max_restarts)
     if not args.module and not Path(args.script).is_file():
         raise FileNotFoundError(f"script {args.script!r} does not exist (use -m to run a module)")
 
