@@ -1,6 +1,7 @@
 """One `parallelize` resolves its model once (issue 53, item 2): the PEFT wrapper is peeled once (`adapted.adapter_free`
 runs once) and, under tensor parallelism, the plan is resolved once (`tensor.plans.plan_styles` and `resolve_plan` run
-once), the checks and the applies reading the same `ndparallel.parallel.target.Target`.
+once), and the transformer block classes are found once (`blocks.block_classes`) for FSDP2's wrap, activation
+checkpointing and the tiled MLP, the checks and the applies reading the same `ndparallel.parallel.target.Target`.
 
 Counted in forked ranks (2, gloo) by wrapping each function where every module of the package bound it, around one
 `parallelize` call, on a PEFT LoRA model and a plain one, under TP 2, FSDP2 2, CP 2 and pipeline stages 2.
@@ -15,11 +16,11 @@ import pytest
 import lora_run
 from harness import run_ranks
 
-COUNTED = ("adapter_free", "plan_styles", "resolve_plan")
+COUNTED = ("adapter_free", "plan_styles", "resolve_plan", "block_classes")
 
 
 def count_calls(sizes: dict[str, int], peft: bool) -> dict[str, int]:
-    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs, ParallelismConfig
     import ndparallel.parallel as parallel
     from tiny_models import build_model
 
@@ -51,7 +52,8 @@ def count_calls(sizes: dict[str, int], peft: bool) -> dict[str, int]:
 
     parallel.parallelize = counted_parallelize
     acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}),
-                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True),
+                      kwargs_handlers=[MemoryKwargs(tiled_mlp=True)])
     model = lora_run.lora_model("llama") if peft else build_model("llama")
     acc.prepare(model)
     return during
@@ -62,6 +64,6 @@ def count_calls(sizes: dict[str, int], peft: bool) -> dict[str, int]:
                          ids=["tp2", "fsdp2", "cp2", "pp2"])
 def test_one_parallelize_peels_the_adapter_and_resolves_the_plan_once(sizes, peft):
     for counts in run_ranks(count_calls, 2, sizes, peft, timeout=300):
-        assert counts["adapter_free"] == 1, counts
+        assert counts["adapter_free"] == counts["block_classes"] == 1, counts
         tp = sizes.get("tp", 1) > 1
         assert counts["plan_styles"] == counts["resolve_plan"] == (1 if tp else 0), counts

@@ -26,7 +26,7 @@ from .pipeline import PipelineModel, apply_pipeline, cut_to_rank, plan_pipeline
 from .precision import apply_autocast, apply_master_weights
 from .quantized import check_quantized
 from .sequence import apply_sequence_parallel, check_sequence_parallel
-from .target import Target
+from .target import target_of
 from .tensor import apply_tensor_parallel, check_tensor_parallel, gather_presharded, resolve_tensor_parallel
 
 
@@ -35,9 +35,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -
     # A model transformers already tensor-parallelised (from_pretrained(tp_plan="auto")), on a mesh of its own, is
     # gathered back to full weights: the layout below applies to it as to any model (`tensor.presharded`).
     model = gather_presharded(model)
-    # The model resolved once, for every step below (`target.Target`): the adapter wrapper peeled, its family, and at
-    # tp > 1 the plan resolved over the whole model (raising, on every rank, where it cannot split it).
-    target = Target.of(model)
+    # The model resolved once, for every step below (`target.Target`): the adapter wrapper peeled, its family, its
+    # transformer block classes, and at tp > 1 the plan resolved over the whole model (raising, on every rank, where
+    # a block class named does not exist or the plan cannot split the model).
+    target = target_of(model, options)
     options = dataclasses.replace(options, target=resolve_tensor_parallel(model, mesh, options, target))
     # Checks only, on every rank, before the first collective: a plan or model the layout cannot split raises here.
     stages = plan_pipeline(model, mesh, options)  # None without pipeline stages

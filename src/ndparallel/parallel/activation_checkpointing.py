@@ -27,9 +27,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ..distributed.mesh import ParallelMesh
 from ..configuration.plugins import ActivationCheckpointing
-from .blocks import block_classes, blocks_of
 from .memory.offload import ActivationOffload, offload_block_inputs
 from .options import PrepareOptions
+from .target import target_of
 
 OFFLOAD_ATTR = "_ndparallel_activation_offload"  # on the model: its `ActivationOffload` (stats for tests)
 _aten = torch.ops.aten
@@ -64,13 +64,13 @@ def apply_activation_checkpointing(model: nn.Module, mesh: ParallelMesh, options
         return model
     spec = plugin.activation_checkpointing
     spec = spec if isinstance(spec, ActivationCheckpointing) else ActivationCheckpointing()
-    blocks = block_classes(model, plugin.transformer_cls_names_to_wrap)
-    if not blocks:
+    target = target_of(model, options)
+    if not target.block_types:
         raise ValueError(
             f"activation_checkpointing needs block classes to checkpoint, and {type(model).__name__} names none: "
             "set FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...])"
         )
-    checkpointed = [module for i, module in enumerate(blocks_of(model, blocks)) if i % spec.every == 0]
+    checkpointed = [module for i, module in enumerate(target.blocks_in(model)) if i % spec.every == 0]
     for module in checkpointed:
         checkpoint(module, context_fn=_selective_contexts if spec.policy == "selective" else None)
     if spec.offload:  # the checkpointed blocks' inputs to host memory and back (`memory.offload`)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..distributed.mesh import ParallelMesh
-from .blocks import block_classes, blocks_of
 from .options import PrepareOptions
+from .target import target_of
 
 
 def _enabled(options: PrepareOptions):
@@ -25,8 +25,7 @@ def _enabled(options: PrepareOptions):
 
 def _blocks(model: nn.Module, options: PrepareOptions) -> list[nn.Module]:
     """The transformer blocks regional compilation compiles: those the FSDP wrap policy would wrap."""
-    names = options.fsdp_plugin.transformer_cls_names_to_wrap if options.fsdp_plugin is not None else None
-    return blocks_of(model, block_classes(model, names))
+    return target_of(model, options).blocks_in(model)
 
 
 def check_compilation(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> None:

@@ -37,10 +37,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ..configuration.parallelism import ParallelismConfig
 from ..distributed.mesh import ParallelMesh
 from ..configuration.plugins import FullyShardedDataParallelPlugin, derived_policy
-from .blocks import block_classes, modules_to_wrap
+from .blocks import modules_to_wrap
 from .experts import shard_experts
 from .gathered import release_after_forward_without_gradients
 from .options import PrepareOptions
+from .target import target_of
 
 
 def uses_fsdp(config: ParallelismConfig, plugin: FullyShardedDataParallelPlugin | None) -> bool:
@@ -120,7 +121,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
             "each rank updates its own copy; freeze them (requires_grad_(False)) unless that is what you want",
             stacklevel=3,
         )
-    blocks = block_classes(model, plugin.transformer_cls_names_to_wrap)
+    blocks = list(target_of(model, options).block_types)
     policy = "no_wrap" if plugin.auto_wrap_policy is None else plugin.auto_wrap_policy  # None: set_auto_wrap_policy's
     if policy == "transformer_based_wrap" and not blocks:
         warnings.warn(
@@ -154,18 +155,13 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> 
     )
 
 
-def check_plugin(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> set[nn.Parameter]:
-    """Raise where the plugin's block classes or ignored modules do not fit `model`: also on one process, where no
-    FSDP2 wrap reads them, so a script fails the same way on 1 process as on 8. Returns the ignored parameters."""
-    block_classes(model, plugin.transformer_cls_names_to_wrap)
-    return _ignored_params(model, plugin.ignored_modules)
-
-
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """FSDP2 / HSDP, DDP, or nothing (see the module docstring): the outermost wrapper, applied last."""
     if options.fsdp:
         return apply_fsdp(model, mesh, options)
-    ignored = None if options.fsdp_plugin is None else check_plugin(model, options.fsdp_plugin)
+    # The plugin's ignored modules must fit `model` also where no FSDP2 wrap reads them (DDP, one process), so a script
+    # fails the same way on 1 process as on 8 (its block classes were checked as `parallelize` began: `Target.of`).
+    ignored = None if options.fsdp_plugin is None else _ignored_params(model, options.fsdp_plugin.ignored_modules)
     if mesh.size("loss") > 1:
         return apply_ddp(model, mesh, options)
     if ignored is not None:  # one process: no FSDP2 wrap, so nothing is sharded; the plugin's ignored_modules name

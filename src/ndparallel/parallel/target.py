@@ -2,10 +2,12 @@
 
 Under PEFT the steps read the transformers model inside the ``PeftModel`` (its plan, config and forward signature:
 `adapted.adapter_free`) and the family table's entry for its ``config.model_type``; at tp > 1 they split the model by
-one resolved plan (module name -> style, `tensor.plans.plan_styles`). `parallelize` peels the wrapper and resolves the
-plan once, into a `Target` it hands the steps in ``options.target`` (`options.PrepareOptions`), so that no step peels
-or resolves again and the checks and the applies see the same resolution. A step called on its own (outside
-`parallelize`, as a unit test does) resolves its own (`target_of`).
+one resolved plan (module name -> style, `tensor.plans.plan_styles`); FSDP2's wrap, activation checkpointing, regional
+compilation and the tiled MLP work on its transformer blocks (the classes ``transformer_cls_names_to_wrap`` or the
+model's ``_no_split_modules`` name, `blocks.block_classes`). `parallelize` peels the wrapper, resolves the plan and
+the block classes once, into a `Target` it hands the steps in ``options.target`` (`options.PrepareOptions`), so that
+no step peels or resolves again and the checks and the applies see the same resolution. A step called on its own
+(outside `parallelize`, as a unit test does) resolves its own (`target_of`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from ..models.families import FAMILIES, Experts, Family, experts_of
 from .adapted import adapter_free
+from .blocks import block_classes, blocks_of
 
 
 @dataclass(frozen=True)
@@ -32,13 +35,22 @@ class Target:
     # parts expanded, checked: `tensor.plans.plan_styles`) and where it came from; None at tp 1.
     tp_plan: Mapping[str, str] | None = None
     tp_source: str = ""
+    # The transformer block classes (`blocks.block_classes` of the FSDP plugin's names; empty where none are named)
+    block_types: tuple[type[nn.Module], ...] = ()
 
     @classmethod
-    def of(cls, model: nn.Module) -> Target:
-        """`model` resolved: the adapter wrapper peeled (once) and its family looked up."""
+    def of(cls, model: nn.Module, block_names: list[str] | None = None) -> Target:
+        """`model` resolved: the adapter wrapper peeled (once), its family looked up, its block classes found
+        (`block_names`: ``transformer_cls_names_to_wrap``; None: the model's ``_no_split_modules``; raises, naming the
+        classes it has, where a name matches none)."""
         inner = adapter_free(model)
         model_type = getattr(getattr(inner, "config", None), "model_type", None)
-        return cls(inner, model_type, FAMILIES.get(model_type), experts_of(model_type))
+        return cls(inner, model_type, FAMILIES.get(model_type), experts_of(model_type),
+                   block_types=tuple(block_classes(model, block_names)))
+
+    def blocks_in(self, module: nn.Module) -> list[nn.Module]:
+        """The transformer blocks under `module` (the model, or a pipeline stage cut from it), in module order."""
+        return blocks_of(module, list(self.block_types))
 
     @property
     def config(self) -> Any:
@@ -49,4 +61,7 @@ class Target:
 def target_of(model: nn.Module, options: Any) -> Target:
     """The target `parallelize` resolved (``options.target``), or `model`'s own for a step called on its own."""
     target = getattr(options, "target", None)
-    return target if target is not None else Target.of(model)
+    if target is not None:
+        return target
+    plugin = getattr(options, "fsdp_plugin", None)
+    return Target.of(model, plugin.transformer_cls_names_to_wrap if plugin is not None else None)

@@ -15,12 +15,11 @@ from .tiled_mlp import apply_tiled_mlp
 
 def apply_memory_features(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """The chunked loss, the tiled MLPs and the fused RMSNorms `options.memory` asks for (`MemoryKwargs`)."""
-    inner = target_of(model, options).inner  # the model under its adapter wrapper, peeled once by `parallelize`
+    target = target_of(model, options)  # resolved once by `parallelize`: the model under its adapter wrapper, ...
+    inner = target.inner
     install(model, options.memory, inner)
     if options.memory.tiled_mlp:
-        plugin = options.fsdp_plugin
-        apply_tiled_mlp(model, options.memory.mlp_tile_size,
-                        plugin.transformer_cls_names_to_wrap if plugin is not None else None, inner)
+        apply_tiled_mlp(model, options.memory.mlp_tile_size, inner=inner, blocks=target.blocks_in(model))
     if options.memory.fused_rms_norm:
         apply_fused_rms_norm(model, inner)
     return model

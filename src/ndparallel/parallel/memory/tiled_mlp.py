@@ -127,16 +127,16 @@ def default_tile(hidden: int | None) -> int:
 
 
 def apply_tiled_mlp(model: nn.Module, tile: int | None, block_names: list[str] | None = None,
-                    inner: nn.Module | None = None) -> list[TiledMLP]:
+                    inner: nn.Module | None = None, blocks: list[nn.Module] | None = None) -> list[TiledMLP]:
     """Tile the dense MLP of every transformer block of `model` (tiles of `tile` tokens; None: the hidden size, at
-    least `MIN_TILE`). Raises ValueError when there is none. `inner`: `model` under its adapter wrapper, as
-    `parallelize` peeled it (peeled here when not given)."""
+    least `MIN_TILE`). Raises ValueError when there is none. `inner`, `blocks`: `model` under its adapter wrapper and
+    its blocks, as `parallelize` resolved them (`target.Target`; else found here, the blocks by `block_names`)."""
     inner = adapter_free(model) if inner is None else inner
     hidden = getattr(getattr(inner, "config", None), "hidden_size", None)
     tile = tile or default_tile(hidden)
     tiled: list[TiledMLP] = []
     skipped: dict[str, int] = {}
-    for block in blocks_of(model, block_classes(inner, block_names)):
+    for block in blocks_of(model, block_classes(inner, block_names)) if blocks is None else blocks:
         mlp = next((getattr(block, name) for name in MLP_NAMES if isinstance(getattr(block, name, None), nn.Module)),
                    None)
         if mlp is None:
