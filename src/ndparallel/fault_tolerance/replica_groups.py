@@ -31,13 +31,14 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .settings import FaultToleranceKwargs
+from .settings import JOIN_TIMEOUT, START_STORE_ENV, FaultToleranceKwargs
 
 if TYPE_CHECKING:
     from ..training.prepared import PreparedObjects
@@ -102,7 +103,12 @@ class ReplicaGroups:
             # first step checks (`_check_same_start`); a group that joins later heals as a whole.
             init_sync=False)
         self.manager.register_state_dict_fn("ndparallel", self._load_live_state, self._live_state)
+        self._meet_every_group()
         self.records: list[dict[str, Any]] = []
+        # What else a step changes, by name: (state, load) -- the Trainer's counters and LR scheduler
+        # (`integrations.trainer_faults`). A healing group loads each after the prepared objects.
+        self._more_state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self.positions_taken: list[dict[str, Any]] = []  # the data positions of the live state last loaded
         self._log = None
         directory = settings.participation_log
         if directory and group_rank == 0:
@@ -115,6 +121,24 @@ class ReplicaGroups:
         self._loss: torch.Tensor | None = None
         self._contributors: torch.Tensor | None = None  # the groups in this step's gradient average (on the device)
         self._started = 0.0
+
+    def _meet_every_group(self) -> None:
+        """At the job's start, wait (up to `JOIN_TIMEOUT`) until every group's manager is up. torchft's lighthouse
+        makes the first quorum wait only for the groups it has heard from, so a group that is slower to start (a
+        loaded machine, a longer import) would find the others trained on alone, each from its own start. The
+        groups meet in the launcher's store (``ndparallel launch --fault-tolerant``; groups started by hand do not
+        wait); a restarted group joins the running job instead, and the other ranks of a group wait in its quorum."""
+        address = os.environ.get(START_STORE_ENV)
+        if not address or self.group_rank != 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
+            return
+        from torch.distributed import TCPStore
+
+        host, port = address.rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT))
+        store.add("groups_started", 1)
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while store.add("groups_started", 0) < self.settings.replicas and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     # ---- 1. the step begins ----------------------------------------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
@@ -242,6 +266,11 @@ class ReplicaGroups:
         return self.manager.participating_rank() == 0
 
     # ---- the live state a healing group takes ----------------------------------------------------------------------
+    def register_state(self, name: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Send `state()` with the live state under `name`; a healing group calls `load` with it (the same name
+        must be registered in every group: a group that heals from one without it stops with an error)."""
+        self._more_state[name] = (state, load)
+
     def _live_state(self) -> dict[str, Any]:
         """This rank's part of everything a step changes, as plain local tensors (torchft's transport sends it to the
         same rank of a healing group, whose parameters are sharded the same way)."""
@@ -252,6 +281,7 @@ class ReplicaGroups:
             "custom": [o.state_dict() for o in self.prepared.custom_objects],  # register_for_checkpointing
             "loaders": self._positions,
             "rng": torch.get_rng_state(),
+            "more": {name: state() for name, (state, _) in self._more_state.items()},
         }
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state()
@@ -270,9 +300,15 @@ class ReplicaGroups:
             obj.load_state_dict(saved)
         for loader, position in zip(self.prepared.dataloaders, state["loaders"]):
             loader.continue_at(position)
+        self.positions_taken = state["loaders"]
         torch.set_rng_state(state["rng"])
         if "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"])
+        for name, (_, load) in self._more_state.items():
+            if name not in state["more"]:
+                raise RuntimeError(f"fault tolerance: replica group {self.settings.replica_id} heals from a group that "
+                                   f"sends no {name!r} state; every group must run the same script")
+            load(state["more"][name])
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

@@ -21,6 +21,8 @@ QUORUM_TIMEOUT_ENV = "NDPARALLEL_FT_QUORUM_TIMEOUT"
 TIMEOUT_ENV = "NDPARALLEL_FT_TIMEOUT"
 LOG_ENV = "NDPARALLEL_FT_LOG"  # directory of the participation log
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse's address
+START_STORE_ENV = "NDPARALLEL_FT_START_STORE"  # host:port of the launcher's store where the groups meet at the start
+JOIN_TIMEOUT = 60.0  # seconds the job's first quorum waits for every group (the lighthouse's join timeout too)
 
 
 @dataclass

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 from ..fault_tolerance.replica_groups import require_torchft
 from ..fault_tolerance.settings import (
+    JOIN_TIMEOUT,
     LIGHTHOUSE_ENV,
     MIN_REPLICAS_ENV,
     QUORUM_TIMEOUT_ENV,
     REPLICA_ID_ENV,
     REPLICAS_ENV,
+    START_STORE_ENV,
     TIMEOUT_ENV,
 )
 from .supervision import note
@@ -103,13 +105,19 @@ def run(replicas: ReplicaLaunch, env: dict[str, str | None], worker_args: list[s
         from torchft._torchft import LighthouseServer
 
         # join_timeout: how long the first quorum waits for every group before starting with min_replicas
-        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas.min_replicas, join_timeout_ms=60_000)
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas.min_replicas,
+                                      join_timeout_ms=int(JOIN_TIMEOUT * 1000))
         address = lighthouse.address()
+    # Where the groups meet before the job's first quorum (`ReplicaGroups._meet_every_group`): the lighthouse waits
+    # only for the groups it has heard from, so a group slower to start would find the others trained on alone.
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     base = {key: value for key, value in {**os.environ, **env}.items() if value is not None}
     # A restarted group must not find its dead ranks' addresses in the rendezvous store (`launcher.RESTART_STORE_ENV`)
     base.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     base.update({REPLICAS_ENV: str(replicas.replicas), LIGHTHOUSE_ENV: address,
-                 MIN_REPLICAS_ENV: str(replicas.min_replicas)})
+                 MIN_REPLICAS_ENV: str(replicas.min_replicas), START_STORE_ENV: f"127.0.0.1:{store.port}"})
     for var, value in ((QUORUM_TIMEOUT_ENV, replicas.quorum_timeout), (TIMEOUT_ENV, replicas.timeout)):
         if value is not None:
             base[var] = str(value)
