@@ -117,8 +117,27 @@ def test_a_position_in_a_later_epoch_ends_the_pass():
     assert behind.epoch == 1 and [b[0].tolist() for b in behind][0] == [0.0, 1.0]
 
 
-def test_the_trainer_is_refused_under_fault_tolerance_before_any_collective(monkeypatch):
-    trainer = pytest.importorskip("ndparallel.integrations.trainer")
+def _trainer(tmp_path, cls=None, **arguments):
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import build_model
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                          parallelism_config=ParallelismConfig(), **arguments)
+    return (cls or transformers.Trainer)(model=build_model("llama"), args=args)
+
+
+def test_the_trainer_refuses_what_fault_tolerance_cannot_run_before_any_collective(monkeypatch, tmp_path):
+    import ndparallel  # noqa: F401 -- attaches the Trainer integration
+    transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("NDPARALLEL_FT_REPLICAS", "2")
-    with pytest.raises(ValueError, match="does not run the Hugging Face Trainer yet"):
-        trainer.TrainerAccelerator()  # no process group exists here: it raised before any
+    # the groups would end with different weights: only the group that writes checkpoints knows the best one
+    with pytest.raises(ValueError, match="load_best_model_at_end=True is not supported"):
+        _trainer(tmp_path, eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True)
+
+    class OwnCheckpoints(transformers.Trainer):  # every group would write the same checkpoint directory
+        def _save_checkpoint(self, model, trial):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"OwnCheckpoints\._save_checkpoint overrides it without calling"):
+        _trainer(tmp_path, cls=OwnCheckpoints)
+    # no process group exists here: both raised before any collective

@@ -44,6 +44,9 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    `_load_optimizer_and_scheduler`; ``load_best_model_at_end`` reads the best one's, `_load_best_model`); resuming
    skips the consumed batches of ndparallel's data loader (`skip_first_batches`). The LR scheduler and the Trainer's
    state are the Trainer's files.
+5. Under ``ndparallel launch --fault-tolerant``: ``train`` and ``_save_checkpoint`` (installed always, acting only
+   there) let a restarted replica group resume at the live step and one group write the checkpoints
+   (`trainer_faults`).
 
 Versions (`TESTED_TRANSFORMERS`: the oldest supported minor and the newest tested one). Every minor from 5.16 (what
 Axolotl 0.19 pins) through 5.25 was read and tested: their Trainers have the methods replaced here (`HOOKS`) with the
@@ -86,7 +89,7 @@ from ..training.data import PreparedDataLoader
 from ..training.loss import IGNORE_INDEX, count_loss_tokens
 from ..training.prepared import PreparedObjects
 from ..launch.worker import launch_sizes
-from ..fault_tolerance.settings import REPLICAS_ENV
+from . import trainer_faults
 from .trainer_versions import (HOOK_MARK, TESTED_TRANSFORMERS, check_support, check_version,  # noqa: F401
                                hook_problems, warn_once)
 
@@ -190,13 +193,6 @@ class TrainerAccelerator(Accelerator):
     `_TrainerView`."""
 
     def __init__(self, **kwargs: Any) -> None:
-        if os.environ.get(REPLICAS_ENV):  # every rank alike, before any collective
-            raise ValueError(
-                "ndparallel launch --fault-tolerant does not run the Hugging Face Trainer yet: a replica group that "
-                "heals would take the live model and optimizer but not the Trainer's own step count, epoch and LR "
-                "scheduler, and go on from the wrong ones; launch without --fault-tolerant (restarts resume from "
-                "the Trainer's checkpoints: --max-restarts with resume_from_checkpoint), or write the loop with "
-                "ndparallel's Accelerator (docs/failures.md)")
         super().__init__(**kwargs)
         _configure_accelerate_state(self.device)
         self.gradient_state.plugin_kwargs = {"num_steps": self.gradient_accumulation_steps,
@@ -255,6 +251,10 @@ def create_accelerator_and_postprocess(original: Callable[..., Any]) -> Callable
         if not wanted(self):
             return original(self)
         warning = check_support(self)
+        if trainer_faults.asked():  # ndparallel launch --fault-tolerant: every rank alike, before any collective
+            import transformers.trainer
+
+            trainer_faults.check(self, transformers.trainer)
         if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
             raise ValueError("train_sampling_strategy='batch_rebalance' deals batches to data-parallel ranks by "
                              "process index, which under ndparallel's layouts (tensor, context, sequence or pipeline "
@@ -417,6 +417,9 @@ def save_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not taken_over(self):
             return original(self, output_dir, _internal_call)
+        groups = self.accelerator.replica_groups
+        if groups is not None and not groups.writes_checkpoints():
+            return None  # fault tolerance: another replica group writes it (the same weights); every rank alike
         output_dir = self.args.output_dir if output_dir is None else output_dir
         if checkpoint.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped)):
             monitored_barrier("save_model")  # the adapter only, as PEFT saves it (collective: every rank, here)
@@ -459,6 +462,9 @@ def load_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[..., 
     def wrapper(self: Any, resume: str | None) -> None:
         if not taken_over(self) or resume is None:
             return original(self, resume)
+        live = trainer_faults.live_of(self)
+        if live is not None and live.resuming(resume):  # optimizer and weights are live already, the schedule not
+            return live.load_scheduler()
         directory = os.path.join(resume, CHECKPOINT_SUBDIR)
         if not os.path.isdir(directory):
             raise ValueError(f"resume_from_checkpoint={resume!r} has no {CHECKPOINT_SUBDIR}/ folder: it was not "
@@ -474,8 +480,11 @@ def load_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[..., 
 def load_from_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, resume: str, model: Any = None) -> None:
-        # The model's weights come back with its optimizer (`load_optimizer_and_scheduler`), sharded as they are now.
-        if taken_over(self) and os.path.isdir(os.path.join(resume, CHECKPOINT_SUBDIR)):
+        # The model's weights come back with its optimizer (`load_optimizer_and_scheduler`), sharded as they are now;
+        # resuming from the live state (fault tolerance) they are in place already.
+        live = trainer_faults.live_of(self)
+        if taken_over(self) and (os.path.isdir(os.path.join(resume, CHECKPOINT_SUBDIR))
+                                 or (live is not None and live.resuming(resume))):
             return None
         return original(self, resume, model)
     return wrapper
@@ -563,6 +572,7 @@ def install(module: ModuleType) -> None:
             hook = wrap(getattr(trainer, name))
             setattr(hook, HOOK_MARK, name)
             setattr(trainer, name, hook)
+        trainer_faults.install(trainer)  # train / _save_checkpoint: act only under fault tolerance
         module.Accelerator = _accelerator_factory(module.Accelerator)
         module.skip_first_batches = skip_first_batches(module.skip_first_batches)
     trainer._ndparallel_integration = True

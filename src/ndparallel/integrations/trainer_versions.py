@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -101,11 +102,11 @@ def _replaced_hooks(trainer: type) -> list[str]:
     return found
 
 
-def _bypassing_overrides(cls: type, base: type) -> list[str]:
-    """The hooked methods that `cls` (a Trainer subclass: TRL's, Axolotl's, the user's) overrides without calling the
-    Trainer's own (its code neither calls ``super()`` nor names the method), which would bypass the hook."""
+def _bypassing_overrides(cls: type, base: type, names: Iterable[str] = EXPECTED_PARAMETERS) -> list[str]:
+    """The hooked methods (`names`) that `cls` (a Trainer subclass: TRL's, Axolotl's, the user's) overrides without
+    calling the Trainer's own (its code neither calls ``super()`` nor names the method), which would bypass the hook."""
     found = []
-    for name in EXPECTED_PARAMETERS:
+    for name in names:
         for klass in cls.__mro__:
             if klass is base:
                 break

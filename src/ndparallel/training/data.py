@@ -396,6 +396,11 @@ class PreparedDataLoader:
         self._shard.even_batches = bool(value)
 
     @property
+    def units_per_batch(self) -> int:
+        """How far one batch of this rank moves `state_dict`'s position (in `position_unit`s: over every batch rank)."""
+        return self._step
+
+    @property
     def iterable(self) -> bool:
         """Whether the dataset is an iterable one (its samples are sharded as they come, not through a sampler)."""
         return isinstance(self._shard, IterableDatasetShard)
