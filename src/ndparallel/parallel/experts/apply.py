@@ -6,7 +6,7 @@ import dataclasses
 import functools
 
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from ...distributed.mesh import ParallelMesh
@@ -58,6 +58,9 @@ def shard_experts(model: nn.Module, mesh: ParallelMesh, fully_shard, /, **kwargs
     policy: MixedPrecisionPolicy = kwargs.pop("mp_policy")
     kwargs.update(mesh=mesh.expert_data_parallel() if modules else None,
                   mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
-    kwargs["reshard_after_forward"] = kwargs.get("reshard_after_forward", True) and mesh.size("expert_shard") > 1
+    # As `data_parallel.reshards_after_forward`: a one-rank group keeps its experts gathered, but under cpu_offload.
+    offloaded = isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy)
+    kwargs["reshard_after_forward"] = kwargs.get("reshard_after_forward", True) and (
+        mesh.size("expert_shard") > 1 or offloaded)
     for module in modules:
         fully_shard(module, **kwargs)
