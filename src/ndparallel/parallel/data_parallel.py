@@ -39,7 +39,7 @@ from ..distributed.mesh import ParallelMesh
 from ..configuration.plugins import FullyShardedDataParallelPlugin, derived_policy
 from .blocks import block_classes, modules_to_wrap
 from .experts import shard_experts
-from .gathered import release_after_forward_without_gradients
+from .gathered import release_after_forward_without_gradients, reshards_after_forward
 from .options import PrepareOptions
 
 
@@ -97,14 +97,6 @@ def broadcast_module_states(model: nn.Module, group: dist.ProcessGroup | None = 
         dist.broadcast(tensor.data, group_src=0, group=group)
 
 
-def reshards_after_forward(plugin: FullyShardedDataParallelPlugin, shard_ranks: int) -> bool:
-    """Whether units sharded over `shard_ranks` free their gathered parameters after forward (as the plugin asks).
-    A one-rank group (replication or tp only) frees nothing so: its shard is the whole parameter, and keeping the
-    gathered copy costs no memory -- unless under cpu_offload, where the shard lives in host memory and resharding
-    leaves only it there between the unit's forward and its backward (the GPU holds one unit at a time)."""
-    return bool(plugin.reshard_after_forward) and (shard_ranks > 1 or plugin.offloads_to_cpu)
-
-
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> nn.Module:
     """Shard each transformer block, then the root, over ``fsdp`` (HSDP when dp_replicate > 1)."""
     plugin = options.fsdp_plugin or FullyShardedDataParallelPlugin()
@@ -114,7 +106,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
         CPUOffloadPolicy(pin_memory=plugin.cpu_offload.pin_memory and options.device.type == "cuda")
         if plugin.offloads_to_cpu else OffloadPolicy()
     )
-    reshard = reshards_after_forward(plugin, mesh.size("fsdp"))
+    reshard = reshards_after_forward(plugin.reshard_after_forward, mesh.size("fsdp"), plugin.offloads_to_cpu)
     kwargs = dict(
         mesh=dp_mesh,
         mp_policy=mixed_precision_policy(plugin, options.dtype),
