@@ -1,6 +1,6 @@
 """The host pool under activation offloading (`ndparallel.parallel.memory.host_pool`): offloaded tensors' host copies
 are carved from blocks kept step after step, so the pool allocates in the first step only and holds the sum of a
-step's tensors (aligned), not each rounded up to a power of two as torch's caching host allocator pins them
+step's tensors (in whole pages), not each rounded up to a power of two as torch's caching host allocator pins them
 (`planner.offload.pinned`). On CPU, ``copy=True`` sends every offloaded tensor through the pool in ordinary memory
 (the code path of CUDA's pinned blocks but for the copy streams and their events, which a GPU run exercises)."""
 
@@ -41,8 +41,8 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.T
 def test_the_pool_allocates_in_the_first_step_only_holds_the_sum_and_restores_exactly():
     model, own, offload = _models()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, own)]
-    shape = (3, 16, 32)  # batch x tokens x hidden, fp32: 6,144 B per layer input, which a pinned block rounds to 8,192
-    nbytes = 3 * 16 * 32 * 4
+    shape = (3, 48, 32)  # batch x tokens x hidden, fp32: 18,432 B per layer input, which a pinned block rounds to 32,768
+    nbytes = 3 * 48 * 32 * 4
     allocations = []
     for step in range(3):
         ids = torch.randint(0, 96, shape[:2], generator=torch.Generator().manual_seed(step))
@@ -52,20 +52,24 @@ def test_the_pool_allocates_in_the_first_step_only_holds_the_sum_and_restores_ex
     stats = offload.pool.stats
     assert offload.stats.shapes == [shape] * LAYERS * 3 and offload.stats.restored == LAYERS * 3
     assert allocations == [LAYERS] * 3  # one block per layer input in step 1, none after
-    assert stats.peak_held == stats.held == LAYERS * aligned(nbytes) == LAYERS * nbytes  # the sum (6,144 = 12 x ALIGN)
+    assert aligned(nbytes) == 5 * ALIGN == 20_480  # the tensor's bytes in whole pages
+    assert stats.peak_held == stats.held == LAYERS * aligned(nbytes)  # the sum, in pages
     assert stats.peak_in_use == stats.peak_held and stats.in_use == 0  # all given back after backward
-    assert stats.peak_held < LAYERS * pinned(nbytes)  # one pinned block per tensor: 32,768 B
+    assert stats.peak_held < LAYERS * pinned(nbytes) == LAYERS * 32_768  # one pinned block per tensor
 
 
 def test_a_block_is_handed_out_again_only_once_given_back():
     pool = HostPool(pin=False)
     a, b = pool.acquire(1000), pool.acquire(1000)
-    assert a is not b and a.size == b.size == aligned(1000) == 2 * ALIGN
-    c = pool.acquire(3000)
+    assert a is not b and a.size == b.size == aligned(1000) == ALIGN
+    c = pool.acquire(ALIGN + 1)
     pool.release(a)
     assert pool.acquire(1000) is a  # the free block of its size
     assert pool.acquire(1000) not in (a, b, c)  # b is still out: a new block
-    assert pool.stats.allocations == 4 and pool.stats.held == 3 * 1024 + aligned(3000)
+    assert pool.stats.allocations == 4 and pool.stats.held == 3 * ALIGN + 2 * ALIGN
+    view = a.view(torch.Size([2, 3]), torch.float64)  # a tensor over the block's first bytes
+    view.copy_(torch.arange(6.0).view(2, 3))
+    assert view.data_ptr() == a.memory.data_ptr() and view.data_ptr() % ALIGN == 0
 
 
 def test_blocks_of_a_graph_dropped_without_backward_go_back_to_the_pool():
@@ -83,9 +87,9 @@ def test_blocks_a_whole_cycle_left_unused_are_let_go():
     """A step of other shapes takes new blocks; at its end (no block out) the previous shape's blocks, unused the
     whole cycle, go back to the system: the pool holds what recent steps used, not every shape seen."""
     model, _, offload = _models()
-    for tokens in (16, 8):
+    for tokens in (16, 40):  # 4,096 and 10,240 B per layer input: 1 and 3 pages
         ids = torch.randint(0, 96, (2, tokens))
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     stats = offload.pool.stats
     assert stats.allocations == 2 * LAYERS and stats.released == LAYERS
-    assert stats.held == LAYERS * aligned(2 * 8 * 32 * 4) and stats.peak_held == LAYERS * (4096 + 2048)
+    assert stats.held == LAYERS * 3 * ALIGN and stats.peak_held == LAYERS * (1 + 3) * ALIGN

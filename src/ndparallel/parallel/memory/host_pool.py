@@ -1,19 +1,20 @@
 """Host memory for offloaded activations (`offload.ActivationOffload`), kept and reused step after step.
 
-Each offloaded tensor gets a block of exactly its bytes rounded up to ``ALIGN``; a block given back goes to a free
-list by size, and the next tensor of that size takes it. A training step offloads the same shapes every time (each
+Each offloaded tensor gets a block of exactly its bytes rounded up to ``ALIGN`` (a page); a block given back goes to a
+free list by size, and the next tensor of that size takes it. A training step offloads the same shapes every time (each
 checkpointed block's input), so the pool allocates in the first step only, and holds the sum of one step's tensors:
 not, as one ``torch.empty(..., pin_memory=True)`` per tensor does, each rounded up to a power of two by torch's caching
 host allocator (`planner.offload.pinned`).
 
-- **on CUDA** each block is its own ordinary host allocation, page-locked by ``cudaHostRegister`` (as torch's own
-  checkpoint stager pins shared memory), so it is pinned -- copies to and from it run asynchronously on the copy
+- **on CUDA** each block is its own anonymous memory map (whole pages of its own: no other allocation shares one,
+  so registrations never overlap), page-locked by ``cudaHostRegister`` (as torch's own checkpoint stager pins
+  shared memory), so it is pinned -- copies to and from it run asynchronously on the copy
   streams -- without the allocator's rounding. The pool is not that allocator and records nothing on its own: whoever
   copies out of a block gives the copy's completion event back with it (`release`), and the stream that next writes
   into the block waits for those events (`acquire`) -- on the device, with no host synchronisation. A block is
   unregistered and let go only once its events have completed (`Event.query`, which does not wait).
-- **elsewhere** (CPU training with ``copy=True``) blocks are ordinary memory and there are no events; the path is the
-  same.
+- **elsewhere** (CPU training with ``copy=True``) blocks are the same memory maps, unregistered, and there are no
+  events; the path is the same.
 
 Blocks free for a whole cycle (from the moment none is in use to the next such moment: a micro-step's forward and
 backward) go back to the system, so a run whose shapes change holds what its recent steps used, not every shape seen.
@@ -21,13 +22,14 @@ backward) go back to the system, so a run whose shapes change holds what its rec
 
 from __future__ import annotations
 
+import mmap
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-ALIGN = 512  # bytes: every block starts at such a multiple (any dtype's alignment, and the copy engines')
+ALIGN = mmap.PAGESIZE  # bytes: blocks are whole pages (what a memory map, and page-locking, hold)
 
 
 def aligned(nbytes: int) -> int:
@@ -37,7 +39,7 @@ def aligned(nbytes: int) -> int:
 
 @dataclass(eq=False)
 class Block:
-    memory: torch.Tensor  # uint8, `size` bytes
+    memory: torch.Tensor  # uint8, `size` bytes (over an anonymous memory map, which it keeps alive)
     size: int
     events: list[Any] = field(default_factory=list)  # CUDA: copies out of it that must finish before it is rewritten
     used: bool = True  # taken during the current cycle
@@ -98,7 +100,7 @@ class HostPool:
             self._trim()
 
     def _allocate(self, size: int) -> Block:
-        memory = torch.empty(size, dtype=torch.uint8)
+        memory = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # page-aligned, zeroed, its own pages
         if self.pin:
             _register(memory)
         block = Block(memory, size)
