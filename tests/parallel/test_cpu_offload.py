@@ -50,12 +50,14 @@ def test_without_offload_a_one_rank_shard_group_keeps_its_parameters_gathered():
         assert rank["reshard"] == {False} and rank["between"] == {"UNSHARDED"}, rank
 
 
-@pytest.mark.parametrize("world,flags", [(1, [])], ids=["one_process"])
-def test_cpu_offload_on_a_one_rank_shard_group_trains_as_one_process(world, flags):
-    """Resharded between forward and backward, each block is gathered again from its host shard for backward: the
-    same values, so the losses are the single-process run's (within the 1-rank run's float rounding of the loss
-    factor, tests/parallel/test_parity.py)."""
-    _check(world, flags)
+@pytest.mark.parametrize("extra", [[], ["--activation-checkpointing", "--offload-activations"]],
+                         ids=["one_process", "one_process_checkpointed_offloaded"])
+def test_cpu_offload_on_a_one_rank_shard_group_trains_as_one_process(extra):
+    """Resharded between forward and backward, each block is gathered again from its host shard for backward (also
+    for the recomputation of a checkpointed block, whose input activation offloading kept): the same values, so the
+    losses are the single-process run's (within the 1-rank run's float rounding of the loss factor,
+    tests/parallel/test_parity.py)."""
+    _check(1, [], *extra)
 
 
 @pytest.mark.slow
@@ -66,7 +68,7 @@ def test_cpu_offload_on_one_rank_shard_groups_of_more_layouts_trains_as_one_proc
     _check(world, flags)
 
 
-def _check(world: int, flags: list[str]) -> None:
-    results = run_layout("llama", world, flags, 1, "--cpu-offload")
+def _check(world: int, flags: list[str], *extra: str) -> None:
+    results = run_layout("llama", world, flags, 1, "--cpu-offload", *extra)
     diff = max(abs(a - b) for a, b in zip(results[0]["losses"], reference("llama")["losses"]))
     assert len(results[0]["losses"]) == 6 and diff <= 1e-5, f"{flags}: losses differ by {diff:.2e}"
