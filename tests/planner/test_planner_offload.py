@@ -41,9 +41,26 @@ def test_offload_moves_the_states_to_the_host_and_keeps_the_staging_on_the_gpu()
         assert exact["host_optimizer"] == off["optimizer"]
         assert on["host_params"] >= exact["host_params"]  # pinned blocks: rounded up
         assert on["offload_staging"] > 0 and on["peak"] < off["peak"]
-    # A one-rank shard group keeps its compute-dtype copies gathered with or without offload; sharded, neither does.
-    assert _terms(Layout(), True)["unsharded_params"] == 8_030_261_248 * 2
+    # A one-rank shard group keeps its compute-dtype copies gathered without offload; under it, it reshards after
+    # forward (the library's `reshards_after_forward`), holding the root unit and one layer gathered at a time.
+    layer = 218_112_000  # one Llama 3.1 8B decoder layer's elements
+    one_rank, kept = _terms(Layout(), True), _terms(Layout(), False)
+    assert kept["unsharded_params"] == 8_030_261_248 * 2 and "unsharded_params" not in one_rank
+    assert one_rank["root_unsharded"] == 1_050_677_248 * 2  # embedding, head and final norm
+    assert one_rank["layer_buffers"] == 3 * layer * 2 + layer * 4  # its parameters, 2 layers' gradients, fp32 reduce
+    assert one_rank["offload_staging"] == 2 * layer * 4  # one layer's fp32 shard in, one gradient out
     assert "unsharded_params" not in _terms(Layout(dp_shard=8), True)
+    assert _terms(Layout(dp_shard=8), True)["offload_staging"] == 3 * (layer // 8) * 4  # two prefetched shards in
+
+
+def test_offloaded_layer_inputs_are_held_at_their_bytes():
+    """The offload's host pool holds each layer's input at its bytes (aligned), pinned or not: not rounded up to a
+    power of two per block as torch's caching host allocator pins (`pinned`)."""
+    seq = 3 * 65536  # 196,608 tokens x 4,096 x 2 B = 1.5 GiB per layer input: a pinned block would hold 2 GiB
+    on = _terms(Layout(dp_shard=8), True, seq=seq)
+    block = seq * 4096 * 2
+    assert on["host_offload"] == 32 * block == _terms(Layout(dp_shard=8), True, seq=seq, pin=False)["host_offload"]
+    assert on["host_offload"] < 32 * pinned(block)
 
 
 def test_the_host_budget_is_a_constraint():
@@ -66,7 +83,8 @@ def test_host_traffic_and_the_optimizer_step_on_the_host():
     recipe = Recipe(8192, 1, 2, "bf16", True, offload_params=True)
     h2d, d2h, _ = host_traffic(held - root, root, layout, recipe)
     assert (h2d, d2h) == (2 * (2 * (held - root) + root) * 4, held * 4)  # in at every gather, out once per step
-    assert host_traffic(held, 0, Layout(), recipe)[0] == 2 * held * 4  # one rank: gathered once per micro-step
+    # One rank: gathered in forward and again in backward (it reshards after forward under offload), each micro-step.
+    assert host_traffic(held, 0, Layout(), recipe)[0] == 2 * 2 * held * 4
     row = evaluate(Request(model, hw, 1, 8, 8192, 16 * 8192), layout, recipe)
     assert row.timing.optimizer_s == pytest.approx(held * 28 / hw.host_optimizer_bandwidth)
     moved = (h2d + d2h) / hw.host_bandwidth
@@ -169,7 +187,7 @@ def test_host_bytes_the_library_holds_under_cpu_offload_match_the_prediction(siz
     """Rank by rank (exact: shard arithmetic, no floats): the planner's host_params, host_grads, host_optimizer for
     the tiny Llama (`pin=False`: a CPU-only run pins nothing, so no power-of-two rounding) against the storages the
     library's offload holds, and the planner's one-rank rule -- compute-dtype copies kept gathered exactly where the
-    library does not reshard after forward (tp=2: a one-rank shard group)."""
+    library reshards after forward: under cpu_offload everywhere, tp=2's one-rank shard group too."""
     layout = Layout(**{k.removesuffix("_size"): v for k, v in sizes.items()})
     spec = spec_from_config(build_model("llama").config.to_dict(), "tiny")
     recipe = Recipe(32, 1, 1, "bf16" if precision == "bf16" else "fp32", offload_params=True)
@@ -178,5 +196,5 @@ def test_host_bytes_the_library_holds_under_cpu_offload_match_the_prediction(siz
         assert all(rank["offloaded"]) and rank["count"] == rank["model_params"]
         assert (rank["params"], rank["grads"], rank["optimizer"]) == (
             predicted["host_params"], predicted["host_grads"], predicted["host_optimizer"]), (rank, predicted.terms)
-        assert rank["reshard"] == {layout.fsdp > 1}
-        assert ("unsharded_params" in predicted.terms) == (layout.fsdp == 1)
+        assert rank["reshard"] == {True}  # under cpu_offload also a one-rank shard group (tp=2)
+        assert "unsharded_params" not in predicted.terms  # no gathered copies kept: every unit reshards

@@ -144,7 +144,9 @@ def test_the_max_seq_curves_are_the_planners_estimates(plot, capsys, tmp_path):
     shares = [line for line in host.get_lines() if line.get_label().startswith("host memory per GPU")]
     assert len(shares) == 1 and shares[0].get_ydata()[0] == request.host_budget_bytes / GiB
     held = {line.get_label(): line.get_ydata() for line in host.get_lines()}
-    assert held["every feature"][-1] * GiB > request.host_budget_bytes  # one step longer: the host, not the GPU
+    # One step longer: the GPU, not the host (the offloaded layer inputs held at their bytes in the library's host
+    # pool leave the 8-GPU row room on the host; with power-of-two blocks it was the host).
+    assert every[4] > budget and held["every feature"][-1] * GiB <= request.host_budget_bytes
     assert "plain FSDP2 + AC" not in held  # nothing in host memory
 
 

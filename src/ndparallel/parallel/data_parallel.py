@@ -39,7 +39,7 @@ from ..distributed.mesh import ParallelMesh
 from ..configuration.plugins import FullyShardedDataParallelPlugin, derived_policy
 from .blocks import modules_to_wrap
 from .experts import shard_experts
-from .gathered import release_after_forward_without_gradients
+from .gathered import release_after_forward_without_gradients, reshards_after_forward
 from .options import PrepareOptions
 from .target import target_of
 
@@ -107,8 +107,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) ->
         CPUOffloadPolicy(pin_memory=plugin.cpu_offload.pin_memory and options.device.type == "cuda")
         if plugin.offloads_to_cpu else OffloadPolicy()
     )
-    # With a shard group of one rank (replication only) there is nothing to free after forward.
-    reshard = plugin.reshard_after_forward and mesh.size("fsdp") > 1
+    reshard = reshards_after_forward(plugin.reshard_after_forward, mesh.size("fsdp"), plugin.offloads_to_cpu)
     kwargs = dict(
         mesh=dp_mesh,
         mp_policy=mixed_precision_policy(plugin, options.dtype),

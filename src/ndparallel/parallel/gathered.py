@@ -12,6 +12,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # FSDP2's own unit states
 
 
+def reshards_after_forward(requested: bool, shard_ranks: int, offloaded: bool) -> bool:
+    """Whether FSDP2 units sharded over `shard_ranks` free their gathered parameters after forward, where the plugin
+    asks for it (`requested`). A one-rank group (replication or tp only) frees nothing so -- its shard is the whole
+    parameter, and keeping the gathered copy costs no memory -- unless `offloaded` (cpu_offload): then the shard lives
+    in host memory, and resharding leaves only it there between a unit's forward and its backward, so the GPU holds
+    the units it computes, not all of them. The rule of the FSDP2 apply step and of the planner."""
+    return bool(requested) and (shard_ranks > 1 or offloaded)
+
+
 _units: weakref.WeakKeyDictionary[nn.Module, list[FSDPModule]] = weakref.WeakKeyDictionary()
 
 

@@ -24,10 +24,12 @@ README's does), tensor by tensor:
   (``MemoryKwargs(chunked_loss=...)``, on by default) one chunk's logits, the head's fp32 gradient and the hidden
   states' gradient, and saves no log-softmax.
 - **tiled MLPs** keep no MLP intermediate for backward and rebuild one tile's in it; **activation offloading** keeps
-  two layers' inputs on the GPU (the others in pinned host memory: the ``host_offload`` term, not GPU memory).
+  two layers' inputs on the GPU (the others in the offload's host pool, pinned: the ``host_offload`` term, not GPU
+  memory; each layer's input a block of its bytes aligned, `parallel.memory.host_pool.aligned`).
 - **FSDP2's CPU offload** (``cpu_offload=True``, `offload`): the parameters, gradients and optimizer state in host
-  memory (the ``host_*`` terms), none on the GPU, which keeps the staging of the copies and what a one-rank shard
-  group keeps gathered.
+  memory (the ``host_*`` terms), none on the GPU, which keeps the staging of the copies and the units it computes:
+  every group reshards after forward then (`parallel.gathered.reshards_after_forward`), a one-rank group too, whose
+  units FSDP2 gathers in their own pre-hooks -- one layer's parameters at a time, no prefetched second.
 - **allocated** = states + accumulation + unsharded copies + saved activations + root unit + max(loss working set,
   head gradient + layer buffers + one rebuilt layer + offload staging), the sum of `peak_parts`; **peak** =
   allocated + the profile's ``fragmentation`` x (allocated - model states): the caching allocator's blocks reserved
@@ -46,9 +48,11 @@ import math
 from dataclasses import dataclass, field
 
 from ..distributed.layout import Layout
+from ..parallel.gathered import reshards_after_forward  # the library's own rule, not a copy
+from ..parallel.memory.host_pool import aligned
 from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
-from .offload import host_states, pinned, staging
+from .offload import host_states, staging
 from .recipe import (FP32, OPTIMIZER_STATES, Recipe, local_shape, loss_chunk_rows, mlp_tile_tokens,
                       shard_numel)
 
@@ -273,7 +277,8 @@ def estimate(model: ModelSpec, layout: Layout, recipe: Recipe, fragmentation: fl
     """Every memory term of one GPU for `layout` running `setting` (module docstring), and the host memory terms
     (``host_*``) of its offloading. `fragmentation`: the allocator's reserve beyond what tensors hold, as a fraction
     of the step's activations and transients (the hardware profile's; 0 where nothing caches, as on the CPU);
-    `pin`: whether host memory is pinned (on CUDA; blocks rounded up to powers of two, `offload.pinned`)."""
+    `pin`: whether FSDP2's offloaded states are pinned (on CUDA; blocks rounded up to powers of two, `offload.pinned`;
+    the offloaded activations' host pool rounds nothing but to its alignment, pinned or not)."""
     mem = Memory()
     s, t, c, L = layout.fsdp, layout.tp, recipe.compute_bytes, stage_layers(model, layout)
     held, per_tp, layer_elems = state_elements(model, layout)
@@ -301,11 +306,13 @@ def estimate(model: ModelSpec, layout: Layout, recipe: Recipe, fragmentation: fl
         if kept:
             mem.add("grad_accumulation", kept * FP32, f"{kept:,} unsharded gradients x 4 B kept between "
                     f"{recipe.accumulation} micro-steps (FSDP2 without sync_each_batch)")
-    copies = (per_tp if s == 1 else 0) + (e_local if e_group == 1 else 0)
-    if copies and (c != FP32 or off):
-        mem.add("unsharded_params", copies * c, f"{copies:,} x {c} B: {'bf16 ' if c != FP32 else ''}copies kept "
-                "through the step (one-rank shard group: no resharding)"
-                + (", gathered from host memory" if off else ""))
+    # What the FSDP2 apply step reshards after forward: every group of more than one rank, and under cpu_offload
+    # every group; a one-rank group without it keeps its compute-dtype copies (its shards, in fp32) through the step.
+    reshard = reshards_after_forward(True, s, off)
+    copies = (0 if reshard else per_tp) + (0 if reshards_after_forward(True, e_group, off) else e_local)
+    if copies and c != FP32:
+        mem.add("unsharded_params", copies * c, f"{copies:,} x {c} B: bf16 copies kept through the step (one-rank "
+                "shard group without cpu_offload: no resharding)")
 
     layers, layers_how, layer, layer_how = layers_activations(model, layout, recipe)
     outside, outside_how = outside_activations(model, layout, recipe)
@@ -323,38 +330,35 @@ def estimate(model: ModelSpec, layout: Layout, recipe: Recipe, fragmentation: fl
         mem.add("recompute", layer + tile, f"one layer rebuilt in backward (the largest): {layer_how}"
                 + (f" + {tile_how}" if tile else ""))
         if recipe.offload:
-            block = pinned(n * model.hidden * c, pin)
-            mem.add("host_offload", L * block, f"{L} layers' inputs in pinned host memory: {L} x {n} x {model.hidden} x "
-                    f"{c} B" + (f" (blocks rounded up to {block:,} B)" if block != n * model.hidden * c else "")
-                    + " (not GPU memory)")
+            block = aligned(n * model.hidden * c)
+            mem.add("host_offload", L * block, f"{L} layers' inputs in the offload's host pool: {L} x {n} x "
+                    f"{model.hidden} x {c} B" + (f" (blocks aligned to {block:,} B)" if block != n * model.hidden * c
+                                                 else "") + " (not GPU memory)")
     else:
         mem.add("activations", mem.activations_without_checkpointing,
                 f"{layers_how} + outside the layers: {outside_how}")
         if tile:
             mem.add("recompute", tile, f"a tiled MLP rebuilt in backward: {tile_how}")
 
-    if s == 1 and off:  # gathered from the host and kept; the gradients pass through FSDP2's buffers to the host
-        rs_copy = layer_elems * FP32 if c != FP32 else 0
-        mem.add("layer_buffers", 2 * layer_elems * c + rs_copy, f"2 layers' unsharded gradients: 2 x {layer_elems:,} x "
-                f"{c} B" + (f" + one layer's fp32 gradients for the reduce ({layer_elems:,} x 4 B)" if rs_copy else ""))
-        head = model.vocab // t * model.hidden
-        mem.add("head_grad", head * c, f"the head's gradient, held through backward until the root unit reduces: "
-                f"{head:,} x {c} B")
     if off:
         mem.add("offload_staging", *staging(layer_elems, layout))
-    if s > 1:
+    if reshard:
         root = root_elements(model, layout)
         mem.add("root_unsharded", root * c, f"embedding, norm and head unsharded: {root:,} x {c} B")
         rs_copy = layer_elems * FP32 if c != FP32 else 0
         gathered = gathered_expert_elements(model, layout) if model.moe else 0
-        mem.add("layer_buffers", 4 * layer_elems * c + rs_copy,
-                f"2 layers' unsharded parameters and gradients: 4 x {layer_elems:,} x {c} B"
+        # A one-rank group (under cpu_offload) gathers a unit in its own pre-hook: one layer's parameters at a time.
+        held_layers, reduce = (2, "reduce-scatter") if s > 1 else (1, "reduce")
+        mem.add("layer_buffers", (held_layers + 2) * layer_elems * c + rs_copy,
+                (f"2 layers' unsharded parameters and gradients: 4 x {layer_elems:,} x {c} B" if s > 1 else
+                 f"one layer's parameters gathered from the host and 2 layers' unsharded gradients: 3 x "
+                 f"{layer_elems:,} x {c} B")
                 + (f" (a sparse layer with the {gathered:,} elements of its gathered experts: "
                    f"{model.moe.routed.experts // layout.ep} of them)" if gathered else "")
-                + (f" + one layer's fp32 gradients for the reduce-scatter ({layer_elems:,} x 4 B)" if rs_copy else ""))
+                + (f" + one layer's fp32 gradients for the {reduce} ({layer_elems:,} x 4 B)" if rs_copy else ""))
         head = model.vocab // t * model.hidden
         mem.add("head_grad", head * c, f"the head's unsharded gradient, held through backward until the root unit "
-                f"reduce-scatters: {head:,} x {c} B")
+                f"{reduce}s: {head:,} x {c} B")
     loss, loss_how = loss_buffers(model, layout, recipe)
     mem.add("loss_buffers", loss, loss_how)
 

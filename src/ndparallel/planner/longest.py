@@ -161,17 +161,19 @@ def missing_features(row: Longest, request: Request) -> list[str]:
         return []
     gib, out = 2**30, []
     step = QUANTUM * row.layout.sequence_divisor
-    longer = estimate(model, row.layout, _setting("all", row.tokens["all"] + step, request.mixed_precision,
-                                                  request.optimizer, row.offload_params),
-                      request.hardware.fragmentation)
+    recipe = _setting("all", row.tokens["all"] + step, request.mixed_precision, request.optimizer, row.offload_params)
+    longer = estimate(model, row.layout, recipe, request.hardware.fragmentation)
     if longer.peak <= request.budget_bytes and row.tokens["all"] + step <= LIMIT:
+        rounding = host_bytes(longer) - host_bytes(estimate(model, row.layout, recipe, pin=False))
         out.append(f"  - bounded by host memory, not the GPU's: {row.tokens['all'] + step:,} tokens would need "
-                   f"{host_bytes(longer) / gib:.1f} GiB per GPU of the host's {request.host_budget_bytes / gib:.1f} "
-                   "(pinned blocks are rounded up to powers of two by torch's host allocator)")
+                   f"{host_bytes(longer) / gib:.1f} GiB per GPU of the host's {request.host_budget_bytes / gib:.1f} ("
+                   f"the layer inputs {longer['host_offload'] / gib:.1f} GiB at their bytes in the offload's host "
+                   "pool" + (f"; {rounding / gib:.1f} GiB the power-of-two rounding of FSDP2's pinned states by "
+                             "torch's host allocator" if rounding else "") + ")")
     if row.layout.fsdp == 1 and mem["unsharded_params"]:
-        out.append(f"  - {mem['unsharded_params'] / gib:.1f} GiB of gathered parameters: the library does not "
-                   "reshard a one-rank shard group after forward (parallel/data_parallel.py), also under cpu_offload, "
-                   "where resharding would leave them in host memory between their forward and backward")
+        out.append(f"  - {mem['unsharded_params'] / gib:.1f} GiB of gathered compute-dtype copies: without cpu_offload "
+                   "a one-rank shard group keeps them from forward to backward (parallel/gathered.py, "
+                   "reshards_after_forward); resharding would free them for a cast per layer in backward")
     if mem["fragmentation"]:
         out.append(f"  - {mem['fragmentation'] / gib:.1f} GiB of the caching allocator's reserve (the profile's "
                    f"fragmentation {request.hardware.fragmentation}, tuned on torchtitan's runs): "

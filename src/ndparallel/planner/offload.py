@@ -11,16 +11,18 @@ pinned on CUDA. What torch then does (``torch/distributed/fsdp/_fully_shard``, r
   it is updating (``exp_avg_sq.sqrt() / ...``), counted for the largest shard.
 - **pinned blocks**: torch's caching host allocator rounds every pinned block up to a power of two
   (``CachingHostAllocator.h``, with the default ``pinned_max_round_threshold``), so a shard of 224 MiB holds 256 MiB;
-  counted tensor by tensor where the memory is pinned (on a GPU; a CPU-only run pins nothing).
+  counted tensor by tensor where the memory is pinned (on a GPU; a CPU-only run pins nothing). Not the offloaded
+  activations: the library's host pool (`parallel.memory.host_pool`) pins its blocks itself, at their bytes.
 - **GPU**: none of the model states. Each all-gather first copies the unit's fp32 shard to the GPU and casts it (the
-  ``offload_staging`` term in backward: one unit's reduced gradient waiting for its copy to the host, and two
-  units' shards in flight where backward gathers again); gradients accumulated between micro-steps stay there unsharded (as without offload); and a one-rank shard
-  group (dp_shard x cp x sp = 1) is not resharded by the library (`reshard_after_forward` off there), so every unit
-  keeps its compute-dtype copy from its forward to its backward, and its gradients go through the same buffers as a
-  sharded unit's before they leave for the host.
+  ``offload_staging`` term in backward: one unit's reduced gradient waiting for its copy to the host, and the
+  shards on their way in for backward's gathers -- two units' where a group of s > 1 ranks prefetches, one where a
+  one-rank group gathers in the unit's own pre-hook); gradients accumulated between micro-steps stay there unsharded
+  (as without offload). Every group reshards after forward under offload, a one-rank shard group (dp_shard x cp x sp
+  = 1) too (`parallel.gathered.reshards_after_forward`): between a unit's forward and backward its parameters are
+  only in host memory, and the GPU holds the unit it computes (one layer at a time) and the root unit.
 - **traffic per optimizer step**, m micro-steps: host -> device, every unit's fp32 shard at each of its all-gathers,
-  m x (g P_layers + P_root) x 4 with g = 2 (forward, backward) or pp + 1 under pipeline stages, g = 1 on a one-rank
-  group (gathered once per micro-step, resharded after backward); device -> host, the fp32 gradient shard once per
+  m x (g P_layers + P_root) x 4 with g = 2 (forward, backward) or pp + 1 under pipeline stages, a one-rank group
+  included (it reshards after forward too); device -> host, the fp32 gradient shard once per
   step (m times with ``sync_each_batch``, the only case where the reduce happens every micro-step).
 - **time** (`timing.py`): the copies run on the copy engines at the profile's ``host_bandwidth``, together with
   activation offloading's, hidden behind up to ``overlap`` x compute; the optimizer step runs on the host: 28 B per
@@ -75,18 +77,19 @@ def host_states(groups: Iterable[tuple[int, Params]], layout: Layout, recipe: Re
 
 def staging(layer_elements: int, layout: Layout) -> tuple[float, str]:
     """GPU bytes the offload adds to FSDP2's buffers in backward: one unit's reduced fp32 gradient shard waiting for
-    its copy to the host, and, where backward gathers again (s > 1), the fp32 shards of the two units gathered at
-    once, copied in before their cast."""
+    its copy to the host, and the fp32 shards backward gathers again (the units reshard after forward), copied in
+    before their cast: two units' where s > 1 ranks prefetch one, one where a one-rank group gathers in the unit's
+    own pre-hook."""
     shard = math.ceil(layer_elements / layout.fsdp)
-    copies = 3 if layout.fsdp > 1 else 1
-    return copies * shard * FP32, (f"{copies} x {shard:,} x 4 B (" + ("two layers' fp32 shards on their way in, "
-                                   if copies > 1 else "") + "one layer's gradient shard on its way out)")
+    inbound = 2 if layout.fsdp > 1 else 1
+    coming = "two layers' fp32 shards" if inbound > 1 else "one layer's fp32 shard"
+    return (inbound + 1) * shard * FP32, (f"{inbound + 1} x {shard:,} x 4 B ({coming} on the way in, one layer's "
+                                          "gradient shard on its way out)")
 
 
 def gathers_per_micro_step(layout: Layout) -> int:
-    """All-gathers of a decoder layer's unit per micro-step under the library's resharding (`comm.py` for s > 1)."""
-    if layout.fsdp == 1:
-        return 1  # no reshard after forward on a one-rank group: gathered once, resharded after backward
+    """All-gathers of a decoder layer's unit per micro-step under the library's resharding with offload (`comm.py`
+    for s > 1): a one-rank group reshards after forward too (`parallel.gathered.reshards_after_forward`)."""
     return layout.pp + 1 if layout.pp > 1 else 2
 
 
@@ -108,5 +111,6 @@ HOST_TERMS = ("host_params", "host_grads", "host_optimizer", "host_optimizer_ste
 def host_bytes(memory) -> float:
     """One rank's host memory at its peak (`memory`: a `memory.Memory`): the offloaded states, the optimizer's
     temporaries and the offloaded layer inputs (activation offloading) -- the optimizer steps after backward has
-    taken the layer inputs back, but torch's host allocator keeps their pinned blocks cached, so they all count."""
+    taken the layer inputs back, but the offload's host pool keeps their blocks for the next step, so they all
+    count."""
     return sum(memory[name] for name in HOST_TERMS)

@@ -195,7 +195,8 @@ def test_pipeline_evaluation_adds_the_load_balancing_term():
     (["--activation-checkpointing"], 1e-5),  # the block recomputed in backward: its all-to-alls run again
     (["--dynamo-backend", "aot_eager", "--regional-compilation"], 1e-5),  # the dispatch is not traced
     (["--mixed-precision", "bf16"], 5e-2),  # tokens travel in bf16; the fp32 trajectory within bf16 rounding
-], ids=["activation_checkpointing", "regional_compilation", "bf16"])
+    (["--cpu-offload"], 1e-5),  # the experts' one-rank shard group (expert_shard 1) reshards after forward then
+], ids=["activation_checkpointing", "regional_compilation", "bf16", "cpu_offload"])
 def test_options_under_expert_parallelism(extra, tolerance):
     results = run_layout("qwen3_moe", 2, LAYOUTS["ep2"][2], 1, *extra)
     diff = loss_diff(results, reference("qwen3_moe"))

@@ -6,10 +6,11 @@ import dataclasses
 import functools
 
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from ...distributed.mesh import ParallelMesh
+from ..gathered import reshards_after_forward
 from ..options import PrepareOptions
 from ..target import target_of
 from .dispatch import ExpertShard, expert_parallel_forward
@@ -58,6 +59,8 @@ def shard_experts(model: nn.Module, mesh: ParallelMesh, fully_shard, /, **kwargs
     policy: MixedPrecisionPolicy = kwargs.pop("mp_policy")
     kwargs.update(mesh=mesh.expert_data_parallel() if modules else None,
                   mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
-    kwargs["reshard_after_forward"] = kwargs.get("reshard_after_forward", True) and mesh.size("expert_shard") > 1
+    kwargs["reshard_after_forward"] = reshards_after_forward(
+        kwargs.get("reshard_after_forward", True), mesh.size("expert_shard"),
+        isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy))
     for module in modules:
         fully_shard(module, **kwargs)

@@ -13,6 +13,11 @@ the checkpoint's own, so they see exactly those inputs, and never during the rec
   so the same tensors go through the same path and tests can see which (``copy=True`` makes it copy and restore
   them, exercising the round trip).
 
+The host copies live in blocks of a `host_pool.HostPool` (pinned on CUDA, ordinary memory with ``copy=True``
+elsewhere): one block per tensor of exactly its bytes (aligned), reused step after step, so a step holds the sum of
+what it offloads and allocates nothing after the first. A block goes back to the pool once the last copy out of it
+has been issued, with that copy's event (CUDA): the next copy into it waits for it on the device.
+
 A tensor packed twice within one forward (the rotary tables every block receives) is offloaded once. Parameters,
 DTensors, empty tensors, tensors on another device and (on CUDA) tensors below ``min_bytes`` stay where they are.
 Exact: the values restored are those saved.
@@ -27,18 +32,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from .host_pool import Block, HostPool
+
 MIN_BYTES = 2**20  # smaller tensors are not worth a copy each way
 
 
 @dataclass(eq=False)
 class _Offloaded:
-    host: torch.Tensor | None  # the host copy (pinned on CUDA)
+    host: torch.Tensor | None  # the host copy (pinned on CUDA): a view of `block`, or the tensor itself (no copy)
     device: torch.device
     nbytes: int
     event: Any = None  # CUDA: the device-to-host copy's completion
-    previous: _Offloaded | None = None  # packed just before this one: what backward needs next
+    previous: weakref.ref | None = None  # packed just before this one: what backward needs next (while autograd
+    # holds it: handles are referred to weakly here, so a graph dropped without backward gives its blocks back)
     prefetched: tuple[torch.Tensor, Any] | None = None  # CUDA: (device copy, its completion event)
     unpacks_left: int = 1  # packs sharing this copy (a tensor given to several blocks)
+    block: Block | None = None  # the pool's block under `host`
+    copies_out: list[Any] = field(default_factory=list)  # CUDA: events of the copies out of the block issued so far
+    give_back: Any = None  # returns the block to the pool: at the last unpack, or when autograd drops the handle
 
 
 @dataclass(eq=False)
@@ -64,8 +75,9 @@ class ActivationOffload:
         self.min_bytes = min_bytes if self.cuda else 0  # a copy costs nothing where nothing is copied
         self.copy = copy
         self.stats = OffloadStats()
-        self._last: _Offloaded | None = None
-        self._seen: dict[int, tuple[weakref.ref, int, _Offloaded]] = {}  # id(tensor) -> (tensor, version, copy)
+        self._last: weakref.ref | None = None  # to the handle packed last
+        self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}  # id(tensor) -> (tensor, version, handle)
+        self.pool = HostPool(pin=self.cuda)  # (unused where nothing is copied)
         if self.cuda:
             self.d2h = torch.cuda.Stream(self.device)
             self.h2d = torch.cuda.Stream(self.device)
@@ -81,28 +93,39 @@ class ActivationOffload:
             # also parameters (nn.Parameter), DTensors, other tensor subclasses, and empty tensors (torch 2.11's
             # checkpoint saves an empty placeholder beside each block's inputs)
             return _Kept(tensor)
-        seen = self._seen.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2].host is not None:
-            seen[2].unpacks_left += 1
-            return seen[2]
+        tensor_ref, version, handle_ref = self._seen.get(id(tensor), (lambda: None, None, lambda: None))
+        shared = handle_ref()
+        if tensor_ref() is tensor and version == tensor._version and shared is not None and shared.host is not None:
+            shared.unpacks_left += 1
+            return shared
         handle = _Offloaded(None, tensor.device, tensor.numel() * tensor.element_size(), previous=self._last)
+        if self.cuda or self.copy:
+            self._take_block(handle, tensor)
         if self.cuda:
-            handle.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self.d2h.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h):
                 handle.host.copy_(tensor, non_blocking=True)
                 handle.event = torch.cuda.Event()
                 handle.event.record(self.d2h)
             tensor.record_stream(self.d2h)  # its memory is not reused before the copy is done
+        elif self.copy:
+            handle.host.copy_(tensor)
         else:
-            handle.host = tensor.clone() if self.copy else tensor
+            handle.host = tensor
         self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
-        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, handle)
-        self._last = handle
+        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(handle))
+        self._last = weakref.ref(handle)
         self.stats.tensors += 1
         self.stats.bytes += handle.nbytes
         self.stats.shapes.append(tuple(tensor.shape))
         return handle
+
+    def _take_block(self, handle: _Offloaded, tensor: torch.Tensor) -> None:
+        """A pool block for `tensor`'s host copy (on CUDA, the copy stream waits for the copies out of its last
+        use), given back when autograd lets go of `handle` if backward never unpacked it."""
+        handle.block = self.pool.acquire(handle.nbytes, self.d2h if self.cuda else None)
+        handle.host = handle.block.view(tensor.shape, tensor.dtype)
+        handle.give_back = weakref.finalize(handle, self.pool.release, handle.block, handle.copies_out)
 
     # ---- backward ------------------------------------------------------------------------------------------------
     def unpack(self, handle: _Offloaded | _Kept) -> torch.Tensor:
@@ -113,10 +136,12 @@ class ActivationOffload:
             tensor = handle.host.clone() if self.copy else handle.host
         else:
             tensor = self._to_device(handle)
-            self._prefetch(handle.previous)
+            self._prefetch(handle.previous() if handle.previous is not None else None)
         handle.unpacks_left -= 1
         if handle.unpacks_left <= 0:
-            handle.host = None  # the pinned buffer goes back to torch's host cache
+            handle.host = None
+            if handle.give_back is not None:
+                handle.give_back()  # the block back to the pool, with the events of the copies out of it
         return tensor
 
     def _to_device(self, handle: _Offloaded) -> torch.Tensor:
@@ -127,7 +152,9 @@ class ActivationOffload:
             tensor.record_stream(current)  # allocated on the prefetch stream, used on this one
             return tensor
         current.wait_event(handle.event)
-        return handle.host.to(self.device, non_blocking=True)
+        tensor = handle.host.to(self.device, non_blocking=True)
+        handle.copies_out.append(current.record_event())
+        return tensor
 
     def _prefetch(self, handle: _Offloaded | None) -> None:
         if handle is None or handle.host is None or handle.prefetched is not None:
@@ -138,6 +165,7 @@ class ActivationOffload:
             event = torch.cuda.Event()
             event.record(self.h2d)
         handle.prefetched = (tensor, event)
+        handle.copies_out.append(event)
 
 
 def offload_block_inputs(blocks: list[nn.Module], offload: ActivationOffload) -> None:
