@@ -171,3 +171,21 @@ def _measure_peak_in_a_fresh_process(case: tuple) -> tuple[int, float]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured, predicted = json.loads(proc.stdout.strip().splitlines()[-1])
     return measured, predicted
+
+
+def test_expandable_segments_is_printed_in_the_recipe_and_its_reserve_left_unmeasured(capsys):
+    """--expandable-segments puts PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the recipe and says the reserve
+    under it is unmeasured; nothing was measured on a GPU to model it by, so every predicted figure is unchanged."""
+    seq = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--gpus-per-node", "1", "--max-seq"]
+    ranked = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--seq-len", "8192", "--global-batch-tokens",
+              "65536", "--top", "2"]
+    for args in (seq, ranked):
+        assert main(args + ["--json"]) == 0
+        plain = capsys.readouterr().out
+        assert main(args + ["--json", "--expandable-segments"]) == 0
+        assert capsys.readouterr().out == plain
+        assert main(args + ["--expandable-segments"]) == 0
+        text = capsys.readouterr().out
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text and "unmeasured" in text
+        assert main(args) == 0
+        assert "unmeasured" not in capsys.readouterr().out
