@@ -234,10 +234,11 @@ def head_chunks(model: ModelSpec, layout: Layout, recipe: Recipe) -> int:
     under sp > 1, the count the library's "auto" picks for these shapes (`ulysses.auto_head_chunks`, the fewest
     whose q/k/v/o fit in 128 MiB). Not modelled for sp 1 (context parallelism alone runs the same option, but the
     planner does not count the all-gather's whole-sequence key/value that it divides) nor for latent attention."""
-    if not recipe.head_chunks or layout.sp == 1 or model.mla is not None:
-        return 1
-    return auto_head_chunks(model.heads // layout.tp, model.kv_heads // layout.tp, layout.sp,
-                            recipe.seq_len // layout.cp, recipe.micro_batch, model.head_dim, recipe.compute_bytes)
+    heads, kv_heads = model.heads // layout.tp, model.kv_heads // layout.tp
+    if not recipe.head_chunks or layout.sp == 1 or model.mla is not None or not kv_heads or heads % layout.sp:
+        return 1  # (head counts Ulysses cannot split are refused by the layout checks; nothing to chunk then)
+    return auto_head_chunks(heads, kv_heads, layout.sp, recipe.seq_len // layout.cp, recipe.micro_batch,
+                            model.head_dim, recipe.compute_bytes)
 
 
 def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
