@@ -7,9 +7,12 @@ ALST (Arctic Long Sequence Training, arXiv:2506.13996; snowflakedb/ArcticTrainin
 trained Llama-3.1-8B and -70B on H100 80GB nodes of 8 GPUs with "1.9TB CPU memory" (its README; 1,769 GiB),
 DeepSpeed ZeRO-3 with the optimizer (and, on one GPU, the parameters) offloaded to the host, Ulysses over every GPU,
 tiled MLPs and loss, checkpointed layer inputs offloaded to the host, Liger-Kernel's fused kernels and
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``. UPipe (Untied Ulysses, arXiv:2602.21196) reports 5M tokens for
-Llama-3-8B on one 8xH100 node, chunking Ulysses attention head by head. For each published row: the planner's longest sequence on the
-same GPUs and host memory (every feature the library has, FSDP2's CPU offload where it helps), and at ALST's own
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; its abstract reports 500K tokens for Llama-3.1-8B on one H100,
+3.7M on one node of 8 and over 15M on 4 nodes (32 GPUs). UPipe (Untied Ulysses, arXiv:2602.21196) reports 5M tokens
+for Llama-3-8B on one 8xH100 node, chunking Ulysses attention head by head (the planner takes Llama-3.1-8B's config:
+the same layers and widths). For each published row: the planner's longest sequence on the same GPUs and host memory
+(every feature the library has -- head-chunked Ulysses attention where it lengthens the sequence, with the count the
+library's "auto" picks -- and FSDP2's CPU offload where it helps), and at the published
 length, for the planner's best layout, the predicted peak, how far over the budget it is, and the GPU terms the
 library has no feature for (`planner.longest.missing_features`). Predictions only: no GPU ran them.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ndparallel.planner import get_hardware, load_model  # noqa: E402
-from ndparallel.planner.longest import QUANTUM, _setting, longest  # noqa: E402
+from ndparallel.planner.longest import QUANTUM, _setting, best_chunks, longest  # noqa: E402
 from ndparallel.planner.footprint import estimate  # noqa: E402
 from ndparallel.planner.offload import host_bytes  # noqa: E402
 from ndparallel.planner.search import Request  # noqa: E402
@@ -46,9 +49,10 @@ def compare(name: str, nodes: int, gpus: int, published: int, host_gib: float) -
     step = QUANTUM * layout.sequence_divisor
     at = -(-published // step) * step  # ALST's length, rounded up to what the layout splits
     mem = estimate(request.model, layout, _setting("all", at, request.mixed_precision, request.optimizer,
-                                                   best.offload_params), request.hardware.fragmentation)
+                                                   best.offload_params, best.head_chunks), request.hardware.fragmentation)
     return {"name": name, "gpus": nodes * gpus, "published": published, "predicted": best.tokens["all"],
             "layout": layout.name, "offload_params": best.offload_params, "without": best.without_offload,
+            "chunks": best_chunks(best, request) if best.head_chunks else 1,
             "at": at, "peak": mem.peak / GiB, "over": (mem.peak - request.budget_bytes) / GiB,
             "host": host_bytes(mem) / GiB, "host_budget": request.host_budget_bytes / GiB,
             "gathered": mem["unsharded_params"] / GiB, "fragmentation": mem["fragmentation"] / GiB}
@@ -63,8 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name, nodes, gpus, published, who, _ in ROWS:
         r = compare(name, nodes, gpus, published, args.host_memory_gib)
+        chunks = f", {r['chunks']} head chunks" if r["chunks"] > 1 else ""
         print(f"| {r['name']}, {r['gpus']} | {r['published']:,} ({who}) | {r['predicted']:,} ({r['layout']}"
-              f"{', cpu_offload' if r['offload_params'] else ''}) | {r['predicted'] / published:.2f} | "
+              f"{', cpu_offload' if r['offload_params'] else ''}{chunks}) | {r['predicted'] / published:.2f} | "
               f"{r['without'] or 0:,} | {r['peak']:.1f} ({r['over']:+.1f}) | {r['host']:.1f} ({r['host_budget']:.1f}) "
               f"| {r['gathered']:.1f} | {r['fragmentation']:.1f} |")
 

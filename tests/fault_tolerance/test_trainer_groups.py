@@ -2,7 +2,8 @@
 
 Launched runs of tests/scripts/fault_tolerant_trainer.py: 2 replica groups of 1 process (an SGD Trainer on a tiny
 Llama, accumulation 2, a warm-up-then-linear LR schedule, 3 updates per epoch, so the runs cross epochs). Without
-faults the groups train as the plain ``--dp-replicate-size 2`` job does. With group 1 SIGKILLed in a step, what is
+faults the groups train as the plain ``--dp-replicate-size 2`` job does, also with tensor parallelism inside each group
+(``--tp-size 2``: 2 groups x 2 ranks). With group 1 SIGKILLed in a step, what is
 checked is what the run did, not when: group 1 was restarted, took the live state and went on at the live global
 step, with the learning rate and epoch group 0 had at each step; every step was ended once; both groups end with
 bit-identical parameters at max_steps; the checkpoints were written.
@@ -25,12 +26,12 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft (the test extra)")]
 
 
-def launch(out: Path, *script_args: str, fault_tolerant: bool = True) -> None:
+def launch(out: Path, *script_args: str, fault_tolerant: bool = True, tp: int = 1) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NDPARALLEL_", "RANK", "WORLD_SIZE", "MASTER_"))}
     env["NDPARALLEL_FT_LOG"] = str(out / "log")
     mode = ["--fault-tolerant", "--quorum-timeout", "30", "--ft-timeout", "20"] if fault_tolerant else []
     command = [sys.executable, "-m", "ndparallel", "launch", "--cpu", *mode, "--dp-replicate-size", "2",
-               "--nproc-per-node", "2", str(SCRIPT), str(out), *script_args]
+               "--tp-size", str(tp), "--nproc-per-node", str(2 * tp), str(SCRIPT), str(out), *script_args]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-6000:]
 
@@ -47,10 +48,11 @@ def participation(out: Path, replica: int) -> list[dict]:
     return [json.loads(line) for line in (out / "log" / f"replica_{replica}.jsonl").read_text().splitlines()]
 
 
-def test_without_faults_the_groups_train_as_the_plain_replicated_job(tmp_path):
-    steps = 8
-    launch(tmp_path / "ft", "--steps", str(steps))
-    launch(tmp_path / "plain", "--steps", str(steps), fault_tolerant=False)
+@pytest.mark.parametrize("tp", [1, 2], ids=["groups_of_1", "groups_of_tp2"])
+def test_without_faults_the_groups_train_as_the_plain_replicated_job(tmp_path, tp):
+    steps = 8 if tp == 1 else 4
+    launch(tmp_path / "ft", "--steps", str(steps), tp=tp)
+    launch(tmp_path / "plain", "--steps", str(steps), fault_tolerant=False, tp=tp)
     groups = [final(tmp_path / "ft", replica) for replica in (0, 1)]
     plain = final(tmp_path / "plain", 0)
     assert groups[0]["global_step"] == groups[1]["global_step"] == plain["global_step"] == steps

@@ -41,13 +41,17 @@ def test_each_feature_changes_the_terms_it_should():
     assert plain["peak"] - plain["allocated"] == pytest.approx(0.19 * (plain["allocated"] - states))
     tiled, offload = _llama(32768, tiled_mlp=True), _llama(32768, tiled_mlp=True, offload=True)
     mlp = 4 * 14336 * 2  # gate, up, activation, product per token, bf16
-    assert chunked["recompute"] - tiled["recompute"] == pytest.approx(n * mlp - 1 * 4096 * mlp)  # one 4096-token tile
+    # the rebuilt layer's MLP intermediate goes; its backward's largest buffer is now an RMSNorm's (20 B per element,
+    # more than one 4096-token tile's intermediate, 4096 x mlp)
+    assert chunked["recompute"] - tiled["recompute"] == n * mlp and n * h * 20 > 4096 * mlp
     assert tiled["activations"] - offload["activations"] == (32 - 2) * n * h * 2  # 2 of 32 layer inputs stay
     assert offload["host_offload"] == 32 * n * h * 2
     assert plain["peak"] > chunked["peak"] > tiled["peak"] > offload["peak"]
     fused = _llama(32768, fused_norms=True)  # no norm keeps an fp32 copy of its input: under checkpointing the
     assert chunked["activations"] - fused["activations"] == n * h * 4  # final norm's, and the rebuilt layer's two
-    assert chunked["recompute"] - fused["recompute"] == 2 * n * h * 4
+    # the rebuilt layer's two, and its norm's backward: 14 B per element and 4 per token (`rms_norm.backward_bytes`,
+    # bf16) instead of the model's own 20
+    assert chunked["recompute"] - fused["recompute"] == 2 * n * h * 4 + n * (20 * h - (14 * h + 4))
     with pytest.raises(ValueError, match="offloading .* needs activation checkpointing"):
         Recipe(1024, 1, offload=True)
 
@@ -167,3 +171,21 @@ def _measure_peak_in_a_fresh_process(case: tuple) -> tuple[int, float]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured, predicted = json.loads(proc.stdout.strip().splitlines()[-1])
     return measured, predicted
+
+
+def test_expandable_segments_is_printed_in_the_recipe_and_its_reserve_left_unmeasured(capsys):
+    """--expandable-segments puts PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the recipe and says the reserve
+    under it is unmeasured; nothing was measured on a GPU to model it by, so every predicted figure is unchanged."""
+    seq = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--gpus-per-node", "1", "--max-seq"]
+    ranked = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--seq-len", "8192", "--global-batch-tokens",
+              "65536", "--top", "2"]
+    for args in (seq, ranked):
+        assert main(args + ["--json"]) == 0
+        plain = capsys.readouterr().out
+        assert main(args + ["--json", "--expandable-segments"]) == 0
+        assert capsys.readouterr().out == plain
+        assert main(args + ["--expandable-segments"]) == 0
+        text = capsys.readouterr().out
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text and "unmeasured" in text
+        assert main(args) == 0
+        assert "unmeasured" not in capsys.readouterr().out

@@ -59,6 +59,9 @@ def add_parsers(sub: Any) -> None:
                                           "step on the host (auto: where it makes a layout fit or run faster)")):
         plan.add_argument(f"--{name}", dest=name.replace("-", "_"), choices=("auto", "on", "off"), default="auto",
                           help=what)
+    plan.add_argument(*spellings("expandable-segments"), dest="expandable_segments", action="store_true",
+                      help="the recipe sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the allocator's reserve "
+                           "under it is unmeasured, so the profile's fragmentation is kept")
     plan.add_argument(*spellings("host-memory-gib"), dest="host_memory_gib", type=float, default=None, metavar="H",
                       help="host (CPU) memory per node for offloading, shared by its GPUs' processes (default: the "
                            "profile's; 0: not checked)")
@@ -113,6 +116,9 @@ def add_parsers(sub: Any) -> None:
     memory.add_argument(*spellings("fused-rms-norm"), dest="fused_rms_norm", action="store_true",
                         help="fused RMSNorms (MemoryKwargs(fused_rms_norm=True))")
     memory.add_argument("--offload", action="store_true", help="checkpointed layers' inputs in host memory")
+    memory.add_argument(*spellings("ulysses-head-chunks"), dest="ulysses_head_chunks", action="store_true",
+                        help="Ulysses attention over head chunks, as many as the library's \"auto\" picks "
+                             "(MemoryKwargs(ulysses_head_chunks=\"auto\"); sp > 1)")
     memory.add_argument(*spellings("offload-params"), dest="offload_params", action="store_true",
                         help="FSDP2's CPU offload (cpu_offload=True): parameters, gradients, optimizer state in host "
                              "memory")
@@ -138,8 +144,9 @@ def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
                    mixed_precision=args.mixed_precision, checkpointing=args.activation_checkpointing,
                    optimizer=args.optimizer, allow_cross_node_tp=args.allow_cross_node_tp,
                    sync_each_batch=args.sync_each_batch, chunked_loss=args.chunked_loss, tiled_mlp=args.tiled_mlp,
-                   fused_rms_norm=args.fused_rms_norm, offload=args.offload, offload_params=args.offload_params, host_memory_gib=args.host_memory_gib,
-                   ep_size=args.ep_size)
+                   fused_rms_norm=args.fused_rms_norm, offload=args.offload, offload_params=args.offload_params,
+                   host_memory_gib=args.host_memory_gib, ep_size=args.ep_size,
+                   expandable_segments=args.expandable_segments)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -195,7 +202,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(report.header(result), flush=True)
         report.print_table(result, args.top)
         if config is not None:
-            print("\n" + report.recommendation(best, yaml.safe_dump(config, sort_keys=False)))
+            print("\n" + report.recommendation(best, yaml.safe_dump(config, sort_keys=False),
+                                                request.expandable_segments))
         if measured is not None:
             from ..planner import measure
 
@@ -230,6 +238,7 @@ def _plan_max_seq(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"layout": r.layout.sizes(), "name": r.layout.name, "tokens": r.tokens,
                            "offload_params": r.offload_params, "tokens_without_offload_params": r.without_offload,
+                           "head_chunks": r.head_chunks, "tokens_without_head_chunks": r.without_chunks,
                            "peak_bytes": {n: (m.peak if m else None) for n, m in r.memory.items()},
                            "host_bytes": {n: (host_bytes(m) if m else None) for n, m in r.memory.items()}}
                           for r in rows], indent=1))
@@ -287,7 +296,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
         recipe = Recipe(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
                           args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
                           args.chunked_loss == "on", args.tiled_mlp, args.offload, offload_params=args.offload_params,
-                          fused_norms=args.fused_rms_norm)
+                          fused_norms=args.fused_rms_norm, head_chunks=args.ulysses_head_chunks)
         experts = _expert_figures(args, layout, recipe)  # a mixture of experts: expert parallelism's figures
         model = load_model(args.model)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch

@@ -23,6 +23,13 @@ README's does), tensor by tensor:
   fp32 copy and gradient (8 bytes per logit beyond the saved log-softmax); the chunked loss
   (``MemoryKwargs(chunked_loss=...)``, on by default) one chunk's logits, the head's fp32 gradient and the hidden
   states' gradient, and saves no log-softmax.
+- **a layer's backward buffers** (`backward_transient`): the largest of what one op of the layer allocates in its
+  backward beyond the saved activations -- a tiled MLP's rebuilt tile, the attention's gradients (over head chunks,
+  one chunk's rebuilt q/k/v/o and gradients with the shard's gradient buffers: `attention_backward`), an RMSNorm's
+  working set (`norm_backward`) -- added to the rebuilt layer (AC) or alone (no AC), in the ``recompute`` term.
+- **head-chunked Ulysses attention** (``MemoryKwargs(ulysses_head_chunks="auto")``, sp > 1): the attention keeps the
+  sequence-sharded q/k/v and o_proj's copy of the output instead of the full-sequence heads, chunks as the library's
+  "auto" picks them (`head_chunks`).
 - **tiled MLPs** keep no MLP intermediate for backward and rebuild one tile's in it; **activation offloading** keeps
   two layers' inputs on the GPU (the others in the offload's host pool, pinned: the ``host_offload`` term, not GPU
   memory; each layer's input a block of its bytes aligned, `parallel.memory.host_pool.aligned`).
@@ -33,7 +40,8 @@ README's does), tensor by tensor:
 - **allocated** = states + accumulation + unsharded copies + saved activations + root unit + max(loss working set,
   head gradient + layer buffers + one rebuilt layer + offload staging), the sum of `peak_parts`; **peak** =
   allocated + the profile's ``fragmentation`` x (allocated - model states): the caching allocator's blocks reserved
-  and not in use at the peak, so the peak is the predicted ``torch.cuda.max_memory_reserved``. The profile's
+  and not in use at the peak, so the peak is the predicted ``torch.cuda.max_memory_reserved`` (tuned without
+  ``expandable_segments``; under it the reserve is unmeasured and the same fraction is kept). The profile's
   memory_reserve_gib (CUDA context, NCCL: memory outside torch's allocator) is kept aside from the budget.
 - **pipeline stages** (pp > 1), for the busiest stage: ceil(L / pp) decoder layers, and of the root unit the larger
   end -- the embedding (first stage) or the final norm and the head (last stage). The library's default schedule is
@@ -50,6 +58,8 @@ from dataclasses import dataclass, field
 from ..distributed.layout import Layout
 from ..parallel.gathered import reshards_after_forward  # the library's own rule, not a copy
 from ..parallel.memory.host_pool import aligned
+from ..parallel.memory.rms_norm import OWN_BACKWARD_BYTES, backward_bytes as norm_backward_bytes  # the library's
+from ..parallel.sequence.ulysses import auto_head_chunks, chunk_bytes
 from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
 from .offload import host_states, staging
@@ -180,13 +190,21 @@ def layer_activations(model: ModelSpec, layout: Layout, recipe: Recipe, sparse: 
     input, which the norm before it keeps anyway); `sparse`: a layer whose MLP is a mixture of experts
     (`moe.block_activations`)."""
     n, c, t, h = recipe.tokens(layout), recipe.compute_bytes, layout.tp, model.hidden
-    # Bytes per element of the query and the attention output: one each (the model's SDPA); a copy of the output
-    # for o_proj once cp/sp attention returns it head-major; the all-gather CP kernel keeps its output in fp32.
-    o_bytes = (FP32 + c) if layout.cp > 1 else (2 * c if layout.sp > 1 else c)
-    kw = kv_width_local(model, layout)
-    qw, ow, vw = model.q_width // t, model.o_width // t, kw // model.head_dim * (model.v_head_dim or model.head_dim)
-    attention = qw * c + ow * o_bytes + (kw + vw) * c + model.heads // t * FP32
-    how = f"attention {qw}x{c} + {ow}x{o_bytes} + ({kw}+{vw})x{c} + lse {model.heads // t}x4"
+    qw, ow, kw, vw = attention_widths(model, layout)
+    if head_chunks(model, layout, recipe) > 1:
+        # Head chunks: the chunked function keeps the sequence-sharded q/k/v (key/value heads not repeated), o_proj
+        # its copy of the output; the full-sequence heads are rebuilt a chunk at a time in backward
+        # (`attention_backward`)
+        kw, vw = attention_widths(model, layout, repeated=False)[2:]
+        attention = (qw + ow + kw + vw) * c
+        how = f"attention (head chunks: sequence-sharded q/k/v, o_proj's output) ({qw}+{ow}+{kw}+{vw})x{c}"
+    else:
+        # Bytes per element of the query and the attention output: one each (the model's SDPA); a copy of the
+        # output for o_proj once cp/sp attention returns it head-major; the all-gather CP kernel keeps its output
+        # in fp32.
+        o_bytes = (FP32 + c) if layout.cp > 1 else (2 * c if layout.sp > 1 else c)
+        attention = qw * c + ow * o_bytes + (kw + vw) * c + model.heads // t * FP32
+        how = f"attention {qw}x{c} + {ow}x{o_bytes} + ({kw}+{vw})x{c} + lse {model.heads // t}x4"
     f = recipe.norm_copy_bytes  # a norm's fp32 copy of its input (none when fused)
     if model.qk_norm:  # per-head norms of q and k: an fp32 copy of each and its normalised value, one rsqrt per head
         heads = (model.heads + model.kv_heads) // t
@@ -204,6 +222,70 @@ def layer_activations(model: ModelSpec, layout: Layout, recipe: Recipe, sparse: 
         mlp, mlp_how = elements * c, f"MLP {elements}x{c}{' (tiled: its input only)' if recipe.tiled_mlp else ''}"
     per_token = 2 * h * (f + 2 * c) + 2 * FP32 + attention + mlp
     return n * per_token, f"{n} tokens x [norms 2x{h}x({f}+2x{c}) + {how} + {mlp_how}] B"
+
+
+def attention_widths(model: ModelSpec, layout: Layout, repeated: bool = True) -> tuple[int, int, int, int]:
+    """Per token on one rank, the elements of the query, the output, the key and the value attention works on
+    (key/value heads as Ulysses repeats them for sp, `kv_width_local`; `repeated=False`: as the projections make
+    them)."""
+    t = layout.tp
+    kw = kv_width_local(model, layout) if repeated else model.kv_heads // t * model.head_dim
+    return model.q_width // t, model.o_width // t, kw, kw // model.head_dim * (model.v_head_dim or model.head_dim)
+
+
+def head_chunks(model: ModelSpec, layout: Layout, recipe: Recipe) -> int:
+    """The groups of heads Ulysses attention runs over for `recipe` (1: all at once): with ``recipe.head_chunks``
+    under sp > 1, the count the library's "auto" picks for these shapes (`ulysses.auto_head_chunks`, the fewest
+    whose q/k/v/o fit in 128 MiB). Not modelled for sp 1 (context parallelism alone runs the same option, but the
+    planner does not count the all-gather's whole-sequence key/value that it divides) nor for latent attention."""
+    heads, kv_heads = model.heads // layout.tp, model.kv_heads // layout.tp
+    if not recipe.head_chunks or layout.sp == 1 or model.mla is not None or not kv_heads or heads % layout.sp:
+        return 1  # (head counts Ulysses cannot split are refused by the layout checks; nothing to chunk then)
+    return auto_head_chunks(heads, kv_heads, layout.sp, recipe.seq_len // layout.cp, recipe.micro_batch,
+                            model.head_dim, recipe.compute_bytes)
+
+
+def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
+    """What one layer's attention holds in its backward beyond what the layer saved (`layer_activations`).
+
+    All heads at once: the gradients of the output, the query, the key and the value the kernel sees (the
+    full-sequence heads under sp, key/value repeated), in the compute dtype. Over head chunks
+    (`ulysses._HeadChunked.backward`): one chunk's full-sequence q/k/v/o rebuilt and their gradients (2 x
+    `ulysses.chunk_bytes`), its log-sum-exp, the whole shard's q/k/v gradients filled chunk by chunk, and the output's
+    sequence-sharded gradient, held until the last chunk. Not counted: a kernel's own workspace, and under cp the
+    all-gather kernel's whole-sequence key/value and their fp32 gradients."""
+    n, c = recipe.tokens(layout), recipe.compute_bytes
+    qw, ow, kw, vw = attention_widths(model, layout)
+    chunks = head_chunks(model, layout, recipe)
+    if chunks == 1:
+        return n * (qw + ow + kw + vw) * c, f"{n} tokens x ({qw}+{ow}+{kw}+{vw}) x {c} B (the gradients of o, q, k, v)"
+    heads, kv, full = model.heads // layout.tp, model.kv_heads // layout.tp, recipe.seq_len // layout.cp
+    chunk = chunk_bytes(heads, kv, layout.sp, chunks, full, recipe.micro_batch, model.head_dim, c)
+    lse = recipe.micro_batch * full * heads // (layout.sp * chunks) * FP32
+    kw, vw = attention_widths(model, layout, repeated=False)[2:]
+    shard = n * (qw + kw + vw + ow) * c
+    return 2 * chunk + lse + shard, (f"{chunks} head chunks: one chunk's full-sequence q/k/v/o and their gradients "
+                                     f"2 x {chunk:,} B + its lse {lse:,} B + the shard's q/k/v gradients and the "
+                                     f"output's {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B")
+
+
+def norm_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
+    """What an RMSNorm's backward allocates for the hidden states of one rank's tokens: a fused norm's
+    (`rms_norm.backward_bytes`, the library's count for Llama's form), or the model's own (`rms_norm.
+    OWN_BACKWARD_BYTES` per element, measured on Llama's)."""
+    n, h = recipe.tokens(layout), model.hidden
+    if recipe.fused_norms:
+        per_token = norm_backward_bytes(h, recipe.compute_bytes)
+        return n * per_token, f"{n} tokens x {per_token} B (a fused RMSNorm's backward)"
+    return n * h * OWN_BACKWARD_BYTES, f"{n} tokens x {h} x {OWN_BACKWARD_BYTES} B (an RMSNorm's backward)"
+
+
+def backward_transient(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
+    """The largest of what one op of a layer allocates in its backward beyond the layer's saved activations: a
+    tiled MLP's rebuilt tile (`mlp_tile`), the attention's gradients (`attention_backward`), a fused norm's working
+    set (`norm_backward`). They run one after the other, so only the largest counts."""
+    tile = mlp_tile(model, layout, recipe) if recipe.tiled_mlp and model.dense_layers else (0.0, "")
+    return max(tile, attention_backward(model, layout, recipe), norm_backward(model, layout, recipe))
 
 
 def layers_activations(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str, float, str]:
@@ -321,14 +403,14 @@ def estimate(model: ModelSpec, layout: Layout, recipe: Recipe, fragmentation: fl
     kept_inputs = min(L, 2) * n * model.hidden * c if recipe.offload else inputs
     mem.activations_without_checkpointing = layers + outside
     mem.activations_with_checkpointing = kept_inputs + outside
-    tile, tile_how = mlp_tile(model, layout, recipe) if recipe.tiled_mlp and model.dense_layers else (0.0, "")
+    transient, transient_how = backward_transient(model, layout, recipe)
     if recipe.checkpointing:
         where = (f"{min(L, 2)} of {L} layers' inputs on the GPU (the others in host memory)" if recipe.offload
                  else f"{L} layers")
         mem.add("activations", mem.activations_with_checkpointing,
                 f"{where} x {n} tokens x {model.hidden} x {c} B (layer inputs) + outside the layers: {outside_how}")
-        mem.add("recompute", layer + tile, f"one layer rebuilt in backward (the largest): {layer_how}"
-                + (f" + {tile_how}" if tile else ""))
+        mem.add("recompute", layer + transient, f"one layer rebuilt in backward (the largest): {layer_how} + the "
+                f"largest of its backward's buffers: {transient_how}")
         if recipe.offload:
             block = aligned(n * model.hidden * c)
             mem.add("host_offload", L * block, f"{L} layers' inputs in the offload's host pool: {L} x {n} x "
@@ -337,8 +419,7 @@ def estimate(model: ModelSpec, layout: Layout, recipe: Recipe, fragmentation: fl
     else:
         mem.add("activations", mem.activations_without_checkpointing,
                 f"{layers_how} + outside the layers: {outside_how}")
-        if tile:
-            mem.add("recompute", tile, f"a tiled MLP rebuilt in backward: {tile_how}")
+        mem.add("recompute", transient, f"the largest of one layer's backward's buffers: {transient_how}")
 
     if off:
         mem.add("offload_staging", *staging(layer_elems, layout))

@@ -6,8 +6,10 @@ the longest sequence -- a multiple of ``QUANTUM`` tokens that the layout can spl
 (`memory.estimate`, the allocator's fragmentation included) fits the budget, and whose host memory (offloaded layer
 inputs and states, `offload.host_bytes`) fits each GPU's share of the node's, found by bisection (memory grows with
 the length). Two settings side by side: every memory feature on (activation checkpointing with offloading, the
-chunked loss, tiled MLPs, fused RMSNorms; and FSDP2's CPU offload of the parameters, gradients and optimizer state as
-``--offload-params`` allows it: with ``auto`` the longer of with and without, and the row says whether it needs it)
+chunked loss, tiled MLPs, fused RMSNorms; under sp > 1 head-chunked Ulysses attention where it makes the sequence
+longer, as many chunks as the library's "auto" picks at that length; and FSDP2's CPU offload of the parameters,
+gradients and optimizer state as ``--offload-params`` allows it: with ``auto`` the longer of with and without, and the
+row says whether it needs it)
 and plain FSDP2 with activation checkpointing (the model's own loss). Memory only: at these lengths the step time is
 what the rows of ``ndparallel plan --seq-len S`` predict.
 """
@@ -18,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .layouts import Constraints, Layout, all_layouts, expert_layouts, reasons
-from .footprint import Memory, estimate
+from .footprint import Memory, backward_transient, estimate, head_chunks
 from .offload import host_bytes
 from .search import OPTIONS, Request
 from .recipe import Recipe
@@ -34,7 +36,8 @@ SETTINGS = {  # name -> (checkpointing, chunked loss, tiled MLP, offload, fused 
 # The features "all" turns on, by the letter of the `mem` column (`Recipe.features`): (name, the Recipe field that
 # turns it off). P: FSDP2's CPU offload, which "all" takes where --offload-params allows it and it helps.
 FEATURES = {"C": ("chunked loss", "chunked_loss"), "T": ("tiled MLP", "tiled_mlp"),
-            "N": ("fused RMSNorm", "fused_norms"), "O": ("activation offload", "offload"),
+            "N": ("fused RMSNorm", "fused_norms"), "H": ("head-chunked Ulysses", "head_chunks"),
+            "O": ("activation offload", "offload"),
             "P": ("FSDP2's CPU offload", "offload_params")}
 
 
@@ -45,12 +48,15 @@ class Longest:
     memory: dict[str, Memory | None]  # at that length
     offload_params: bool = False  # whether "all" keeps the states in host memory (FSDP2's cpu_offload) for it
     without_offload: int | None = None  # "all" without that offload (None: not tried, --offload-params on)
+    head_chunks: bool = False  # whether "all" runs Ulysses attention over head chunks ("auto"'s count) for it
+    without_chunks: int | None = None  # "all" without head chunks (None: not tried, sp 1)
 
 
-def _setting(name: str, seq: int, precision: str, optimizer: str, params: bool = False) -> Recipe:
+def _setting(name: str, seq: int, precision: str, optimizer: str, params: bool = False,
+             chunks: bool = False) -> Recipe:
     ac, loss, tiled, offload, norms = SETTINGS[name]
     return Recipe(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload, offload_params=params,
-                  fused_norms=norms)
+                  fused_norms=norms, head_chunks=chunks)
 
 
 def _constraints(layout: Layout, seq: int, request: Request) -> Constraints:
@@ -62,19 +68,21 @@ def _accepts(layout: Layout, seq: int, request: Request) -> bool:
     return not reasons(layout, _constraints(layout, seq, request))
 
 
-def _fits(layout: Layout, seq: int, name: str, request: Request, params: bool = False) -> Memory | None:
-    memory = estimate(request.model, layout, _setting(name, seq, request.mixed_precision, request.optimizer, params),
-                      request.hardware.fragmentation)
+def _fits(layout: Layout, seq: int, name: str, request: Request, params: bool = False,
+          chunks: bool = False) -> Memory | None:
+    memory = estimate(request.model, layout, _setting(name, seq, request.mixed_precision, request.optimizer, params,
+                                                      chunks), request.hardware.fragmentation)
     return memory if request.fits(memory) else None
 
 
-def longest_for(layout: Layout, name: str, request: Request, params: bool = False) -> tuple[int, Memory | None]:
+def longest_for(layout: Layout, name: str, request: Request, params: bool = False,
+                chunks: bool = False) -> tuple[int, Memory | None]:
     """The longest multiple of the layout's step (QUANTUM x `Layout.sequence_divisor`) that fits, and its memory;
-    `params`: with FSDP2's CPU offload."""
+    `params`: with FSDP2's CPU offload; `chunks`: with head-chunked Ulysses attention ("auto")."""
     step = QUANTUM * layout.sequence_divisor
 
     def fits(k: int) -> Memory | None:
-        return _fits(layout, k * step, name, request, params)
+        return _fits(layout, k * step, name, request, params, chunks)
 
     if not _accepts(layout, step, request) or fits(1) is None:
         return 0, None
@@ -92,13 +100,19 @@ def longest_for(layout: Layout, name: str, request: Request, params: bool = Fals
     return lo * step, fits(lo)
 
 
-def longest_all(layout: Layout, request: Request) -> tuple[int, Memory | None, bool, int | None]:
-    """(tokens, memory, whether with FSDP2's CPU offload, tokens without it) of every feature on, the offload as
-    ``--offload-params`` allows: "auto" takes it only where it makes the sequence longer."""
-    found = {params: longest_for(layout, "all", request, params) for params in OPTIONS[request.offload_params]}
-    without = found[False][0] if False in found else None
-    params = max(found, key=lambda p: (found[p][0], not p))
-    return *found[params], params, without
+def longest_all(layout: Layout, request: Request) -> tuple[int, Memory | None, bool, int | None, bool, int | None]:
+    """(tokens, memory, whether with FSDP2's CPU offload, tokens without it, whether with head chunks, tokens without
+    them) of every feature on, the offload as ``--offload-params`` allows ("auto" takes it only where it makes the
+    sequence longer) and head chunks under sp > 1 only where they make it longer (they can hold more than they free:
+    `footprint.attention_backward`)."""
+    chunk_options = (False, True) if layout.sp > 1 else (False,)
+    found = {(params, chunks): longest_for(layout, "all", request, params, chunks)
+             for params in OPTIONS[request.offload_params] for chunks in chunk_options}
+    best = max(found, key=lambda k: (found[k][0], not k[0], not k[1]))
+    params, chunks = best
+    without = found[(False, chunks)][0] if (False, chunks) in found else None
+    unchunked = found[(params, False)][0] if layout.sp > 1 else None
+    return *found[best], params, without, chunks, unchunked
 
 
 def longest(request: Request) -> list[Longest]:
@@ -108,10 +122,10 @@ def longest(request: Request) -> list[Longest]:
     for layout in (x for mesh in meshes for x in expert_layouts(mesh, _constraints(mesh, QUANTUM, request))):
         if not _accepts(layout, QUANTUM * layout.sequence_divisor, request):
             continue
-        tokens, memory, params, without = longest_all(layout, request)
+        tokens, memory, params, without, chunks, unchunked = longest_all(layout, request)
         plain = longest_for(layout, "plain", request)
         out.append(Longest(layout, {"all": tokens, "plain": plain[0]}, {"all": memory, "plain": plain[1]}, params,
-                           without))
+                           without, chunks, unchunked))
     out.sort(key=lambda row: (-row.tokens["all"], -row.tokens["plain"], row.layout.name))
     return out
 
@@ -123,18 +137,20 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
              f"per GPU; host " + (f"{host / gib:.1f} GiB per GPU" if host is not None else "memory not checked")
              + f"), {request.mixed_precision}, {request.optimizer}: the longest sequence per layout, one sequence per "
              "data-parallel rank",
-             "all: activation checkpointing with offloading, chunked loss, tiled MLP, fused RMSNorm (P: and FSDP2's "
-             "CPU offload of parameters, gradients and optimizer state); plain: FSDP2 with activation checkpointing "
-             "and the model's own loss", ""]
-    header = f"{'#':>3}  {'layout':<34} {'all: tokens':>12} {'P':>2} {'without P':>10} {'peak GiB':>9} " \
-             f"{'host GiB':>9} {'plain: tokens':>14} {'ratio':>7}"
+             "all: activation checkpointing with offloading, chunked loss, tiled MLP, fused RMSNorm (H: and "
+             "head-chunked Ulysses attention; P: and FSDP2's CPU offload of parameters, gradients and optimizer "
+             "state); plain: FSDP2 with activation checkpointing and the model's own loss", ""]
+    header = f"{'#':>3}  {'layout':<34} {'all: tokens':>12} {'H':>2} {'without H':>10} {'P':>2} {'without P':>10} " \
+             f"{'peak GiB':>9} {'host GiB':>9} {'plain: tokens':>14} {'ratio':>7}"
     lines += [header, "-" * len(header)]
     for i, row in enumerate(rows[:top]):
         mem = row.memory["all"]
         peak = f"{mem.peak / gib:.1f}" if mem else "-"
         host_gib = f"{host_bytes(mem) / gib:.1f}" if mem else "-"
         ratio = f"{row.tokens['all'] / row.tokens['plain']:.1f}x" if row.tokens["plain"] else "-"
-        lines.append(f"{i + 1:>3}  {row.layout.name:<34} {row.tokens['all']:>12,} {'P' if row.offload_params else '-':>2} "
+        lines.append(f"{i + 1:>3}  {row.layout.name:<34} {row.tokens['all']:>12,} {'H' if row.head_chunks else '-':>2} "
+                     f"{'-' if row.without_chunks is None else f'{row.without_chunks:,}':>10} "
+                     f"{'P' if row.offload_params else '-':>2} "
                      f"{'-' if row.without_offload is None else f'{row.without_offload:,}':>10} {peak:>9} {host_gib:>9} {row.tokens['plain']:>14,} {ratio:>7}")
     if len(rows) > top:
         lines.append(f"... {len(rows) - top} more (--top N)")
@@ -147,10 +163,22 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
                      else "")
                   + (f"; without it {best.without_offload:,}" if best.offload_params and best.without_offload
                      is not None else "")
+                  + (f"; head chunks: MemoryKwargs(ulysses_head_chunks=\"auto\"), {best_chunks(best, request)} at "
+                     f"that length, without them {best.without_chunks:,}" if best.head_chunks else "")
                   + f"); without them (plain FSDP2 + AC): {best_plain.tokens['plain']:,} ({best_plain.layout.name})"
                   + (f"; plain FSDP2 over all {request.world} GPUs: {fsdp.tokens['plain']:,}" if fsdp else "")]
+        if request.expandable_segments:
+            lines.append("with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the launch environment, as asked "
+                         "(--expandable-segments); the allocator's reserve under it is unmeasured: the figures keep "
+                         f"the profile's fragmentation {request.hardware.fragmentation} until a GPU run records it")
         lines += missing_features(best, request)
     return "\n".join(lines)
+
+
+def best_chunks(row: Longest, request: Request) -> int:
+    """The head chunks `row`'s setting runs with at its longest sequence (the library's "auto" count)."""
+    return head_chunks(request.model, row.layout, _setting("all", row.tokens["all"], request.mixed_precision,
+                                                           request.optimizer, row.offload_params, row.head_chunks))
 
 
 def missing_features(row: Longest, request: Request) -> list[str]:
@@ -161,7 +189,8 @@ def missing_features(row: Longest, request: Request) -> list[str]:
         return []
     gib, out = 2**30, []
     step = QUANTUM * row.layout.sequence_divisor
-    recipe = _setting("all", row.tokens["all"] + step, request.mixed_precision, request.optimizer, row.offload_params)
+    recipe = _setting("all", row.tokens["all"] + step, request.mixed_precision, request.optimizer, row.offload_params,
+                      row.head_chunks)
     longer = estimate(model, row.layout, recipe, request.hardware.fragmentation)
     if longer.peak <= request.budget_bytes and row.tokens["all"] + step <= LIMIT:
         rounding = host_bytes(longer) - host_bytes(estimate(model, row.layout, recipe, pin=False))
@@ -174,10 +203,18 @@ def missing_features(row: Longest, request: Request) -> list[str]:
         out.append(f"  - {mem['unsharded_params'] / gib:.1f} GiB of gathered compute-dtype copies: without cpu_offload "
                    "a one-rank shard group keeps them from forward to backward (parallel/gathered.py, "
                    "reshards_after_forward); resharding would free them for a cast per layer in backward")
+    held, how = backward_transient(model, row.layout, _setting("all", row.tokens["all"], request.mixed_precision,
+                                                                request.optimizer, row.offload_params, row.head_chunks))
+    out.append(f"  - {held / gib:.1f} GiB: the largest buffer of the rebuilt layer's backward, {how}; the library "
+               "runs it over the whole sequence at once")
     if mem["fragmentation"]:
         out.append(f"  - {mem['fragmentation'] / gib:.1f} GiB of the caching allocator's reserve (the profile's "
-                   f"fragmentation {request.hardware.fragmentation}, tuned on torchtitan's runs): "
-                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may hold less; not modelled")
+                   f"fragmentation {request.hardware.fragmentation}, tuned on torchtitan's runs without "
+                   "expandable_segments): " + ("under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it is unmeasured"
+                                               if request.expandable_segments else
+                                               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                                               "(--expandable-segments) may hold less")
+                   + "; not modelled")
     return ["", "what bounds it at that length, and what the library lacks to go further:", *out]
 
 
@@ -196,7 +233,7 @@ def curves(row: Longest, request: Request, lengths: list[int]) -> dict[str, list
     feature": `SETTINGS["all"]`, with FSDP2's CPU offload where the row takes it), that setting without each of its
     features in turn (`FEATURES`), and plain FSDP2 + AC (`SETTINGS["plain"]`)."""
     def found(seq: int) -> Recipe:
-        return _setting("all", seq, request.mixed_precision, request.optimizer, row.offload_params)
+        return _setting("all", seq, request.mixed_precision, request.optimizer, row.offload_params, row.head_chunks)
 
     recipes = {"every feature": found}
     for letter in found(QUANTUM).features:

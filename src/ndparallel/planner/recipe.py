@@ -34,6 +34,9 @@ class Recipe:
     # optimizer's state in host memory and steps the optimizer there (`planner.offload`)
     offload_params: bool = False
     fused_norms: bool = False  # MemoryKwargs(fused_rms_norm=True): RMSNorms keep no fp32 copy of their input
+    # MemoryKwargs(ulysses_head_chunks="auto"): under Ulysses (sp > 1) attention over groups of heads, as many as the
+    # library's "auto" picks for the length (`footprint.head_chunks`); nothing under sp 1
+    head_chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in MIXED_PRECISIONS:
@@ -48,10 +51,12 @@ class Recipe:
 
     @property
     def features(self) -> str:
-        """The memory features on, as letters: C chunked loss, T tiled MLP, N fused RMSNorm, O activation offload, P
-        parameters, gradients and optimizer state offloaded (FSDP2's cpu_offload) ("-": none)."""
+        """The memory features on, as letters: C chunked loss, T tiled MLP, N fused RMSNorm, H head-chunked Ulysses
+        attention, O activation offload, P parameters, gradients and optimizer state offloaded (FSDP2's cpu_offload)
+        ("-": none)."""
         return "".join(k for k, on in (("C", self.chunked_loss), ("T", self.tiled_mlp), ("N", self.fused_norms),
-                                       ("O", self.offload), ("P", self.offload_params)) if on) or "-"
+                                       ("H", self.head_chunks), ("O", self.offload), ("P", self.offload_params))
+                       if on) or "-"
 
     @property
     def norm_copy_bytes(self) -> int:

@@ -51,7 +51,7 @@ def header(plan: Plan) -> str:
             f"tokens ({r.samples} samples) per step, {r.mixed_precision}, {r.optimizer}, budget "
             f"{r.budget_bytes / GiB:.1f} GiB per GPU\n{len(plan.rows)} layouts accepted ({len(plan.refused)} refused), "
             f"{fitting} fit; evaluated in {plan.seconds * 1e3:.0f} ms; mem: C chunked loss, T tiled MLP, N fused "
-            "RMSNorm, O activation offload, P parameters, gradients and optimizer state in host memory (cpu_offload); peak: predicted "
+            "RMSNorm, H head-chunked Ulysses, O activation offload, P parameters, gradients and optimizer state in host memory (cpu_offload); peak: predicted "
             "torch.cuda.max_memory_reserved; host memory per GPU "
             + (f"{r.host_budget_bytes / GiB:.1f} GiB" if r.host_budget_bytes is not None else "not checked"))
 
@@ -98,19 +98,26 @@ def script_settings(recipe: Recipe) -> list[str]:
                                                                if recipe.checkpointing else "")
               + (", cpu_offload=True" if recipe.offload_params else "") + ")"]
     memory = (([] if recipe.chunked_loss else ["chunked_loss=False"]) + (["tiled_mlp=True"] if recipe.tiled_mlp else [])
-              + (["fused_rms_norm=True"] if recipe.fused_norms else []))
+              + (["fused_rms_norm=True"] if recipe.fused_norms else [])
+              + (['ulysses_head_chunks="auto"'] if recipe.head_chunks else []))
     if memory:
         script.append(f"kwargs_handlers=[MemoryKwargs({', '.join(memory)})]")
     return script + [f"DataLoader(batch_size={recipe.micro_batch})"]
 
 
-def recommendation(row: Row, yaml_text: str) -> str:
+EXPANDABLE_SEGMENTS = ("in the launch environment: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (asked for; the "
+                       "allocator's reserve under it is unmeasured until a GPU run records it: the peak above keeps "
+                       "the profile's fragmentation)")
+
+
+def recommendation(row: Row, yaml_text: str, expandable_segments: bool = False) -> str:
     s = row.recipe
     script = script_settings(s)
     if s.sync_each_batch:
         script.append("GradientAccumulationPlugin(sync_each_batch=True)")
+    environment = f"{EXPANDABLE_SEGMENTS}\n\n" if expandable_segments else ""
     return (f"best: {row.layout.name}\n\n{row.layout.config_line()}\n\nin the script: {', '.join(script)}\n\n"
-            f"# ndparallel launch --config-file plan.yaml SCRIPT\n{yaml_text.rstrip()}")
+            f"{environment}# ndparallel launch --config-file plan.yaml SCRIPT\n{yaml_text.rstrip()}")
 
 
 def memory_terms(memory: Memory) -> list[tuple[str, float, str]]:
@@ -121,7 +128,8 @@ def memory_text(layout: Layout, recipe: Recipe, memory: Memory, budget: float | 
     """The memory columns of one layout (``ndparallel estimate-memory``)."""
     lines = [f"{layout.name}: micro-batch {recipe.micro_batch} x {recipe.seq_len} tokens, {recipe.mixed_precision}, "
              f"activation checkpointing {'on' if recipe.checkpointing else 'off'}, memory features "
-             f"{recipe.features} (C chunked loss, T tiled MLP, N fused RMSNorm, O activation offload, P cpu_offload)"]
+             f"{recipe.features} (C chunked loss, T tiled MLP, N fused RMSNorm, H head-chunked Ulysses, O activation "
+             "offload, P cpu_offload)"]
     lines += [f"  {name:<26} {value / GiB:9.2f} GiB" for name, value, _ in memory_terms(memory) if name != "peak"]
     lines.append(f"  {'(activations AC off / on)':<26} {memory.activations_without_checkpointing / GiB:9.2f} / "
                  f"{memory.activations_with_checkpointing / GiB:.2f} GiB")
@@ -175,7 +183,7 @@ def row_json(row: Row, model: ModelSpec | None = None) -> dict[str, Any]:
         "parallelism_config": row.layout.config_line(),
         "micro_batch": s.micro_batch, "gradient_accumulation_steps": s.accumulation,
         "activation_checkpointing": s.checkpointing, "chunked_loss": s.chunked_loss, "tiled_mlp": s.tiled_mlp,
-        "fused_rms_norm": s.fused_norms, "offload": s.offload, "offload_params": s.offload_params, "fits": row.fits,
+        "fused_rms_norm": s.fused_norms, "head_chunks": s.head_chunks, "offload": s.offload, "offload_params": s.offload_params, "fits": row.fits,
         "miss_bytes": row.miss,
         "host_bytes": host_bytes(row.memory), "host_budget_bytes": row.host_budget,
         "memory_bytes": {name: term.bytes for name, term in row.memory.terms.items()},

@@ -51,6 +51,9 @@ class Request:
     offload_params: str = "auto"  # FSDP2's cpu_offload: parameters, gradients, optimizer state in host memory
     host_memory_gib: float | None = None  # per node; None: the profile's
     ep_size: int | None = None  # expert parallelism pinned; None: every ep that splits the experts
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True asked for: printed in the recipe; the allocator's reserve
+    # under it is unmeasured, so the profile's fragmentation is kept (docs/planner.md)
+    expandable_segments: bool = False
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "seq_len", "global_batch_tokens"):

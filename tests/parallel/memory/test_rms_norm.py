@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm, fused_rms_norm_status, fused_rms_norms, rms_norm
+from ndparallel.parallel.memory.rms_norm import (OWN_BACKWARD_BYTES, apply_fused_rms_norm, backward_bytes,
+                                                 fused_rms_norm_status, fused_rms_norms, rms_norm)
 from saved_tensors import kept_bytes, training_step_kept_bytes
 from step_costs import LiveBytes
 from test_parity import reference, run_layout
@@ -101,6 +102,44 @@ def test_what_a_fused_norm_keeps():
             m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         peaks.append(live.peak)
     assert 0.95 * (saved_own - saved) <= peaks[1] - peaks[0] <= saved_own - saved, peaks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", ["scaled_after_cast", "scaled_before_cast"])
+def test_the_fused_backwards_working_set_is_what_it_allocates(dtype, form):
+    """`backward_bytes` (the planner's term for the fused norm's backward) per token, against the bytes the backward
+    holds at its peak (LiveBytes; the input gradient included), at two lengths: what grows with the tokens is exactly
+    it, what does not (the weight's gradient) is under one token's worth."""
+    hidden, peaks = 64, []
+    for tokens in (500, 1000):
+        x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+        weight = torch.randn(hidden, dtype=dtype, requires_grad=True)
+        out = rms_norm(x, weight, 1e-6, 0.0, form)
+        grad = torch.randn_like(out)
+        with LiveBytes() as live:
+            out.backward(grad)
+        peaks.append(live.peak)
+    per_token = backward_bytes(hidden, x.element_size(), form)
+    assert (peaks[1] - peaks[0]) == 500 * per_token, (peaks, per_token)
+    assert 0 <= peaks[0] - 500 * per_token < per_token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_models_own_norms_backward_allocates_what_the_planner_counts(dtype):
+    """`OWN_BACKWARD_BYTES` per element (the planner's term for a norm that is not fused), against the bytes the
+    model's own norm's backward holds at its peak (Llama's, as `tiny_models` builds it), at two lengths."""
+    hidden, peaks = 64, []
+    norm = next(m for m in build_model("llama", hidden_size=hidden).modules() if type(m).__name__.endswith("RMSNorm"))
+    norm = norm.to(dtype)
+    for tokens in (500, 1000):
+        x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+        out = norm(x)
+        grad = torch.randn_like(out)
+        norm.zero_grad(set_to_none=True)
+        with LiveBytes() as live:
+            out.backward(grad)
+        peaks.append(live.peak)
+    assert peaks[1] - peaks[0] == 500 * hidden * OWN_BACKWARD_BYTES, peaks
 
 
 class _DividingNorm(nn.Module):

@@ -71,6 +71,25 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_weight, None, None, None
 
 
+def backward_bytes(hidden: int, element_size: int, form: str = "scaled_after_cast") -> int:
+    """Bytes per token `_RMSNorm.backward` allocates at its peak, for an input of `element_size` bytes: the recomputed
+    normalised value, the fp32 gradient of it and their product (fp32, 3 x 4 h; the input gradient is then written
+    into the first), in a narrower dtype also the normalised value's cast (Llama's form) or the incoming gradient's
+    fp32 copy beside the scaled one (Gemma's: 2 x c h), and the fp32 dot product of the row (4 B). The planner's
+    term for the fused norm's backward (`ndparallel.planner.footprint`); `tests/parallel/memory/test_rms_norm.py`
+    checks it against the bytes the backward holds at its peak (`step_costs.LiveBytes`)."""
+    if form not in FORMS:
+        raise ValueError(f"backward_bytes: form must be one of {FORMS}, got {form!r}")
+    narrow = 0 if element_size == 4 else (1 if form == "scaled_after_cast" else 2) * element_size
+    return (3 * 4 + narrow) * hidden + 4
+
+
+# Bytes per element the model's own RMSNorm's backward allocates at its peak (autograd's gradients of its fp32 ops),
+# in fp32 and in bf16 alike: measured on transformers' LlamaRMSNorm (`tests/parallel/memory/test_rms_norm.py`
+# checks it), counted by the planner for norms that are not fused.
+OWN_BACKWARD_BYTES = 20
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
              form: str = "scaled_after_cast") -> torch.Tensor:
     """RMSNorm of `x` over its last dimension by (`offset` +) `weight` in one of `FORMS`, keeping for backward only

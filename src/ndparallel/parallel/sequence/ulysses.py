@@ -102,11 +102,20 @@ def auto_head_chunks(num_heads: int, num_kv_heads: int, sp_size: int, full_len: 
     budget = HEAD_CHUNK_BYTES if budget is None else budget
     counts = chunk_counts(num_heads, sp_size)
     for chunks in counts:
-        kv = num_kv_heads * kv_repeats(num_heads, num_kv_heads, sp_size * chunks)
-        heads = 2 * (num_heads + kv) // (sp_size * chunks)  # q and o, k and v, of one chunk on one rank
-        if heads * batch * full_len * head_dim * element_size <= budget:
+        if chunk_bytes(num_heads, num_kv_heads, sp_size, chunks, full_len, batch, head_dim, element_size) <= budget:
             return chunks
     return counts[-1]
+
+
+def chunk_bytes(num_heads: int, num_kv_heads: int, sp_size: int, chunks: int, full_len: int, batch: int,
+                head_dim: int, element_size: int) -> int:
+    """Bytes of one chunk's full-sequence q, k, v and o on one sp rank: ``heads / (sp * chunks)`` query heads (q and
+    o) and as many key/value heads (k and v, repeated for that count by `kv_repeats`), each ``batch x full_len x
+    head_dim`` elements of `element_size` bytes (`auto_head_chunks` fits them in its budget; the planner counts
+    them, `ndparallel.planner.footprint.attention_backward`)."""
+    kv = num_kv_heads * kv_repeats(num_heads, num_kv_heads, sp_size * chunks)
+    heads = 2 * (num_heads + kv) // (sp_size * chunks)  # q and o, k and v, of one chunk on one rank
+    return heads * batch * full_len * head_dim * element_size
 
 
 Runs = list[list[tuple[int, int]]]  # per sp rank t: the heads sent to t, as (first head, count) runs

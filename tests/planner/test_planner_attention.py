@@ -1,0 +1,107 @@
+"""The planner's attention terms under Ulysses, all heads at once and over head chunks (issue 50, item 4), against the
+bytes the library's attention holds at the peak of one layer's forward + backward on the CPU (`step_costs.LiveBytes`),
+and what ``--max-seq`` does with them."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from ndparallel.cli import main
+from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention, ulysses
+from ndparallel.planner import Layout, Recipe
+from ndparallel.planner.footprint import attention_backward, head_chunks, layer_activations
+from ndparallel.planner.model import spec_from_config
+from step_costs import LiveBytes
+
+SEQ, HEADS, KV_HEADS, HEAD_DIM, SP = 4096, 16, 4, 32, 2
+HIDDEN = HEADS * HEAD_DIM
+# "auto"'s budget (`ulysses.HEAD_CHUNK_BYTES`) that makes it pick each count for these shapes (one chunk's q/k/v/o on
+# a rank: 10.0, 5.0, 3.0, 2.0 MiB for 1, 2, 4, 8 chunks)
+BUDGETS = {1: 2**40, 2: 6 * 2**20, 4: 4 * 2**20, 8: 5 * 2**19}
+
+
+def _peaks() -> dict[int, int]:
+    """On each sp rank: q/k/v made inside the counted region (as the projections make them), attention with "auto"
+    head chunks under each budget, the output copied as o_proj takes it, backward with a given output gradient."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, n = dist.get_rank(), SEQ // SP
+    layout = SequenceShards.of(SEQ, 1, 0, True, SP, rank)
+    g = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(1, h, n, HEAD_DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    grad = torch.randn(1, n, HIDDEN, generator=g)
+    peaks = {}
+    for chunks, budget in BUDGETS.items():
+        ulysses.HEAD_CHUNK_BYTES = budget
+        # the least of 3: in the full planner suite one run in a few measured 2 MiB more at the unchunked peak
+        # (cause not found: LiveBytes releases a storage when its Python object dies)
+        for _ in range(3):
+            gc.collect()
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            with LiveBytes() as live:
+                q, k, v = (t * 1.0 for t in leaves)
+                out = sequence_parallel_attention(q, k, v, layout, sp_group=dist.group.WORLD, head_chunks="auto")
+                del q, k, v
+                copy = out.transpose(1, 2).reshape(1, n, HIDDEN)
+                del out
+                copy.backward(grad)
+                del copy
+            peaks[chunks] = min(peaks.get(chunks, live.peak), live.peak)
+    dist.destroy_process_group()
+    return peaks
+
+
+def _predicted(chunks: int) -> int:
+    """The planner's attention on one rank: what the layer saves for it (`layer_activations` less its norms and
+    MLP) and what its backward holds beyond that (`attention_backward`), with "auto" under the same budget. Less,
+    over chunks, the output's sequence-sharded gradient, which the planner counts and the test hands in (made before
+    the counted region)."""
+    spec = spec_from_config({"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": 1,
+                             "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "intermediate_size": 64,
+                             "vocab_size": 64}, "test")
+    layout, recipe = Layout(sp=SP), Recipe(SEQ, 1, 1, "fp32", False, head_chunks=True)
+    previous, ulysses.HEAD_CHUNK_BYTES = ulysses.HEAD_CHUNK_BYTES, BUDGETS[chunks]
+    try:
+        assert head_chunks(spec, layout, recipe) == chunks
+        saved = layer_activations(spec, layout, recipe)[0]
+        held = attention_backward(spec, layout, recipe)[0]
+    finally:
+        ulysses.HEAD_CHUNK_BYTES = previous
+    n = SEQ // SP
+    norms_and_mlp = n * (2 * HIDDEN * (4 + 2 * 4) + 2 * 4 + 4 * 64 * 4)
+    return saved - norms_and_mlp + held - (n * HIDDEN * 4 if chunks > 1 else 0)
+
+
+@pytest.fixture(scope="module")
+def peaks() -> list[dict[int, int]]:
+    return run_ranks(_peaks, SP, timeout=300)
+
+
+def test_the_planners_attention_is_what_the_library_holds(peaks):
+    """All heads at once, to the byte: the full-sequence q/k/v/o, the log-sum-exp and o_proj's copy saved, and the
+    gradients of q/k/v/o. Over 2, 4 and 8 chunks within 4% (the all-to-alls' send buffers of a chunk are not
+    counted: 1 MiB at 2 chunks). Without the chunk terms the planner would predict the unchunked figure for each:
+    11% under the measured peak at 2 chunks, 21% over it at 8."""
+    for report in peaks:
+        assert report[1] == _predicted(1)
+        for chunks in (2, 4, 8):
+            assert report[chunks] == pytest.approx(_predicted(chunks), rel=0.04), chunks
+        # what the planner says the chunks change, measured: more held at 2 chunks, less at 8
+        assert report[2] > report[1] > report[8] and _predicted(2) > _predicted(1) > _predicted(8)
+
+
+def test_max_seq_takes_head_chunks_where_they_lengthen_the_sequence_and_prints_them(capsys):
+    args = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--gpus-per-node", "8", "--max-seq"]
+    assert main(args + ["--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    sp8, cp8 = rows["sp=8"], rows["cp=8"]
+    assert sp8["head_chunks"] and sp8["tokens"]["all"] > sp8["tokens_without_head_chunks"] > 0
+    assert not cp8["head_chunks"] and cp8["tokens_without_head_chunks"] is None  # sp 1: not modelled
+    assert main(args) == 0
+    assert 'MemoryKwargs(ulysses_head_chunks="auto"), 8 at that length' in capsys.readouterr().out
