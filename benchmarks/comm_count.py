@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ndparallel.test_utils.collectives import group_size
+
 KINDS = {
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
     "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
@@ -43,21 +45,6 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 
 def _nbytes(x: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(x))
-
-
-def _group_size(args: tuple, kwargs: dict) -> int:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    values = list(args) + list(kwargs.values())
-    for a in values:
-        if isinstance(a, torch.ScriptObject):
-            try:
-                return dist.ProcessGroup.unbox(a).size()
-            except (RuntimeError, TypeError):  # a ReduceOp
-                continue
-    names = [a for a in values if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product")]
-    return _resolve_process_group(names[-1]).size()
 
 
 def sent_bytes(kind: str, op: str, args: tuple, kwargs: dict, n: int) -> int:
@@ -114,7 +101,7 @@ class CollectiveCounter(TorchDispatchMode):
         op = func._schema.name.split("::")[-1]
         if ns in ("c10d", "_c10d_functional") and op in KINDS:
             kind = KINDS[op]
-            n = _group_size(args, kwargs)
+            n = group_size(args, kwargs)
             self.bytes[kind] += sent_bytes(kind, op, args, kwargs, n)
             self.calls[kind] += 1
             self.by_group[f"{kind}/{n}"] += 1

@@ -234,7 +234,7 @@ def test_fused_rms_norm_on_the_gpu_in_bf16(family):
     from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from saved_tensors import kept_bytes
+    from ndparallel.test_utils.memory import kept_bytes
     from tiny_models import build_model
 
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ backward over groups of heads, against the unchunked path.
   in fp32 (the same operations on the same heads: 1e-6), and the prepared tiny Llama and Qwen2 (GQA) trained 6 steps
   under ``NDPARALLEL_ULYSSES_HEAD_CHUNKS`` against the same script unchunked;
 - memory: the bytes alive at the peak of one attention layer's forward + backward on one sp rank, and on one cp rank
-  with the all-gather (`step_costs.LiveBytes`), chunked against unchunked: fails without the feature;
+  with the all-gather (`ndparallel.test_utils.memory.LiveBytes`), chunked against unchunked: fails without the feature;
 - host syncs: none, as unchunked (`step_costs.StepCosts`);
 - the option: parsing, the environment, "auto", and the refusal of chunks that do not divide the heads.
 """
@@ -25,7 +25,8 @@ from ndparallel import MemoryKwargs
 from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention
 from ndparallel.parallel.sequence import ulysses
 from ndparallel.parallel.sequence.ulysses import auto_head_chunks, check_head_chunks, chunk_counts
-from step_costs import LiveBytes, StepCosts
+from ndparallel.test_utils.memory import LiveBytes
+from step_costs import StepCosts
 from test_parity import GLOBAL_BATCH, max_param_diff
 
 TOLERANCE = 1e-6  # fp32; the chunks run the same kernels on the same heads
