@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "scripts")]
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # forked ranks share the cores
 
 import torch.distributed.checkpoint  # noqa: E402,F401 - imported before forking
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import transformers  # noqa: E402,F401 - imported before forking
 
-from harness import run_ranks  # noqa: E402
+from common import llama  # noqa: E402
+
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 LAYOUTS = {  # name: (world size, ParallelismConfig kwargs, state_dict_type)
     "single": (1, {}, "SHARDED_STATE_DICT"),
@@ -47,10 +45,7 @@ def _run(sizes: dict, state_dict_type: str | None, hidden: int, layers: int, sav
 
     plugin = None if state_dict_type is None else FullyShardedDataParallelPlugin(state_dict_type=state_dict_type)
     accelerator = Accelerator(parallelism_config=ParallelismConfig(**sizes), fsdp_plugin=plugin)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    model = llama(vocab=32000, hidden=hidden, layers=layers, intermediate=3 * hidden, max_positions=2048)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)

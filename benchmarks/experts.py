@@ -4,7 +4,7 @@ carry, step time and peak memory -- measured, and predicted by the planner (`ndp
     python benchmarks/experts.py [--world 4] [--ep 4] [--experts 32] [--top-k 2] [--hidden 256]
                                  [--intermediate 512] [--layers 2] [--seq 128] [--batch 2] [--steps 5] [--repeats 2]
 
-On forked ranks (tests/harness.py; gloo on CPU in fp32, NCCL on CUDA in bf16, one GPU per rank), a Qwen3-MoE built
+On forked ranks (`run_ranks`; gloo on CPU in fp32, NCCL on CUDA in bf16, one GPU per rank), a Qwen3-MoE built
 from a config trains with AdamW under ``dp_shard_size=world, ep_size=ep`` and under ``dp_shard_size=world`` alone,
 alternating blocks of --steps timed steps --repeats times (after one warm-up step each) so machine noise hits both
 alike. Per layout it prints:
@@ -33,13 +33,13 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # forked ranks: the parent must not initialise CUDA
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "scripts"), str(ROOT / "benchmarks")]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from comm_count import peak_rss_bytes, reset_peak_rss  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from common import peak_rss_bytes, reset_peak_rss  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 VOCAB = 1024
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from common import write_results
 
 
 def sync(device: torch.device) -> None:
@@ -280,10 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fp8 = [] if "fp8" in args.skip else fp8_rows(args.model_layers, args.model_hidden, args.train_seq_len,
                                                   args.train_steps, device, peak, args.train_rounds)
     table = markdown(info, attention, training, fp8)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.md").write_text(table)
-    (args.out / "gpu_check.json").write_text(json.dumps({**info, "attention": attention, "training": training,
-                                                         "fp8": fp8}, indent=2))
+    write_results(args.out, "gpu_check", table, {**info, "attention": attention, "training": training, "fp8": fp8})
     print("\n" + table + f"\nwritten to {args.out}/gpu_check.md and gpu_check.json")
     return {"info": info, "attention": attention, "training": training, "fp8": fp8}
 

@@ -21,7 +21,6 @@ step waits for its busiest rank), averaged over the batches; the worst batch's i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,9 +29,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "tests")]
+sys.path.insert(0, str(HERE))
 
-from harness import run_ranks  # noqa: E402
+from common import write_results  # noqa: E402
+
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 
 def document_lengths(count: int, median: int, row_len: int, seed: int = 0) -> list[int]:
@@ -182,9 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{speed:.2f} | {r['computed'] / 1e6:.1f} | {r['visible'] / 1e6:.1f} | "
                          f"{r['computed_over_visible']:.2f} | {r['imbalance']:.2f} ({r['worst_imbalance']:.2f}) |")
     table = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "packed_sequences.md").write_text(table)
-    (args.out / "packed_sequences.json").write_text(json.dumps({"lengths": lengths, "results": results}, indent=2))
+    write_results(args.out, "packed_sequences", table, {"lengths": lengths, "results": results})
     print("\n" + table)
     return {"lengths": lengths, "results": results}
 

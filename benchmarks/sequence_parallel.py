@@ -29,17 +29,12 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 MiB = 2**20
 
