@@ -74,7 +74,7 @@ def attention_rows(seq_lens: list[int], repeats: int, device: torch.device, head
                    kv_heads: int = 8) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    from ndparallel.parallel.sequence import SequenceLayout, kernels
+    from ndparallel.parallel.sequence import SequenceChunking, kernels
     from ndparallel.parallel.sequence.ring import ring_attention
 
     cuda = device.type == "cuda"
@@ -89,11 +89,11 @@ def attention_rows(seq_lens: list[int], repeats: int, device: torch.device, head
             k, v = (torch.randn(1, kv_heads, seq, 128, device=device, generator=g, dtype=torch.bfloat16)
                     for _ in range(2))
             leaves = [t.requires_grad_() for t in (q, k, v)]
-            layout = SequenceLayout(seq, 1, 0, load_balance=True)
+            chunking = SequenceChunking(seq, 1, 0, load_balance=True)
             scale = 128 ** -0.5
 
             def block_path():
-                ring_attention(*leaves, layout, dist.group.WORLD, True, scale).backward(dout)
+                ring_attention(*leaves, chunking, dist.group.WORLD, True, scale).backward(dout)
 
             def sdpa():
                 F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True).backward(dout)

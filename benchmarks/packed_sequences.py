@@ -84,7 +84,7 @@ def _time_attention(kind_batches: list[dict], repeats: int) -> float:
     """Seconds per pass over all batches (forward + backward), median of `repeats`; on every rank."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.sequence import SequenceLayout, SequenceShards, sequence_parallel_attention
+    from ndparallel.parallel.sequence import SequenceChunking, SequenceShards, sequence_parallel_attention
     from ndparallel.parallel.sequence.masking import DocumentMask, document_ids
 
     dist.init_process_group("gloo")
@@ -94,7 +94,7 @@ def _time_attention(kind_batches: list[dict], repeats: int) -> float:
     for b in kind_batches:
         rows, seq = b["position_ids"].shape
         doc = document_ids(b["position_ids"], b["attention_mask"], (rows, seq))
-        shards = SequenceShards(SequenceLayout(seq, cp, rank, assignment=assignment(b, cp)))
+        shards = SequenceShards(SequenceChunking(seq, cp, rank, assignment=assignment(b, cp)))
         g = torch.Generator().manual_seed(seq)
         q = torch.randn(rows, 4, shards.local_len, 32, generator=g)
         k, v = (torch.randn(rows, 2, shards.local_len, 32, generator=g) for _ in range(2))
@@ -124,7 +124,7 @@ def assignment(batch: dict, cp: int):
 
 
 def work(kind_batches: list[dict], cp: int) -> dict:
-    from ndparallel.parallel.sequence import SequenceLayout
+    from ndparallel.parallel.sequence import SequenceChunking
     from ndparallel.parallel.sequence.masking import DocumentMask, attention_work, document_ids
 
     per_rank = [{"computed": 0, "visible": 0} for _ in range(cp)]
@@ -133,7 +133,7 @@ def work(kind_batches: list[dict], cp: int) -> dict:
         rows, seq = b["position_ids"].shape
         doc = DocumentMask(document_ids(b["position_ids"], b["attention_mask"], (rows, seq)))
         dealt = assignment(b, cp)
-        for r, w in enumerate(attention_work(doc, seq, cp, lambda rank: SequenceLayout(
+        for r, w in enumerate(attention_work(doc, seq, cp, lambda rank: SequenceChunking(
                 seq, cp, rank, assignment=dealt).chunk_ids())):
             per_rank[r]["computed"] += w["computed"]
             per_rank[r]["visible"] += w["visible"]

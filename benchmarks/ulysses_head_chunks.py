@@ -37,7 +37,7 @@ def _rank(args: argparse.Namespace) -> list[dict]:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, dtype = dist.get_rank(), getattr(torch, args.dtype)
-    layout = SequenceShards.of(args.seq, 1, 0, True, args.sp, rank)
+    shards = SequenceShards.of(args.seq, 1, 0, True, args.sp, rank)
     n = args.seq // args.sp
     g = torch.Generator().manual_seed(rank)
     q, dout = (torch.randn(1, args.heads, n, args.head_dim, generator=g).to(dtype) for _ in range(2))
@@ -52,7 +52,7 @@ def _rank(args: argparse.Namespace) -> list[dict]:
             outs = []
 
             def forward() -> None:
-                outs.append(sequence_parallel_attention(*leaves, layout, sp_group=dist.group.WORLD, head_chunks=chunks))
+                outs.append(sequence_parallel_attention(*leaves, shards, sp_group=dist.group.WORLD, head_chunks=chunks))
 
             with LiveBytes() as memory:
                 kept = kept_bytes(forward, [])  # what forward keeps (a chunked backward recomputes and keeps more)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndparallel.parallel.sequence import SequenceLayout, kernels
+from ndparallel.parallel.sequence import SequenceChunking, kernels
 from ndparallel.parallel.sequence.allgather import allgather_attention
 from ndparallel.parallel.sequence.ring import ring_attention
 from ndparallel.test_utils.memory import LiveBytes
@@ -45,7 +45,7 @@ def _peak_and_grads(attend, leaves, dout) -> tuple[int, list[torch.Tensor]]:
 
 def _block_path(strategy: str, seq: int):
     def attend(q, k, v):  # one rank: nothing to communicate, so no process group
-        return STRATEGIES[strategy](q, k, v, SequenceLayout(seq, 1, 0, load_balance=True), None, True,
+        return STRATEGIES[strategy](q, k, v, SequenceChunking(seq, 1, 0, load_balance=True), None, True,
                                     HEAD_DIM ** -0.5)
     return attend
 
