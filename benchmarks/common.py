@@ -215,9 +215,13 @@ def layout_record(name: str, layout: Layout) -> dict[str, Any]:
 
 
 # ---- results -------------------------------------------------------------------------------------------------------
-def write_results(out: Path, stem: str, table: str, data: Any, indent: int = 2) -> None:
-    """`out/stem.md` (the Markdown table, as printed) and `out/stem.json` (every figure)."""
+def write_results(out: Path, stem: str, table: str, data: Any, indent: int = 2, show: bool = False) -> Any:
+    """Write `out/stem.md` (the Markdown table, as printed) and `out/stem.json` (every figure); with `show`, print
+    the table too. Returns `data`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(table)
     (out / f"{stem}.json").write_text(json.dumps(data, indent=indent))
+    if show:
+        print("\n" + table)
+    return data

@@ -102,9 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     lines += [f"| {r['layout']} | {r['eager_s'] * 1e3:.1f} | {r['compiled_s'] * 1e3:.1f} | {r['ratio']:.2f} |"
               for r in rows]
     table = "\n".join(lines) + "\n"
-    write_results(args.out, "compile", table, {"cold_start_s": cold, "steps": rows})
-    print("\n" + table)
-    return {"cold_start_s": cold, "steps": rows}
+    return write_results(args.out, "compile", table, {"cold_start_s": cold, "steps": rows}, show=True)
 
 
 if __name__ == "__main__":

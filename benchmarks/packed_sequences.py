@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{speed:.2f} | {r['computed'] / 1e6:.1f} | {r['visible'] / 1e6:.1f} | "
                          f"{r['computed_over_visible']:.2f} | {r['imbalance']:.2f} ({r['worst_imbalance']:.2f}) |")
     table = "\n".join(lines) + "\n"
-    write_results(args.out, "packed_sequences", table, {"lengths": lengths, "results": results})
-    print("\n" + table)
-    return {"lengths": lengths, "results": results}
+    return write_results(args.out, "packed_sequences", table, {"lengths": lengths, "results": results}, show=True)
 
 
 if __name__ == "__main__":
