@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common import write_results
+from common import llama, write_results
 
 
 def sync(device: torch.device) -> None:
@@ -116,13 +116,8 @@ def attention_rows(seq_lens: list[int], repeats: int, device: torch.device, head
 
 # ---- (b) training --------------------------------------------------------------------------------------------------
 def llama_1b(layers: int, hidden: int = 2048, seq: int = 4096):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=seq,
-                         use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return llama(vocab=32000, hidden=hidden, layers=layers, intermediate=4 * hidden, heads=32, kv_heads=8,
+                 max_positions=seq, use_cache=False)
 
 
 def train_step_times(use_library: bool, checkpointing: bool, layers: int, hidden: int, seq: int, steps: int,

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import peak_rss_bytes, rss_bytes
+from common import llama, peak_rss_bytes, rss_bytes
 
 MODES = {
     "every": "every rank from_pretrained",
@@ -58,15 +58,10 @@ def worker(mode: str, path: str, out: str) -> None:
 
 
 def save_model(path: Path, hidden: int, layers: int) -> float:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if not (path / "config.json").is_file():
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                             num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
-                             tie_word_embeddings=False)
-        LlamaForCausalLM(config).save_pretrained(path, max_shard_size="200MB")
+        model = llama(vocab=32000, hidden=hidden, layers=layers, intermediate=hidden * 11 // 4, heads=16,
+                      max_positions=2048)
+        model.save_pretrained(path, max_shard_size="200MB")
     return sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2**20
 
 
