@@ -165,6 +165,19 @@ def llama(seed: int | None = 0, **sizes: Any) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(llama_config(**sizes))
 
 
+def qwen3_moe_config(*, vocab: int, hidden: int, layers: int, intermediate: int, moe_intermediate: int, experts: int,
+                     top_k: int, heads: int = HEADS, kv_heads: int = KV_HEADS, max_positions: int = 128, **extra: Any):
+    """A Qwen3-MoE config built from sizes: `experts` routed experts of `top_k` per token, heads of hidden / heads,
+    untied embeddings, SDPA attention; `extra`: more fields (``mlp_only_layers``, the router's loss, ...)."""
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, attn_implementation="sdpa", **extra)
+
+
 def _workload_sizes(args: Any) -> dict[str, int]:
     return dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, intermediate=args.hidden * 11 // 4,
                 max_positions=max(args.seq, 128))

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from common import peak_rss_bytes, reset_peak_rss  # noqa: E402
+from common import peak_rss_bytes, qwen3_moe_config, reset_peak_rss  # noqa: E402
 from ndparallel.test_utils import run_ranks  # noqa: E402
 
 VOCAB = 1024
@@ -69,14 +69,10 @@ class AllToAllCounter(TorchDispatchMode):
 
 
 def config(options: dict):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=options["hidden"], intermediate_size=options["intermediate"],
-                          moe_intermediate_size=options["intermediate"], num_hidden_layers=options["layers"],
-                          num_attention_heads=8, num_key_value_heads=4, head_dim=options["hidden"] // 8,
-                          num_experts=options["experts"], num_experts_per_tok=options["top_k"],
-                          max_position_embeddings=options["seq"], output_router_logits=True,
-                          router_aux_loss_coef=0.01, tie_word_embeddings=False, attn_implementation="sdpa")
+    return qwen3_moe_config(vocab=VOCAB, hidden=options["hidden"], layers=options["layers"],
+                            intermediate=options["intermediate"], moe_intermediate=options["intermediate"],
+                            experts=options["experts"], top_k=options["top_k"], heads=8, kv_heads=4,
+                            max_positions=options["seq"], output_router_logits=True, router_aux_loss_coef=0.01)
 
 
 def _expert_params(model) -> list[torch.nn.Parameter]:

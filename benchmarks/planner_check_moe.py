@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402, F401  (imported before forking)
 
-from common import HEADS, KV_HEADS  # noqa: E402
+from common import qwen3_moe_config  # noqa: E402
 from ndparallel.planner import Layout, Recipe, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import transfers  # noqa: E402
 from ndparallel.planner.footprint import estimate  # noqa: E402
@@ -51,14 +51,9 @@ CASE_NAMES = [case[0] for case in CASES]
 
 
 def moe_config(args: SimpleNamespace):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3 // 2,
-        moe_intermediate_size=args.hidden // 2, num_hidden_layers=args.layers, num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS, head_dim=args.hidden // HEADS, num_experts=args.experts,
-        num_experts_per_tok=args.top_k, mlp_only_layers=[0], tie_word_embeddings=False,
-        max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa")
+    return qwen3_moe_config(vocab=args.vocab, hidden=args.hidden, layers=args.layers, intermediate=args.hidden * 3 // 2,
+                            moe_intermediate=args.hidden // 2, experts=args.experts, top_k=args.top_k,
+                            max_positions=max(args.seq, 128), mlp_only_layers=[0])
 
 
 def build_moe(args: SimpleNamespace):
