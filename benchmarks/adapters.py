@@ -24,20 +24,21 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from common import llama, model_state_bytes  # noqa: E402
+from common import config_sizes, llama, model_state_bytes  # noqa: E402
+from ndparallel.distributed.layout import Layout  # noqa: E402
 from ndparallel.test_utils import run_ranks  # noqa: E402
 from ndparallel.test_utils.collectives import CollectiveCounter  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def step(options: dict, sizes: dict[str, int], lora: bool) -> dict:
+def step(options: dict, layout: Layout, lora: bool) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 
-    fsdp = "dp_shard" in sizes
-    acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}),
+    fsdp = layout.fsdp > 1
+    acc = Accelerator(parallelism_config=ParallelismConfig(**config_sizes(layout)),
                       fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2) if fsdp else None)
     hidden = options["hidden"]
     model = llama(vocab=1024, hidden=hidden, layers=options["layers"], intermediate=4 * hidden,
@@ -72,9 +73,9 @@ def main(argv: list[str] | None = None) -> None:
           "projection; bytes per rank for one training step (fp32)")
     print(f"{'layout':14s} {'run':5s} {'trainable':>11s} {'reduced':>11s} {'grads need':>11s} {'ratio':>6s} "
           f"{'params':>11s} {'grads':>11s} {'optimizer':>11s}")
-    for label, sizes in (("FSDP2 2", {"dp_shard": 2}), ("DDP 2", {"dp_replicate": 2})):
+    for label, layout in (("FSDP2 2", Layout(dp_shard=2)), ("DDP 2", Layout(dp_replicate=2))):
         for lora in (True, False):
-            r = run_ranks(step, 2, options, sizes, lora, timeout=900)[0]
+            r = run_ranks(step, layout.world, options, layout, lora, timeout=900)[0]
             print(f"{label:14s} {'LoRA' if lora else 'full':5s} {r['trainable']:11,d} {r['reduced']:11,d} "
                   f"{int(r['needed']):11,d} {r['reduced'] / r['needed']:6.3f} {r['params']:11,d} {r['grads']:11,d} "
                   f"{r['optimizer']:11,d}")

@@ -221,6 +221,11 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
+def config_sizes(layout: Layout) -> dict[str, int]:
+    """`layout` as ``ParallelismConfig`` arguments: ``<axis>_size`` for each axis (and ep) above 1, nothing else."""
+    return {f"{axis}_size": n for axis, n in layout.all_sizes().items() if n != 1}
+
+
 def layout_record(name: str, layout: Layout) -> dict[str, Any]:
     """What a result file says of a layout: its name, the sizes of its data and model axes, its world size."""
     return {"name": name, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp,

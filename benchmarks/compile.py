@@ -23,12 +23,13 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from common import llama, write_results  # noqa: E402
+from common import config_sizes, llama, write_results  # noqa: E402
 
+from ndparallel.distributed.layout import Layout  # noqa: E402
 from ndparallel.test_utils import run_ranks  # noqa: E402
 
-LAYOUTS = {"single": {}, "fsdp2": {"dp_shard_size": 2}, "tp2": {"tp_size": 2}, "cp2": {"cp_size": 2},
-           "sp2": {"sp_size": 2}}
+LAYOUTS = {"single": Layout(), "fsdp2": Layout(dp_shard=2), "tp2": Layout(tp=2), "cp2": Layout(cp=2),
+           "sp2": Layout(sp=2)}
 
 
 def _run(sizes: dict, backend: str | None, regional: bool, layers: int, hidden: int, seq: int, steps: int) -> list:
@@ -84,8 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     total = args.warmup + args.steps
     for layout in args.layouts:
-        sizes = LAYOUTS[layout]
-        world = max(1, next(iter(sizes.values()), 1))
+        sizes, world = config_sizes(LAYOUTS[layout]), LAYOUTS[layout].world
         eager = statistics.median(run_ranks(_run, world, sizes, None, False, *common, total, timeout=3600)[0]
                                   [args.warmup:])
         compiled = statistics.median(run_ranks(_run, world, sizes, args.backend, True, *common, total,
