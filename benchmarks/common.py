@@ -20,6 +20,7 @@ import torch
 
 from ndparallel.distributed.layout import Layout
 
+
 # ---- memory ------------------------------------------------------------------------------------------------
 def local_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (DTensors: their local shards)."""
