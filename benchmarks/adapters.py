@@ -2,10 +2,10 @@
 
     python benchmarks/adapters.py [--hidden 256] [--layers 4] [--rank 8] [--seq 64] [--batch 2]
 
-For FSDP2 (dp_shard 2) and DDP (dp_replicate 2), on forked gloo ranks (tests/harness.py), a Llama with LoRA on
+For FSDP2 (dp_shard 2) and DDP (dp_replicate 2), on forked gloo ranks (`run_ranks`), a Llama with LoRA on
 every projection and the same Llama trained in full: the bytes one rank sends in gradient reductions during a
-training step (`comm_count.CollectiveCounter`: FSDP2's reduce-scatters, DDP's all-reduces), next to the bytes the
-trainable parameters' gradients alone would need (the ring formulas of comm_count: reduce-scatter (n-1)/n x bytes,
+training step (`CollectiveCounter`: FSDP2's reduce-scatters, DDP's all-reduces), next to the bytes the
+trainable parameters' gradients alone would need (the counter's ring formulas: reduce-scatter (n-1)/n x bytes,
 all-reduce 2(n-1)/n x bytes); and the rank's parameter, gradient and optimizer-state bytes. A frozen base that were
 reduced or given optimizer state would show as reduced bytes above the adapters' and as optimizer bytes above
 2 x the adapters'.
@@ -18,32 +18,31 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "scripts"), str(ROOT / "benchmarks")]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from comm_count import CollectiveCounter, model_state_bytes  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from common import config_sizes, llama, model_state_bytes  # noqa: E402
+from ndparallel.distributed.layout import Layout  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
+from ndparallel.test_utils.collectives import CollectiveCounter  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def step(options: dict, sizes: dict[str, int], lora: bool) -> dict:
+def step(options: dict, layout: Layout, lora: bool) -> dict:
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 
-    fsdp = "dp_shard" in sizes
-    acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}),
+    fsdp = layout.fsdp > 1
+    acc = Accelerator(parallelism_config=ParallelismConfig(**config_sizes(layout)),
                       fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2) if fsdp else None)
-    torch.manual_seed(0)
     hidden = options["hidden"]
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden,
-                                         num_hidden_layers=options["layers"], num_attention_heads=8,
-                                         num_key_value_heads=4, max_position_embeddings=options["seq"]))
+    model = llama(vocab=1024, hidden=hidden, layers=options["layers"], intermediate=4 * hidden,
+                  max_positions=options["seq"])
     if lora:
         model = get_peft_model(model, LoraConfig(r=options["rank"], lora_alpha=2 * options["rank"],
                                                  target_modules=PROJECTIONS, lora_dropout=0.0))
@@ -74,9 +73,9 @@ def main(argv: list[str] | None = None) -> None:
           "projection; bytes per rank for one training step (fp32)")
     print(f"{'layout':14s} {'run':5s} {'trainable':>11s} {'reduced':>11s} {'grads need':>11s} {'ratio':>6s} "
           f"{'params':>11s} {'grads':>11s} {'optimizer':>11s}")
-    for label, sizes in (("FSDP2 2", {"dp_shard": 2}), ("DDP 2", {"dp_replicate": 2})):
+    for label, layout in (("FSDP2 2", Layout(dp_shard=2)), ("DDP 2", Layout(dp_replicate=2))):
         for lora in (True, False):
-            r = run_ranks(step, 2, options, sizes, lora, timeout=900)[0]
+            r = run_ranks(step, layout.world, options, layout, lora, timeout=900)[0]
             print(f"{label:14s} {'LoRA' if lora else 'full':5s} {r['trainable']:11,d} {r['reduced']:11,d} "
                   f"{int(r['needed']):11,d} {r['reduced'] / r['needed']:6.3f} {r['params']:11,d} {r['grads']:11,d} "
                   f"{r['optimizer']:11,d}")

@@ -3,7 +3,7 @@
     python benchmarks/agreement.py [--repeats 40] [--prepare-repeats 24]
 
 The README example's layout: examples/nd_parallel.py's Llama (hidden 64, 2 layers, seq 128) and corpus, batch 4
-per data-parallel rank, HSDP (dp_replicate 2 x dp_shard 2) on 4 forked gloo ranks (tests/harness.py, one thread
+per data-parallel rank, HSDP (dp_replicate 2 x dp_shard 2) on 4 forked gloo ranks (`run_ranks`, one thread
 each). In each of `--repeats` rounds every rank runs one step of the README loop (accumulate, backward, clip, step,
 reduce_loss) and one of every figure below, each after a ``dist.barrier()``, in an order shuffled each round, so
 load from other processes hits the step and the checks alike. Each figure is the median over the rounds, of the
@@ -33,14 +33,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
+sys.path.insert(0, str(ROOT / "examples"))
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # forked ranks share the cores
 
 import torch.distributed.checkpoint  # noqa: E402,F401 - imported before forking
-from harness import run_ranks  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402,F401 - imported once here, not in every rank
 
 SEQ_LEN, BATCH = 128, 4

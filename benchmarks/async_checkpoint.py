@@ -2,7 +2,7 @@
 
     python benchmarks/async_checkpoint.py [--rounds 3] [--world 2] [--dir /tmp]
 
-Two models, each trained with AdamW under FSDP2 (dp_shard over `--world` forked gloo ranks, tests/harness.py): the
+Two models, each trained with AdamW under FSDP2 (dp_shard over `--world` forked gloo ranks, `run_ranks`): the
 README example's Llama (hidden 64, 2 layers, byte vocabulary) and a Llama of about 100M parameters (hidden 768, 12
 layers, vocabulary 16k). After a few steps each rank times the call to ``save_state`` -- the stall: how long
 training waits -- for a blocking save and a background one (alternating, `--rounds` of each), then waits for the
@@ -15,39 +15,33 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from harness import run_ranks  # noqa: E402
+from common import llama  # noqa: E402
 
-MODELS = {"README example": dict(vocab_size=259, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2),
-          "100M": dict(vocab_size=16384, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                       num_attention_heads=12, num_key_value_heads=4)}
+from ndparallel.test_utils import run_ranks  # noqa: E402
+
+MODELS = {"README example": dict(vocab=259, hidden=64, intermediate=256, layers=2, heads=4, kv_heads=2),
+          "100M": dict(vocab=16384, hidden=768, intermediate=3072, layers=12, heads=12, kv_heads=4)}
 
 
 def job(config: dict, rounds: int, directory: str, world: int) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 
     acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=world),
                       fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config, max_position_embeddings=64))
+    model = llama(**config, max_positions=64)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = acc.prepare(model, optimizer)
-    ids = torch.randint(0, config["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(acc.process_index))
+    ids = torch.randint(0, config["vocab"], (2, 64), generator=torch.Generator().manual_seed(acc.process_index))
 
     def step() -> None:
         acc.backward(model(input_ids=ids, labels=ids).loss)

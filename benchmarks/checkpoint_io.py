@@ -12,32 +12,31 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "scripts")]
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # forked ranks share the cores
 
 import torch.distributed.checkpoint  # noqa: E402,F401 - imported before forking
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import transformers  # noqa: E402,F401 - imported before forking
 
-from harness import run_ranks  # noqa: E402
+from common import config_sizes, llama  # noqa: E402
 
-LAYOUTS = {  # name: (world size, ParallelismConfig kwargs, state_dict_type)
-    "single": (1, {}, "SHARDED_STATE_DICT"),
-    "ddp2": (2, {"dp_replicate_size": 2}, None),
-    "fsdp2": (2, {"dp_shard_size": 2}, "SHARDED_STATE_DICT"),
-    "fsdp4": (4, {"dp_shard_size": 4}, "SHARDED_STATE_DICT"),
-    "hsdp2x2": (4, {"dp_replicate_size": 2, "dp_shard_size": 2}, "SHARDED_STATE_DICT"),
-    "fsdp2xtp2": (4, {"dp_shard_size": 2, "tp_size": 2}, "SHARDED_STATE_DICT"),
-    "fsdp2xcp2": (4, {"dp_shard_size": 2, "cp_size": 2}, "SHARDED_STATE_DICT"),
-    "fsdp4_full": (4, {"dp_shard_size": 4}, "FULL_STATE_DICT"),
+from ndparallel.distributed.layout import Layout  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
+
+LAYOUTS = {  # name: (layout, state_dict_type)
+    "single": (Layout(), "SHARDED_STATE_DICT"),
+    "ddp2": (Layout(dp_replicate=2), None),
+    "fsdp2": (Layout(dp_shard=2), "SHARDED_STATE_DICT"),
+    "fsdp4": (Layout(dp_shard=4), "SHARDED_STATE_DICT"),
+    "hsdp2x2": (Layout(dp_replicate=2, dp_shard=2), "SHARDED_STATE_DICT"),
+    "fsdp2xtp2": (Layout(dp_shard=2, tp=2), "SHARDED_STATE_DICT"),
+    "fsdp2xcp2": (Layout(dp_shard=2, cp=2), "SHARDED_STATE_DICT"),
+    "fsdp4_full": (Layout(dp_shard=4), "FULL_STATE_DICT"),
 }
 
 
@@ -47,10 +46,7 @@ def _run(sizes: dict, state_dict_type: str | None, hidden: int, layers: int, sav
 
     plugin = None if state_dict_type is None else FullyShardedDataParallelPlugin(state_dict_type=state_dict_type)
     accelerator = Accelerator(parallelism_config=ParallelismConfig(**sizes), fsdp_plugin=plugin)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    model = llama(vocab=32000, hidden=hidden, layers=layers, intermediate=3 * hidden, max_positions=2048)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -94,7 +90,8 @@ def main() -> None:
     try:
         print(f"{'layout':12s} {'world':>5s} {'params':>8s} {'size MiB':>9s} {'files':>5s} {'save s':>7s} {'load s':>7s}")
         for name in args.layouts.split(","):
-            world, sizes, sdt = LAYOUTS[name]
+            layout, sdt = LAYOUTS[name]
+            world, sizes = layout.world, config_sizes(layout)
             path = root / name
             res = run_ranks(_run, world, sizes, sdt, args.hidden_size, args.layers, str(path), str(path),
                             timeout=1200)[0]
@@ -104,7 +101,8 @@ def main() -> None:
         if "fsdp4" in args.layouts.split(","):
             print("\nresharding: the fsdp4 checkpoint loaded under")
             for name in ("fsdp2", "single", "fsdp2xtp2"):
-                world, sizes, sdt = LAYOUTS[name]
+                layout, sdt = LAYOUTS[name]
+                world, sizes = layout.world, config_sizes(layout)
                 res = run_ranks(_run, world, sizes, sdt, args.hidden_size, args.layers, None, str(root / "fsdp4"),
                                 timeout=1200)[0]
                 print(f"{name:12s} {world:5d} load {res['load_s']:.2f} s", flush=True)

@@ -12,7 +12,6 @@ fp32), the median of --steps steps after --warmup, regional compilation against 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -20,14 +19,17 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "tests"), str(HERE.parent / "tests" / "scripts")]
+sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from common import config_sizes, llama, write_results  # noqa: E402
 
-LAYOUTS = {"single": {}, "fsdp2": {"dp_shard_size": 2}, "tp2": {"tp_size": 2}, "cp2": {"cp_size": 2},
-           "sp2": {"sp_size": 2}}
+from ndparallel.distributed.layout import Layout  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
+
+LAYOUTS = {"single": Layout(), "fsdp2": Layout(dp_shard=2), "tp2": Layout(tp=2), "cp2": Layout(cp=2),
+           "sp2": Layout(sp=2)}
 
 
 def _run(sizes: dict, backend: str | None, regional: bool, layers: int, hidden: int, seq: int, steps: int) -> list:
@@ -36,14 +38,11 @@ def _run(sizes: dict, backend: str | None, regional: bool, layers: int, hidden: 
     import torch.nn.functional as F
 
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, TorchDynamoPlugin
-    from tiny_models import build_model
 
     plugin = TorchDynamoPlugin(backend=backend, use_regional_compilation=regional) if backend else None
     acc = Accelerator(parallelism_config=ParallelismConfig(**sizes), fsdp_plugin=FullyShardedDataParallelPlugin(),
                       dynamo_plugin=plugin)
-    torch.manual_seed(0)
-    model = build_model("llama", num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
-                        num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
+    model = llama(vocab=512, hidden=hidden, layers=layers, intermediate=4 * hidden, heads=8, kv_heads=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = acc.prepare(model, optimizer)
     g = torch.Generator().manual_seed(1)
@@ -86,8 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     total = args.warmup + args.steps
     for layout in args.layouts:
-        sizes = LAYOUTS[layout]
-        world = max(1, next(iter(sizes.values()), 1))
+        sizes, world = config_sizes(LAYOUTS[layout]), LAYOUTS[layout].world
         eager = statistics.median(run_ranks(_run, world, sizes, None, False, *common, total, timeout=3600)[0]
                                   [args.warmup:])
         compiled = statistics.median(run_ranks(_run, world, sizes, args.backend, True, *common, total,
@@ -104,11 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     lines += [f"| {r['layout']} | {r['eager_s'] * 1e3:.1f} | {r['compiled_s'] * 1e3:.1f} | {r['ratio']:.2f} |"
               for r in rows]
     table = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compile.md").write_text(table)
-    (args.out / "compile.json").write_text(json.dumps({"cold_start_s": cold, "steps": rows}, indent=2))
-    print("\n" + table)
-    return {"cold_start_s": cold, "steps": rows}
+    return write_results(args.out, "compile", table, {"cold_start_s": cold, "steps": rows}, show=True)
 
 
 if __name__ == "__main__":

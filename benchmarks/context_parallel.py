@@ -22,30 +22,20 @@ than ranks the ranks share cores, so compare step times within a row (all-gather
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from common import llama, peak_above_now, serve_large_blocks_from_mmap  # noqa: E402
+
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 MiB = 2**20
-
-
-def _rss() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _step(accelerator, model, seq_len: int, saved: list[int] | None = None) -> None:
@@ -72,29 +62,17 @@ def _step(accelerator, model, seq_len: int, saved: list[int] | None = None) -> N
 
 def _measure(cp: int, strategy: str, seq_len: int, hidden: int, layers: int, timed: int) -> dict:
     """One rank: memory of one step at `seq_len`, and the median time of `timed` steps."""
-    try:  # large blocks straight from mmap, returned at free: the resident set follows what tensors hold
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    serve_large_blocks_from_mmap()
     from ndparallel import Accelerator, ParallelismConfig, TorchContextParallelConfig
 
     accelerator = Accelerator(parallelism_config=ParallelismConfig(
         cp_size=cp, cp_handler=TorchContextParallelConfig(cp_comm_strategy=strategy)))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq_len,
-                         tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
-    model = accelerator.prepare(LlamaForCausalLM(config))
+    model = accelerator.prepare(llama(vocab=256, hidden=hidden, layers=layers, intermediate=2 * hidden, heads=4,
+                                      kv_heads=2, max_positions=seq_len, use_cache=False))
     model.train()
     _step(accelerator, model, 64 * cp)  # warm-up: one-time allocations happen here, not in the measured step
     saved = [0]
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident set size
-    before = _rss()["VmRSS"]
-    _step(accelerator, model, seq_len, saved)
-    peak = _rss()["VmHWM"] - before
+    peak, _ = peak_above_now(lambda: _step(accelerator, model, seq_len, saved))
     times = []
     for _ in range(timed):
         start = time.perf_counter()

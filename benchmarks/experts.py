@@ -4,7 +4,7 @@ carry, step time and peak memory -- measured, and predicted by the planner (`ndp
     python benchmarks/experts.py [--world 4] [--ep 4] [--experts 32] [--top-k 2] [--hidden 256]
                                  [--intermediate 512] [--layers 2] [--seq 128] [--batch 2] [--steps 5] [--repeats 2]
 
-On forked ranks (tests/harness.py; gloo on CPU in fp32, NCCL on CUDA in bf16, one GPU per rank), a Qwen3-MoE built
+On forked ranks (`run_ranks`; gloo on CPU in fp32, NCCL on CUDA in bf16, one GPU per rank), a Qwen3-MoE built
 from a config trains with AdamW under ``dp_shard_size=world, ep_size=ep`` and under ``dp_shard_size=world`` alone,
 alternating blocks of --steps timed steps --repeats times (after one warm-up step each) so machine noise hits both
 alike. Per layout it prints:
@@ -33,13 +33,13 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # forked ranks: the parent must not initialise CUDA
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "scripts"), str(ROOT / "benchmarks")]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from comm_count import peak_rss_bytes, reset_peak_rss  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from common import peak_rss_bytes, qwen3_moe_config, reset_peak_rss  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 VOCAB = 1024
 
@@ -69,14 +69,10 @@ class AllToAllCounter(TorchDispatchMode):
 
 
 def config(options: dict):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=options["hidden"], intermediate_size=options["intermediate"],
-                          moe_intermediate_size=options["intermediate"], num_hidden_layers=options["layers"],
-                          num_attention_heads=8, num_key_value_heads=4, head_dim=options["hidden"] // 8,
-                          num_experts=options["experts"], num_experts_per_tok=options["top_k"],
-                          max_position_embeddings=options["seq"], output_router_logits=True,
-                          router_aux_loss_coef=0.01, tie_word_embeddings=False, attn_implementation="sdpa")
+    return qwen3_moe_config(vocab=VOCAB, hidden=options["hidden"], layers=options["layers"],
+                            intermediate=options["intermediate"], moe_intermediate=options["intermediate"],
+                            experts=options["experts"], top_k=options["top_k"], heads=8, kv_heads=4,
+                            max_positions=options["seq"], output_router_logits=True, router_aux_loss_coef=0.01)
 
 
 def _expert_params(model) -> list[torch.nn.Parameter]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from common import llama, write_results
 
 
 def sync(device: torch.device) -> None:
@@ -73,7 +74,7 @@ def attention_rows(seq_lens: list[int], repeats: int, device: torch.device, head
                    kv_heads: int = 8) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    from ndparallel.parallel.sequence import SequenceLayout, kernels
+    from ndparallel.parallel.sequence import SequenceChunking, kernels
     from ndparallel.parallel.sequence.ring import ring_attention
 
     cuda = device.type == "cuda"
@@ -88,11 +89,11 @@ def attention_rows(seq_lens: list[int], repeats: int, device: torch.device, head
             k, v = (torch.randn(1, kv_heads, seq, 128, device=device, generator=g, dtype=torch.bfloat16)
                     for _ in range(2))
             leaves = [t.requires_grad_() for t in (q, k, v)]
-            layout = SequenceLayout(seq, 1, 0, load_balance=True)
+            chunking = SequenceChunking(seq, 1, 0, load_balance=True)
             scale = 128 ** -0.5
 
             def block_path():
-                ring_attention(*leaves, layout, dist.group.WORLD, True, scale).backward(dout)
+                ring_attention(*leaves, chunking, dist.group.WORLD, True, scale).backward(dout)
 
             def sdpa():
                 F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True).backward(dout)
@@ -115,13 +116,8 @@ def attention_rows(seq_lens: list[int], repeats: int, device: torch.device, head
 
 # ---- (b) training --------------------------------------------------------------------------------------------------
 def llama_1b(layers: int, hidden: int = 2048, seq: int = 4096):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=seq,
-                         use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return llama(vocab=32000, hidden=hidden, layers=layers, intermediate=4 * hidden, heads=32, kv_heads=8,
+                 max_positions=seq, use_cache=False)
 
 
 def train_step_times(use_library: bool, checkpointing: bool, layers: int, hidden: int, seq: int, steps: int,
@@ -280,10 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fp8 = [] if "fp8" in args.skip else fp8_rows(args.model_layers, args.model_hidden, args.train_seq_len,
                                                   args.train_steps, device, peak, args.train_rounds)
     table = markdown(info, attention, training, fp8)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.md").write_text(table)
-    (args.out / "gpu_check.json").write_text(json.dumps({**info, "attention": attention, "training": training,
-                                                         "fp8": fp8}, indent=2))
+    write_results(args.out, "gpu_check", table, {**info, "attention": attention, "training": training, "fp8": fp8})
     print("\n" + table + f"\nwritten to {args.out}/gpu_check.md and gpu_check.json")
     return {"info": info, "attention": attention, "training": training, "fp8": fp8}
 

@@ -6,7 +6,7 @@
 
 The workload is issue 33's: a tiny Llama (2 layers, hidden 64), 2 samples x 32 tokens per rank, AdamW, gradient-norm
 clipping, the loss logged every micro-step. Layouts: ``fsdp2`` (dp_shard 2, 2 ranks) and ``hsdp`` (dp_replicate 2 x
-dp_shard 2, 4 ranks), forked gloo ranks on the CPU (tests/harness.py), one thread each.
+dp_shard 2, 4 ranks), forked gloo ranks on the CPU (ndparallel.test_utils.run_ranks), one thread each.
 
 - library: ``Accelerator(parallelism_config=..., fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))``,
   ``prepare``, then per micro-step ``with accelerator.accumulate(model):`` forward, ``accelerator.backward``,
@@ -18,7 +18,7 @@ dp_shard 2, 4 ranks), forked gloo ranks on the CPU (tests/harness.py), one threa
   ``clip_grads_with_norm_``), ``dist.all_reduce`` of the loss and ``.item()`` when logging.
 
 ``count`` runs a few steps of each, then counts one optimizer step: collectives by kind and group size
-(comm_count.CollectiveCounter), c10d store operations from Python (comm_count.StoreCounter), host syncs (``item()``,
+(CollectiveCounter), c10d store operations from Python (StoreCounter), host syncs (``item()``,
 ``int()``, ``float()``, ``bool()`` of a tensor), and Python time per optimizer step from cProfile over
 ``--profile-steps`` steps (rank 0, CPU time; the library's own functions by self time). Deterministic except the
 times.
@@ -46,27 +46,24 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # forked ranks share the cores
 
-from harness import run_ranks  # noqa: E402
+from common import LAYOUTS as ALL_LAYOUTS  # noqa: E402
+from common import llama  # noqa: E402
 
-LAYOUTS = {"fsdp2": (1, 2), "hsdp": (2, 2)}  # name -> (dp_replicate, dp_shard)
+from ndparallel.test_utils import run_ranks  # noqa: E402
+
+LAYOUTS = {name: ALL_LAYOUTS[name] for name in ("fsdp2", "hsdp")}
 LOGS = ("none", "reduce", "reduce_loss")
 
 
 def build_model(args: Any):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config)
+    return llama(vocab=args.vocab, hidden=args.hidden, layers=args.layers, intermediate=2 * args.hidden, heads=4,
+                 kv_heads=2, max_positions=64)
 
 
 def samples(args: Any, ranks: int, accum: int, steps: int) -> list[dict[str, torch.Tensor]]:
@@ -95,7 +92,7 @@ class Library:
 
         from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 
-        replicate, shard = LAYOUTS[layout]
+        replicate, shard = LAYOUTS[layout].dp_replicate, LAYOUTS[layout].dp_shard
         self.accelerator = Accelerator(
             parallelism_config=ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard),
             fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), gradient_accumulation_steps=accum, cpu=True)
@@ -132,7 +129,7 @@ class Plain:
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
 
-        replicate, shard = LAYOUTS[layout]
+        replicate, shard = LAYOUTS[layout].dp_replicate, LAYOUTS[layout].dp_shard
         if replicate > 1:  # HSDP: replicate outer, shard inner
             mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
         else:
@@ -171,7 +168,7 @@ class Plain:
 
 
 def _runs(layout: str, accum: int, args: Any, steps: int) -> tuple[Library, Plain]:
-    replicate, shard = LAYOUTS[layout]
+    replicate, shard = LAYOUTS[layout].dp_replicate, LAYOUTS[layout].dp_shard
     data = samples(args, replicate * shard, accum, steps)
     return Library(layout, accum, args, data), Plain(layout, accum, args, data)
 
@@ -198,7 +195,7 @@ def _profile(run, log: str, steps: int) -> dict[str, Any]:
 def count_rank(layout: str, accum: int, args: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from comm_count import CollectiveCounter, StoreCounter
+    from ndparallel.test_utils.collectives import CollectiveCounter, StoreCounter
 
     total = 2 + len(LOGS) * (2 + args.profile_steps)
     lib, plain = _runs(layout, accum, args, total)
@@ -230,7 +227,7 @@ def count(args: Any) -> None:
     print("|" + "---|" * (header.count("|") - 1))
     details = []
     for layout in args.layouts:
-        replicate, shard = LAYOUTS[layout]
+        replicate, shard = LAYOUTS[layout].dp_replicate, LAYOUTS[layout].dp_shard
         for accum in args.accum:
             ranks = run_ranks(count_rank, replicate * shard, layout, accum, args, timeout=args.timeout)
             r0 = ranks[0]
@@ -311,7 +308,7 @@ def timing(args: Any) -> None:
           "| pooled ratio [95% interval] | CPU-time ratio (spread) |")
     print("|---|---|---|---|---|---|---|---|")
     for layout in args.layouts:
-        replicate, shard = LAYOUTS[layout]
+        replicate, shard = LAYOUTS[layout].dp_replicate, LAYOUTS[layout].dp_shard
         for accum in args.accum:
             r0 = run_ranks(time_rank, replicate * shard, layout, accum, args, timeout=args.timeout)[0]
             ratios, cpu_ratios = _ratios(r0["wall"]), _ratios(r0["cpu"])

@@ -20,15 +20,15 @@ RMSNorms.
    same settings. (Attention heads of 16 by default keep the CPU's attention time at long sequences bearable.)
 6. (4 is the GPU's, 5 the comparison with ALST in docs/long_context.md.) The fused RMSNorm
    (``MemoryKwargs(fused_rms_norm=True)``), measured against the planner: (a) on a small bf16 Llama
-   in one process, the bytes autograd saves (tests/scripts/saved_tensors.py) and the most bytes of tensors alive at
-   once in a forward + backward (tests/parallel/step_costs.py's `LiveBytes`), without and with it; (b) for part 2's
+   in one process, the bytes autograd saves (ndparallel.test_utils.memory) and the most bytes of tensors alive at
+   once in a forward + backward (ndparallel.test_utils.memory's `LiveBytes`), without and with it; (b) for part 2's
    model and layout with the chunked loss and tiled MLPs (offloading moves nothing on the CPU, and the planner's CPU
    prediction leaves it out), the step's peak per rank at --seq tokens and the longest sequence within --cap-mib (a
    multiple of --step, part 3's search), without and with the fused norm, each beside what the planner's memory
    model (`ndparallel.planner.footprint.estimate`, no allocator reserve on the CPU: the step's allocated bytes above
    the parameters and optimizer state) predicts for the same model, layout and cap, and the growth factor of both.
 
-How memory is measured: each measurement runs in freshly forked processes (tests/harness.py), glibc told to serve
+How memory is measured: each measurement runs in freshly forked processes (`run_ranks`), glibc told to serve
 large blocks from mmap so that freed memory leaves the resident set, the peak resident set size (Linux VmHWM, reset
 through /proc/self/clear_refs) minus the resident set before the step -- so transients count, and the weights and
 optimizer state (there before) do not. tracemalloc would see none of torch's allocations. On the CPU activation
@@ -40,20 +40,21 @@ noise).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
-import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from common import llama, llama_config  # noqa: E402
+from common import peak_above_now as _peak_of  # noqa: E402
+from common import serve_large_blocks_from_mmap as _mmap_large_blocks  # noqa: E402
+
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 SETTINGS = {  # name -> (MemoryKwargs fields, offload)
@@ -67,31 +68,6 @@ NORM_SETTINGS = {  # part 6: the fused RMSNorm on top of the chunked loss and ti
     "chunked loss + tiled MLP": ({"tiled_mlp": True}, False),
     "+ fused RMSNorm": ({"tiled_mlp": True, "fused_rms_norm": True}, False),
 }
-
-
-def _mmap_large_blocks() -> None:
-    try:  # large blocks straight from mmap, returned at free: the resident set follows what tensors hold
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def _rss(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(key)
-
-
-def _peak_of(fn) -> tuple[int, float]:
-    """(peak resident bytes above the resident set before, seconds) of one call of `fn`."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _rss("VmRSS")
-    start = time.perf_counter()
-    fn()
-    return _rss("VmHWM") - before, time.perf_counter() - start
 
 
 # ---- 1. the loss alone -----------------------------------------------------------------------------------------------
@@ -154,13 +130,9 @@ def loss_table(args: argparse.Namespace) -> None:
 
 
 # ---- 2 and 3. a training step ----------------------------------------------------------------------------------------
-def llama_config(seq: int, hidden: int, layers: int, vocab: int, head_dim: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                       max_position_embeddings=max(seq, 1024),
-                       tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+def model_config(seq: int, hidden: int, layers: int, vocab: int, head_dim: int):
+    return llama_config(vocab=vocab, hidden=hidden, layers=layers, intermediate=4 * hidden, heads=4, kv_heads=2,
+                        max_positions=max(seq, 1024), head_dim=head_dim, use_cache=False)
 
 
 def _train_run(setting: str, seq: int, hidden: int, layers: int, vocab: int, head_dim: int, timed: int) -> dict:
@@ -175,7 +147,7 @@ def _train_run(setting: str, seq: int, hidden: int, layers: int, vocab: int, hea
                               fsdp_plugin=FullyShardedDataParallelPlugin(activation_checkpointing=checkpointing),
                               kwargs_handlers=[MemoryKwargs(**fields)])
     torch.manual_seed(0)
-    model = accelerator.prepare(LlamaForCausalLM(llama_config(seq, hidden, layers, vocab, head_dim)))
+    model = accelerator.prepare(LlamaForCausalLM(model_config(seq, hidden, layers, vocab, head_dim)))
     optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
     model.train()
 
@@ -245,17 +217,12 @@ def cap_table(args: argparse.Namespace) -> None:
 
 # ---- 6. the fused RMSNorm, measured against the planner ---------------------------------------------------------------
 def _norm_bytes(fused: bool, hidden: int, tokens: int) -> dict:
-    """(a) A bf16 Llama of tests/scripts/tiny_models.py (hidden `hidden`, 2 layers), one forward + backward of
+    """(a) A bf16 Llama (vocabulary 96, 8 / 4 heads; hidden `hidden`, 2 layers), one forward + backward of
     `tokens` tokens: the bytes autograd saves for backward, and the most bytes of tensors alive at once."""
-    sys.path[:0] = [str(TESTS / "scripts"), str(TESTS / "parallel")]
-    from saved_tensors import training_step_kept_bytes
-    from step_costs import LiveBytes
-    from tiny_models import build_model
-
     from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm
+    from ndparallel.test_utils.memory import LiveBytes, training_step_kept_bytes
 
-    torch.manual_seed(0)
-    model = build_model("llama", hidden_size=hidden, intermediate_size=4 * hidden, max_position_embeddings=tokens)
+    model = llama(vocab=96, hidden=hidden, layers=2, intermediate=4 * hidden, max_positions=tokens)
     model = model.to(torch.bfloat16)
     if fused:
         apply_fused_rms_norm(model)
@@ -274,7 +241,7 @@ def predicted_step_peak(seq: int, setting: str, args: argparse.Namespace) -> flo
     from ndparallel.planner.footprint import estimate
 
     fields, offload = NORM_SETTINGS[setting]
-    spec = spec_from_config(llama_config(seq, args.hidden, args.layers, args.vocab, args.head_dim).to_dict(), "bench")
+    spec = spec_from_config(model_config(seq, args.hidden, args.layers, args.vocab, args.head_dim).to_dict(), "bench")
     recipe = Recipe(seq, 1, 1, "fp32", True, chunked_loss=fields.get("chunked_loss", True),
                     tiled_mlp=fields.get("tiled_mlp", False), offload=offload,
                     fused_norms=fields.get("fused_rms_norm", False))
@@ -285,7 +252,7 @@ def predicted_step_peak(seq: int, setting: str, args: argparse.Namespace) -> flo
 def norm_table(args: argparse.Namespace) -> None:
     hidden, tokens = 64, 1024
     print(f"\n6a. The fused RMSNorm on a bf16 Llama (hidden {hidden}, MLP {4 * hidden}, 2 layers, 8 / 4 heads, "
-          f"tests/scripts/tiny_models.py), one forward + backward of {tokens} tokens in one process, no "
+          f"vocabulary 96), one forward + backward of {tokens} tokens in one process, no "
           "checkpointing\n")
     rows = {fused: run_ranks(_norm_bytes, 1, fused, hidden, tokens, timeout=600)[0] for fused in (False, True)}
     print(f"{'':<18} {'saved for backward':>19} {'live bytes at the peak':>23}")

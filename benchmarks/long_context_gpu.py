@@ -17,7 +17,7 @@ tiled MLPs -- and **plain** -- FSDP2 with activation checkpointing and the model
 (b) the longest sequence, a multiple of 4096 up to --max-seq, whose step runs without a CUDA out-of-memory error,
     for each setting (doubling, then --bisect halvings).
 
-Each measurement runs in a fresh process (tests/harness.py, one rank), so an out-of-memory error or the allocator's
+Each measurement runs in a fresh process (ndparallel.test_utils.run_ranks, one rank), so an out-of-memory error or the allocator's
 cache of one run does not reach the next; this process never touches CUDA (a forked child tells it the GPU's name),
 since a parent that initialised CUDA cannot fork children that use it. ``--device cpu`` runs a tiny model only to check that the program runs
 (no memory figures there). Prints a Markdown table and writes it (long_context_gpu.md) and the raw figures
@@ -27,21 +27,20 @@ since a parent that initialised CUDA cannot fork children that use it. ``--devic
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-# This process forks the ranks that measure (tests/harness.py) and must not initialise CUDA before it does; asked how
-# many GPUs there are, torch then asks NVML rather than the CUDA driver.
+# This process forks the ranks that measure (ndparallel.test_utils.run_ranks) and must not initialise CUDA before it
+# does; asked how many GPUs there are, torch then asks NVML rather than the CUDA driver.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from common import write_results  # noqa: E402
+
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 GiB = 2**30
 MODELS = {  # name -> LlamaConfig fields (Llama 3.2 1B and 3B shapes)
@@ -215,10 +214,8 @@ def gpu_rows(argv: list[str] | None = None) -> dict:
         ratio = f"{found['all'] / found['plain']:.1f}x" if found["plain"] else "-"
         lines.append(f"| {model} | {found['all']:,} | {found['plain']:,} | {ratio} |")
         print(lines[-1], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "long_context_gpu.md").write_text("\n".join(lines) + "\n")
     result = {"gpu": gpu, "rows": rows, "longest": longest_rows}
-    (args.out / "long_context_gpu.json").write_text(json.dumps(result, indent=1))
+    write_results(args.out, "long_context_gpu", "\n".join(lines) + "\n", result, indent=1)
     print("\n".join(lines))
     return result
 

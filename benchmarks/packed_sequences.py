@@ -21,7 +21,6 @@ step waits for its busiest rank), averaged over the batches; the worst batch's i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,9 +29,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "tests")]
+sys.path.insert(0, str(HERE))
 
-from harness import run_ranks  # noqa: E402
+from common import write_results  # noqa: E402
+
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 
 def document_lengths(count: int, median: int, row_len: int, seed: int = 0) -> list[int]:
@@ -83,7 +84,7 @@ def _time_attention(kind_batches: list[dict], repeats: int) -> float:
     """Seconds per pass over all batches (forward + backward), median of `repeats`; on every rank."""
     import torch.distributed as dist
 
-    from ndparallel.parallel.sequence import SequenceLayout, SequenceShards, sequence_parallel_attention
+    from ndparallel.parallel.sequence import SequenceChunking, SequenceShards, sequence_parallel_attention
     from ndparallel.parallel.sequence.masking import DocumentMask, document_ids
 
     dist.init_process_group("gloo")
@@ -93,7 +94,7 @@ def _time_attention(kind_batches: list[dict], repeats: int) -> float:
     for b in kind_batches:
         rows, seq = b["position_ids"].shape
         doc = document_ids(b["position_ids"], b["attention_mask"], (rows, seq))
-        shards = SequenceShards(SequenceLayout(seq, cp, rank, assignment=assignment(b, cp)))
+        shards = SequenceShards(SequenceChunking(seq, cp, rank, assignment=assignment(b, cp)))
         g = torch.Generator().manual_seed(seq)
         q = torch.randn(rows, 4, shards.local_len, 32, generator=g)
         k, v = (torch.randn(rows, 2, shards.local_len, 32, generator=g) for _ in range(2))
@@ -123,7 +124,7 @@ def assignment(batch: dict, cp: int):
 
 
 def work(kind_batches: list[dict], cp: int) -> dict:
-    from ndparallel.parallel.sequence import SequenceLayout
+    from ndparallel.parallel.sequence import SequenceChunking
     from ndparallel.parallel.sequence.masking import DocumentMask, attention_work, document_ids
 
     per_rank = [{"computed": 0, "visible": 0} for _ in range(cp)]
@@ -132,7 +133,7 @@ def work(kind_batches: list[dict], cp: int) -> dict:
         rows, seq = b["position_ids"].shape
         doc = DocumentMask(document_ids(b["position_ids"], b["attention_mask"], (rows, seq)))
         dealt = assignment(b, cp)
-        for r, w in enumerate(attention_work(doc, seq, cp, lambda rank: SequenceLayout(
+        for r, w in enumerate(attention_work(doc, seq, cp, lambda rank: SequenceChunking(
                 seq, cp, rank, assignment=dealt).chunk_ids())):
             per_rank[r]["computed"] += w["computed"]
             per_rank[r]["visible"] += w["visible"]
@@ -182,11 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{speed:.2f} | {r['computed'] / 1e6:.1f} | {r['visible'] / 1e6:.1f} | "
                          f"{r['computed_over_visible']:.2f} | {r['imbalance']:.2f} ({r['worst_imbalance']:.2f}) |")
     table = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "packed_sequences.md").write_text(table)
-    (args.out / "packed_sequences.json").write_text(json.dumps({"lengths": lengths, "results": results}, indent=2))
-    print("\n" + table)
-    return {"lengths": lengths, "results": results}
+    return write_results(args.out, "packed_sequences", table, {"lengths": lengths, "results": results}, show=True)
 
 
 if __name__ == "__main__":

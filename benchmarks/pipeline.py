@@ -30,15 +30,15 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from comm_count import peak_rss_bytes, reset_peak_rss  # noqa: E402
-from harness import run_ranks  # noqa: E402
-from workloads import build_model, device_and_dtype, shift_labels  # noqa: E402
+from common import device_and_dtype, peak_rss_bytes, reset_peak_rss, shift_labels, workload_model  # noqa: E402
+
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 
 class PlainStage(nn.Module):
@@ -107,7 +107,7 @@ def measure(pp: int, schedule: str, microbatches: int, args: argparse.Namespace)
                               parallelism_config=ParallelismConfig(pp_size=pp, pp_handler=PipelineParallelConfig(
                                   schedule=schedule, microbatches=microbatches)))
     rank = dist.get_rank()
-    lib_model = build_model(args)
+    lib_model = workload_model(args)
     optimizer = torch.optim.AdamW(lib_model.parameters(), lr=1e-4)
     lib_model, optimizer = accelerator.prepare(lib_model, optimizer)
     lib_model.train()
@@ -115,7 +115,7 @@ def measure(pp: int, schedule: str, microbatches: int, args: argparse.Namespace)
     stage_index = plan.stages_of(rank)[0]
     layers = [int(u) for u in plan.stage_units(stage_index)]
 
-    full = build_model(args).to(device)  # same seed: the same weights as the library's
+    full = workload_model(args).to(device)  # same seed: the same weights as the library's
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     plain_module = PlainStage(full, layers, stage_index == 0, stage_index == plan.num_stages - 1).to(dtype)
     plain_opt = torch.optim.AdamW(plain_module.parameters(), lr=1e-4)

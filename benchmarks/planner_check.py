@@ -3,8 +3,8 @@
     python benchmarks/planner_check.py [--hidden 64 --layers 2 --vocab 258 --seq 32 --batch 2]
 
 Each case of `CASES` (every layout of benchmarks/run.py in fp32, three in bf16 with two accumulation micro-steps, two
-with activation checkpointing) runs on forked gloo ranks (tests/harness.py): the library with an FSDP2 plugin, one
-warm-up optimizer step, then one counted step -- the bytes and calls of every collective (comm_count's
+with activation checkpointing) runs on forked gloo ranks (`run_ranks`): the library with an FSDP2 plugin, one
+warm-up optimizer step, then one counted step -- the bytes and calls of every collective (common.py's
 CollectiveCounter), the model states per rank just before zero_grad, and the bytes saved for backward in the first
 micro-step. The planner predicts the same from the model's config (`ndparallel.planner.footprint.estimate`,
 `ndparallel.planner.comm.transfers`); the table shows both and their ratio. tests/planner/test_planner.py asserts them.
@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 import torch.distributed.fsdp  # noqa: E402, F401  (imported before forking: the ranks need not import it each)
@@ -27,65 +27,28 @@ from transformers.models.llama import modeling_llama  # noqa: E402, F401
 
 import ndparallel  # noqa: E402, F401
 import workloads  # noqa: E402
-from comm_count import CollectiveCounter, model_state_bytes  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from common import (LAYOUTS, SavedActivations, model_state_bytes, peak_above_now, serve_large_blocks_from_mmap,  # noqa: E402
+                    shift_labels, workload_config, workload_model)
 from ndparallel.configuration.parallelism import ParallelismConfig  # noqa: E402
 from ndparallel.planner import Layout, Recipe, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import by_kind, transfers  # noqa: E402
 from ndparallel.planner.footprint import estimate  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
+from ndparallel.test_utils.collectives import CollectiveCounter  # noqa: E402
 
 
-class SavedActivations:
-    """Distinct storages autograd saves for backward, *without the weights*: a linear layer saves its weight (under
-    FSDP2 a view of the unsharded parameter, under TP the local shard), which is model state, not activation.
-    (benchmarks/comm_count.py's counter keeps those views, which is why its figure moves with FSDP2's buffers.)"""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.storages = model, {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        def local(x):
-            return x.to_local() if isinstance(x, DTensor) else x
-
-        # The chunked loss's gradients, computed in its forward (the planner counts them as the head's gradient)
-        if not isinstance(t, torch.nn.Parameter) and not getattr(t, "_ndparallel_loss_gradient", False):
-            weights = {local(p).untyped_storage().data_ptr() for p in self.model.parameters()}  # FSDP2: unsharded
-            storage = local(t).untyped_storage()
-            if storage.data_ptr() not in weights:
-                self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def context(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
-def _rss(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, accumulation: int,
+def measure(layout: Layout, args: SimpleNamespace, precision: str, accumulation: int,
              checkpointing: bool, features: tuple[bool, bool, bool] = (True, False, False), ep: int = 1,
-             build=workloads.build_model) -> dict:
+             build=workload_model) -> dict:
     """On every rank: the library with an FSDP2 plugin (as a planned script runs it), one warm-up optimizer step of
     `accumulation` micro-steps, then one step counted: collectives (CollectiveCounter), model states just before
     zero_grad, and the first micro-step's saved activations. `build(args)` makes the model (a Llama by default;
     benchmarks/planner_check_moe.py passes a mixture of experts and its `ep`)."""
     from torch.utils.data import DataLoader
 
-    import ctypes
-
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs, TorchContextParallelConfig
 
-    try:  # large blocks straight from mmap and back at free: the resident set follows what tensors hold
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
-    except (OSError, AttributeError):
-        pass
+    serve_large_blocks_from_mmap()
     chunked, tiled, offload = features
 
     pc = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard, cp_size=layout.cp,
@@ -101,12 +64,12 @@ def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, acc
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = workloads.dataset(args, layout)
     rows = torch.cat([rows, rows])  # batches for the warm-up step, the counted step and the one whose peak is read
-    samples = [{"input_ids": r, "labels": r, "shift_labels": workloads.shift_labels(r),
+    samples = [{"input_ids": r, "labels": r, "shift_labels": shift_labels(r),
                 "position_ids": torch.arange(len(r))} for r in rows]
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(samples, batch_size=args.batch))
     batches = iter(loader)
     states: dict[str, int] = {}
-    saved = SavedActivations(model)
+    saved = SavedActivations(model)  # activations only: not the weights
 
     def micro_step(count_saved: bool = False) -> None:
         batch = next(batches)
@@ -131,20 +94,21 @@ def measure(layout: workloads.Layout, args: SimpleNamespace, precision: str, acc
             micro_step(count_saved=i == 0)
     # The peak of one more step, above the resident set before it (which holds the parameters and the optimizer's
     # state; the gradients were freed by zero_grad): peak resident memory, Linux's VmHWM reset through clear_refs.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _rss("VmRSS")
-    for _ in range(accumulation):
-        micro_step()
+
+    def step() -> None:
+        for _ in range(accumulation):
+            micro_step()
+
+    step_peak, _ = peak_above_now(step)
     return {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "states": states,
-            "saved": sum(saved.storages.values()), "step_peak": _rss("VmHWM") - before}
+            "saved": saved.bytes, "step_peak": step_peak}
 
 
 # (layout of benchmarks/run.py, mixed precision, accumulation steps, activation checkpointing): every layout as the
 # benchmark runs it (fp32, no accumulation); three again in bf16 with two micro-steps per step (gathers in bf16,
 # reductions in fp32, parameters gathered every micro-step, gradients reduced once); two with every layer checkpointed
 # (the rerun forward repeats TP, CP and SP collectives).
-CASES = ([(name, "no", 1, False) for name in workloads.LAYOUTS]
+CASES = ([(name, "no", 1, False) for name in LAYOUTS]
          + [(name, "bf16", 2, False) for name in ("hsdp", "fsdp2_tp", "cp_sp")]
          + [("fsdp2_tp", "no", 1, True), ("cp_sp", "bf16", 2, True)])
 
@@ -153,9 +117,8 @@ def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int,
             features: tuple[bool, bool, bool] = (True, False, False)):
     """(memory terms, transfers) the planner predicts for one case on one rank (no allocator fragmentation: the
     CPU has no caching allocator)."""
-    spec = spec_from_config(workloads.llama_config(args).to_dict(), "tiny")
-    w = workloads.LAYOUTS[name]
-    layout = Layout(dp_replicate=w.dp_replicate, dp_shard=w.dp_shard, cp=w.cp, sp=w.sp, tp=w.tp)
+    spec = spec_from_config(workload_config(args).to_dict(), "tiny")
+    layout = LAYOUTS[name]
     recipe = Recipe(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing,
                       chunked_loss=features[0], tiled_mlp=features[1], offload=features[2], mlp_tile=getattr(args, "tile", None))
     return estimate(spec, layout, recipe), transfers(spec, layout, recipe, gpus_per_node=8)
@@ -169,7 +132,7 @@ def predicted_step_peak(memory) -> float:
 def measure_peak(case: tuple) -> tuple[int, float]:
     """(measured, predicted) peak of one step above the state before it, the largest over ranks. On the CPU,
     offloading moves nothing, so its prediction is the one without it."""
-    layout = workloads.LAYOUTS[case[0]]
+    layout = LAYOUTS[case[0]]
     ranks = run_ranks(measure, layout.world, layout, PEAK, *case[1:])
     chunked, tiled, _ = case[4]
     memory, _ = predict(PEAK, *case[:4], (chunked, tiled, False))
@@ -181,7 +144,7 @@ def measure_peak(case: tuple) -> tuple[int, float]:
 # (layout, mixed precision, accumulation, checkpointing, (chunked loss, tiled MLP, offload)).
 PEAK = SimpleNamespace(hidden=256, layers=2, vocab=8192, seq=1024, batch=2, warmup=1, steps=1, repeats=1, cpu=True,
                        tile=256)
-PEAK_CASES = ([(name, "no", 1, False, (True, False, False)) for name in workloads.LAYOUTS]
+PEAK_CASES = ([(name, "no", 1, False, (True, False, False)) for name in LAYOUTS]
               + [("fsdp2", "no", 1, False, (False, False, False)), ("fsdp2", "no", 1, True, (False, False, False)),
                  ("fsdp2", "no", 1, True, (True, False, False)), ("fsdp2", "no", 1, False, (True, True, False)),
                  ("fsdp2", "no", 1, True, (True, True, True)), ("fsdp2", "bf16", 2, True, (True, True, False)),
@@ -195,7 +158,7 @@ def peak_case_name(case: tuple) -> str:
 
 
 def run_case(args: SimpleNamespace, case: tuple) -> list[dict]:
-    layout = workloads.LAYOUTS[case[0]]
+    layout = LAYOUTS[case[0]]
     return run_ranks(measure, layout.world, layout, args, *case[1:])
 
 

@@ -3,7 +3,7 @@
     python benchmarks/planner_check_moe.py [--hidden 64 --layers 3 --experts 4 --top-k 2 --seq 32 --batch 2]
 
 A Qwen3-MoE with one dense layer (``mlp_only_layers=[0]``) and sparse ones, built from a config, runs each case of
-`CASES` on forked gloo ranks (tests/harness.py) through `planner_check.measure`: the library with an FSDP2 plugin and
+`CASES` on forked gloo ranks (ndparallel.test_utils.run_ranks) through `planner_check.measure`: the library with an FSDP2 plugin and
 ``ep_size``, one warm-up optimizer step, then one counted step -- the bytes and calls of every collective, the model
 states per rank just before zero_grad, the bytes saved for backward in the first micro-step. The planner predicts
 the same from the model's config (`ndparallel.planner.footprint.estimate`, `ndparallel.planner.comm.transfers`, with
@@ -21,44 +21,39 @@ from pathlib import Path
 from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402, F401  (imported before forking)
 
-import workloads  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from common import qwen3_moe_config  # noqa: E402
 from ndparallel.planner import Layout, Recipe, spec_from_config  # noqa: E402
 from ndparallel.planner.comm import transfers  # noqa: E402
 from ndparallel.planner.footprint import estimate  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 from planner_check import TABLE_HEADER, measure, table_row  # noqa: E402
 
-# (name, workloads layout, ep, mixed precision, accumulation steps, activation checkpointing): the experts inside the
+# (name, layout, ep, mixed precision, accumulation steps, activation checkpointing): the experts inside the
 # layers' FSDP2 units (no ep); ep over every fsdp rank (expert_shard 1: nothing gathered); ep 2 with the experts
 # sharded over 2 more ranks (their own FSDP2 unit); HSDP with ep in bf16 over 2 micro-steps; ep with tp (experts whole
 # on each tp rank, attention split); ep with cp (ep taken from the cp ranks); ep with activation checkpointing (the
 # all-to-alls run again in backward).
 CASES = [
-    ("fsdp2", workloads.Layout("fsdp2", dp_shard=2), 1, "no", 1, False),
-    ("ep2", workloads.Layout("ep2", dp_shard=2), 2, "no", 1, False),
-    ("ep2_shard2", workloads.Layout("ep2_shard2", dp_shard=4), 2, "no", 1, False),
-    ("hsdp_ep2", workloads.Layout("hsdp_ep2", dp_replicate=2, dp_shard=2), 2, "bf16", 2, False),
-    ("tp2_ep2", workloads.Layout("tp2_ep2", dp_shard=2, tp=2), 2, "no", 1, False),
-    ("cp2_ep2", workloads.Layout("cp2_ep2", cp=2), 2, "no", 1, False),
-    ("ep2_ac", workloads.Layout("ep2_ac", dp_shard=2), 2, "no", 1, True),
+    ("fsdp2", Layout(dp_shard=2), 1, "no", 1, False),
+    ("ep2", Layout(dp_shard=2), 2, "no", 1, False),
+    ("ep2_shard2", Layout(dp_shard=4), 2, "no", 1, False),
+    ("hsdp_ep2", Layout(dp_replicate=2, dp_shard=2), 2, "bf16", 2, False),
+    ("tp2_ep2", Layout(dp_shard=2, tp=2), 2, "no", 1, False),
+    ("cp2_ep2", Layout(cp=2), 2, "no", 1, False),
+    ("ep2_ac", Layout(dp_shard=2), 2, "no", 1, True),
 ]
 CASE_NAMES = [case[0] for case in CASES]
 
 
 def moe_config(args: SimpleNamespace):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3 // 2,
-        moe_intermediate_size=args.hidden // 2, num_hidden_layers=args.layers, num_attention_heads=workloads.HEADS,
-        num_key_value_heads=workloads.KV_HEADS, head_dim=args.hidden // workloads.HEADS, num_experts=args.experts,
-        num_experts_per_tok=args.top_k, mlp_only_layers=[0], tie_word_embeddings=False,
-        max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa")
+    return qwen3_moe_config(vocab=args.vocab, hidden=args.hidden, layers=args.layers, intermediate=args.hidden * 3 // 2,
+                            moe_intermediate=args.hidden // 2, experts=args.experts, top_k=args.top_k,
+                            max_positions=max(args.seq, 128), mlp_only_layers=[0])
 
 
 def build_moe(args: SimpleNamespace):

@@ -6,7 +6,7 @@ without ``cpu_ram_efficient_loading``.
 First saves a Llama built from a config (vocab 32000, fp32; ~200M parameters, ~800 MB by default) as a local
 Hugging Face directory (safetensors), once. Then, for each way of loading, starts ``--nproc`` fresh processes with
 ``ndparallel launch`` (dp_shard = nproc) that load it and ``prepare`` it, and prints per rank: RSS before loading
-(after imports), the peak RSS (ru_maxrss) and the RSS after ``prepare``:
+(after imports), the peak RSS (VmHWM) and the RSS after ``prepare``:
 
 - ``every rank from_pretrained``: no flag; every rank reads the whole model, then FSDP2 keeps its shard;
 - ``rank 0 reads, broadcasts``: ``cpu_ram_efficient_loading=True``; rank 0 ``from_pretrained``, the others build
@@ -19,23 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from common import llama, peak_rss_bytes, rss_bytes
 
 MODES = {
     "every": "every rank from_pretrained",
     "broadcast": "rank 0 reads, broadcasts",
     "slices": "each rank reads its slices",
 }
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def worker(mode: str, path: str, out: str) -> None:
@@ -47,7 +42,7 @@ def worker(mode: str, path: str, out: str) -> None:
 
     plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=mode != "every")
     accelerator = Accelerator(parallelism_config=ParallelismConfig(), fsdp_plugin=plugin)
-    before = rss_mib()
+    before = rss_bytes() / 2**20
     if mode == "every" or (mode == "broadcast" and accelerator.is_main_process):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
@@ -55,23 +50,18 @@ def worker(mode: str, path: str, out: str) -> None:
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     model = accelerator.prepare(model)
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_bytes() / 2**20
     with open(f"{out}.{accelerator.process_index}", "w") as f:
-        json.dump({"rank": accelerator.process_index, "before": before, "peak": peak, "after": rss_mib(),
+        json.dump({"rank": accelerator.process_index, "before": before, "peak": peak, "after": rss_bytes() / 2**20,
                    "shard": local}, f)
     accelerator.end_training()
 
 
 def save_model(path: Path, hidden: int, layers: int) -> float:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if not (path / "config.json").is_file():
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                             num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
-                             tie_word_embeddings=False)
-        LlamaForCausalLM(config).save_pretrained(path, max_shard_size="200MB")
+        model = llama(vocab=32000, hidden=hidden, layers=layers, intermediate=hidden * 11 // 4, heads=16,
+                      max_positions=2048)
+        model.save_pretrained(path, max_shard_size="200MB")
     return sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2**20
 
 

@@ -9,7 +9,7 @@ Each layout forks its ranks (one OpenMP thread each, as torchrun gives ranks tha
 fp32; NCCL on CUDA in bf16, one GPU per rank -- the command is unchanged), builds the same Llama for the library
 and for a hand-written plain-PyTorch version of the layout, and alternates blocks of `--steps` timed steps between
 them `--repeats` times after `--warmup` steps each, so machine noise hits both alike. Then one counted step of
-each: bytes every collective sends (comm_count.CollectiveCounter), the model states held per rank, and the gap
+each: bytes every collective sends (CollectiveCounter), the model states held per rank, and the gap
 between the two runs' losses (the check that the baseline computes the same thing). Writes results.json,
 results.md and three PNG plots to --out.
 """
@@ -29,13 +29,15 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
-from workloads import (  # noqa: E402
-    HEADS, KV_HEADS, LAYOUTS, TP_STYLES, Layout, accelerate_row, build_model, llama_config, measure)
+from common import HEADS, KV_HEADS, LAYOUTS, layout_record, workload_config, workload_model  # noqa: E402
+from workloads import TP_STYLES, accelerate_row, measure  # noqa: E402
+
+from ndparallel.distributed.layout import Layout  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 
@@ -58,7 +60,7 @@ def model_sizes(args) -> dict[str, int]:
     the plan's modules outside the decoder layers (the LM head)."""
     import fnmatch
 
-    model = build_model(args)
+    model = workload_model(args)
     bytes_of = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
     patterns = [k.replace("*", "[0-9]*") + "." for k in TP_STYLES]
     split = {n for n in bytes_of if any(fnmatch.fnmatch(n, pat + "*") for pat in patterns)}
@@ -104,7 +106,7 @@ def ideal_states(layout: Layout, sizes: dict[str, int]) -> float:
 
 
 # ---- running and reporting -----------------------------------------------------------------------------------
-def summarise(layout: Layout, ranks: list[dict], args, sizes) -> dict:
+def summarise(name: str, layout: Layout, ranks: list[dict], args, sizes) -> dict:
     r0 = ranks[0]
     med = {k: statistics.median(t for block in v for t in block) for k, v in r0["times"].items()}
     per_repeat = [statistics.median(a) / statistics.median(b)
@@ -123,13 +125,13 @@ def summarise(layout: Layout, ranks: list[dict], args, sizes) -> dict:
         # rate, so the ranks together can use at most as many as there are cores.
         per_device, source = r0["peak_flops"]
         devices = layout.world if r0["device"].startswith("cuda") else min(layout.world, os.cpu_count() or 1)
-        fpt = flops_per_token(llama_config(args), args.seq)
+        fpt = flops_per_token(workload_config(args), args.seq)
         mfu = {"library": tokens_per_s["library"] * fpt / (per_device * devices),
                "plain": tokens_per_s["plain"] * fpt / (per_device * devices),
                "flops_per_token": fpt, "peak_per_device": per_device, "devices": devices, "peak_source": source}
     states = {impl: [rk["counted"][impl]["states"] for rk in ranks] for impl in ("library", "plain")}
     return {
-        "layout": layout.__dict__ | {"world": layout.world},
+        "layout": layout_record(name, layout),
         "step_s": med, "ratio": med["library"] / med["plain"],
         "ratio_per_repeat": per_repeat, "ratio_median_of_repeats": statistics.median(per_repeat),
         "cpu_s": cpu, "cpu_ratio": cpu["library"] / cpu["plain"], "cpu_ratio_per_repeat": cpu_per_repeat,
@@ -297,7 +299,7 @@ def main(argv=None) -> list[dict]:
             failures[name] = str(exc)
             print(f"  {name} FAILED (the other layouts go on):\n{exc}", flush=True)
             continue
-        result = summarise(layout, ranks, args, sizes)
+        result = summarise(name, layout, ranks, args, sizes)
         if not args.no_accelerate:
             result["accelerate"] = run_ranks(accelerate_row, layout.world, layout, args, timeout=args.timeout)[0]
         print(f"  library/plain {result['ratio']:.3f}  "

@@ -29,17 +29,12 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 MiB = 2**20
 
@@ -77,19 +72,19 @@ def _measure(strategy: str, args: argparse.Namespace, steps: int) -> dict:
     dist.init_process_group("gloo")
     n, rank = dist.get_world_size(), dist.get_rank()
     if strategy == "ulysses":
-        layout = SequenceShards.of(args.seq_len, 1, 0, True, n, rank)
+        shards = SequenceShards.of(args.seq_len, 1, 0, True, n, rank)
     else:
-        layout = SequenceShards.of(args.seq_len, n, rank, True)
+        shards = SequenceShards.of(args.seq_len, n, rank, True)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(args.batch, heads, layout.local_len, args.head_dim, generator=g, requires_grad=True)
+    q, k, v = (torch.randn(args.batch, heads, shards.local_len, args.head_dim, generator=g, requires_grad=True)
                for heads in (args.heads, args.kv_heads, args.kv_heads))
-    dout = torch.randn(args.batch, args.heads, layout.local_len, args.head_dim, generator=g)
+    dout = torch.randn(args.batch, args.heads, shards.local_len, args.head_dim, generator=g)
 
     def step() -> None:
         if strategy == "ulysses":
-            out = sequence_parallel_attention(q, k, v, layout, sp_group=dist.group.WORLD, is_causal=True)
+            out = sequence_parallel_attention(q, k, v, shards, sp_group=dist.group.WORLD, is_causal=True)
         else:
-            out = sequence_parallel_attention(q, k, v, layout, cp_group=dist.group.WORLD, strategy=strategy,
+            out = sequence_parallel_attention(q, k, v, shards, cp_group=dist.group.WORLD, strategy=strategy,
                                               is_causal=True)
         out.backward(dout)
         q.grad = k.grad = v.grad = None

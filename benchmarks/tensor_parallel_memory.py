@@ -12,29 +12,20 @@ divided by tp, plus the bytes of the parameters it leaves whole. It prints both 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "scripts")]
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # forked ranks share the cores
 
-from harness import run_ranks  # noqa: E402
+from common import llama  # noqa: E402
 
 from ndparallel.parallel.tensor import choose_plan, resolve_plan  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 
 def build(args: argparse.Namespace):
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                                      intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
-                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return llama(vocab=args.vocab, hidden=args.hidden, layers=args.layers, intermediate=args.hidden * 11 // 4,
+                 max_positions=2048)
 
 
 def ideal_bytes(args: argparse.Namespace, tp: int) -> tuple[int, int, int]:

@@ -4,7 +4,7 @@
                                  [--batch 4] [--world 2]
 
 Stock Accelerate runs on CPU only as plain data parallelism (DDP), so that is the layout compared: the same Trainer
-job on `--world` forked gloo ranks (tests/harness.py), once as transformers builds it (stock Accelerate, DDP) and
+job on `--world` forked gloo ranks (`run_ranks`), once as transformers builds it (stock Accelerate, DDP) and
 once taken over by ndparallel (`ndparallel launch --dp-replicate-size N`'s environment: ndparallel's DDP). Runs
 alternate, one of each per round; each run reports the median of its per-step times after `--warmup` steps (a
 TrainerCallback stamps every optimizer step). Printed: each round's pair and ratio, then the median ratio over the
@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "scripts")]
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # forked ranks share the cores
 
-from harness import run_ranks  # noqa: E402
+from common import llama  # noqa: E402
+
+from ndparallel.test_utils import run_ranks  # noqa: E402
 
 
 def job(options: dict, ndparallel: bool) -> dict:
@@ -36,7 +33,7 @@ def job(options: dict, ndparallel: bool) -> dict:
         from ndparallel.launch.worker import attach_integrations
 
         attach_integrations()  # what ndparallel's launcher does in each rank when given sizes
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     stamps: list[float] = []
 
@@ -44,11 +41,8 @@ def job(options: dict, ndparallel: bool) -> dict:
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003 -- the callback protocol
             stamps.append(time.perf_counter())
 
-    torch.manual_seed(0)
     hidden, seq = options["hidden"], options["seq"]
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=4 * hidden,
-                                         num_hidden_layers=options["layers"], num_attention_heads=8,
-                                         num_key_value_heads=4, max_position_embeddings=seq))
+    model = llama(vocab=2048, hidden=hidden, layers=options["layers"], intermediate=4 * hidden, max_positions=seq)
     ids = torch.randint(0, 2048, (options["batch"] * options["world"] * (options["steps"] + 1), seq),
                         generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": row, "labels": row} for row in ids]

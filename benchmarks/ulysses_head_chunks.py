@@ -5,12 +5,12 @@
 
 Each row: `sequence_parallel_attention` (Ulysses over --sp forked gloo ranks, causal, plain SDPA between the
 all-to-alls) forward and backward on rank 0's shard, with ``head_chunks`` = that many groups of heads
-(`ndparallel.parallel.sequence.ulysses`). Columns, measured by `tests/parallel/step_costs.LiveBytes` (every storage
+(`ndparallel.parallel.sequence.ulysses`). Columns, measured by `ndparallel.test_utils.memory.LiveBytes` (every storage
 an op creates while it is on, released when its last tensor dies; the inputs and the output's gradient were there
 before and are not counted):
 
 - peak: the most bytes alive at once over forward and backward;
-- kept: the bytes of the distinct storages autograd saves for backward (tests/scripts/saved_tensors.py's count:
+- kept: the bytes of the distinct storages autograd saves for backward (ndparallel.test_utils.memory.kept_bytes:
   unchunked, SDPA's full-sequence q/k/v/o and log-sum-exp; chunked, the sequence-sharded q/k/v);
 - time: forward + backward, the median of --repeats (shared cores: compare within one run).
 
@@ -21,19 +21,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "parallel")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from ndparallel.test_utils import run_ranks  # noqa: E402
 from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention  # noqa: E402
-from step_costs import LiveBytes  # noqa: E402
+from ndparallel.test_utils.memory import LiveBytes, kept_bytes  # noqa: E402
 
 MiB = 2**20
 
@@ -42,7 +37,7 @@ def _rank(args: argparse.Namespace) -> list[dict]:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, dtype = dist.get_rank(), getattr(torch, args.dtype)
-    layout = SequenceShards.of(args.seq, 1, 0, True, args.sp, rank)
+    shards = SequenceShards.of(args.seq, 1, 0, True, args.sp, rank)
     n = args.seq // args.sp
     g = torch.Generator().manual_seed(rank)
     q, dout = (torch.randn(1, args.heads, n, args.head_dim, generator=g).to(dtype) for _ in range(2))
@@ -54,19 +49,16 @@ def _rank(args: argparse.Namespace) -> list[dict]:
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             dist.barrier()
             start = time.perf_counter()
-            kept: dict[int, int] = {}
+            outs = []
 
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
+            def forward() -> None:
+                outs.append(sequence_parallel_attention(*leaves, shards, sp_group=dist.group.WORLD, head_chunks=chunks))
 
             with LiveBytes() as memory:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = sequence_parallel_attention(*leaves, layout, sp_group=dist.group.WORLD, head_chunks=chunks)
-                out.backward(dout)
-                del out
+                kept = kept_bytes(forward, [])  # what forward keeps (a chunked backward recomputes and keeps more)
+                outs.pop().backward(dout)
             times.append(time.perf_counter() - start)
-        rows.append({"chunks": chunks, "peak": memory.peak, "kept": sum(kept.values()), "time": statistics.median(times)})
+        rows.append({"chunks": chunks, "peak": memory.peak, "kept": kept, "time": statistics.median(times)})
     dist.destroy_process_group()
     return rows
 

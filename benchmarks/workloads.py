@@ -17,92 +17,23 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from comm_count import CollectiveCounter, SavedActivations, model_state_bytes, peak_rss_bytes, reset_peak_rss
+from common import (SavedActivations, device_and_dtype, model_state_bytes, peak_rss_bytes, reset_peak_rss, shift_labels,
+                    workload_model)
 from plain_sequence import SequenceGroups, install, positions
 
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    sp: int = 1
-    tp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.sp * self.tp
-
-    @property
-    def batch_ranks(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def shards_sequence(self) -> bool:
-        return self.cp * self.sp > 1
-
-    @property
-    def fsdp(self) -> int:
-        """Ranks FSDP2 shards parameters over: dp_shard x cp x sp."""
-        return self.dp_shard * self.cp * self.sp
-
-
-LAYOUTS = {
-    "fsdp2": Layout("fsdp2", dp_shard=2),
-    "hsdp": Layout("hsdp", dp_replicate=2, dp_shard=2),
-    "tp": Layout("tp", tp=2),
-    "fsdp2_tp": Layout("fsdp2_tp", dp_shard=2, tp=2),
-    "cp": Layout("cp", cp=2),
-    "sp": Layout("sp", sp=2),
-    "cp_sp": Layout("cp_sp", cp=2, sp=2),
-}
-
-
-HEADS, KV_HEADS = 8, 4
-
-
-def llama_config(args: Any):
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        tie_word_embeddings=False, max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa")
-
-
-def build_model(args: Any):
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(llama_config(args))
+from ndparallel.distributed.layout import Layout
+from ndparallel.test_utils.collectives import CollectiveCounter
 
 
 def dataset(args: Any, layout: Layout) -> torch.Tensor:
     """Token ids, one row per sample: enough for every step of every block, over every data-parallel rank."""
     g = torch.Generator().manual_seed(1)
-    rows = args.batch * layout.batch_ranks * (args.warmup + args.steps * args.repeats + 2)
+    rows = args.batch * layout.batch * (args.warmup + args.steps * args.repeats + 2)
     return torch.randint(0, args.vocab, (rows, args.seq), generator=g)
-
-
-def shift_labels(ids: torch.Tensor) -> torch.Tensor:
-    """Next-token targets, shifted before the sequence is sharded (-100: the last position predicts nothing)."""
-    return torch.nn.functional.pad(ids[..., 1:], (0, 1), value=-100)
-
-
-def device_and_dtype(args: Any) -> tuple[torch.device, str]:
-    import os
-
-    if torch.cuda.is_available() and not args.cpu:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "bf16"
-    return torch.device("cpu"), "no"
 
 
 # ---- the library ---------------------------------------------------------------------------------------------
@@ -120,9 +51,9 @@ class LibraryRun:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if layout.fsdp > 1 else None
         self.accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=precision,
                                        cpu=device.type == "cpu")
-        model = build_model(args)
+        model = workload_model(args)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        if layout.shards_sequence:  # as a CP/SP script does: labels shifted and positions given before sharding
+        if layout.seq_split > 1:  # as a CP/SP script does: labels shifted and positions given before sharding
             samples = [{"input_ids": row, "labels": row, "shift_labels": shift_labels(row),
                         "position_ids": torch.arange(len(row))} for row in data]
         else:
@@ -168,7 +99,7 @@ class PlainRun:
         self.device = device
         dims = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
         mesh = init_device_mesh(device.type, tuple(getattr(layout, d) for d in dims), mesh_dim_names=dims)
-        model = build_model(args).to(device)
+        model = workload_model(args).to(device)
         if layout.tp > 1:
             styles = {
                 "colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
@@ -185,7 +116,7 @@ class PlainRun:
                                                             use_local_output=False)
             parallelize_module(model, mesh["tp"], plan)
         self.positions = None
-        if layout.shards_sequence:  # the hand-written CP/SP attention (benchmarks/plain_sequence.py)
+        if layout.seq_split > 1:  # the hand-written CP/SP attention (benchmarks/plain_sequence.py)
             groups = SequenceGroups(mesh["cp"].get_group(), layout.cp, mesh["cp"].get_local_rank(),
                                     mesh["sp"].get_group(), layout.sp, args.seq)
             install(model, groups)
@@ -195,7 +126,7 @@ class PlainRun:
         # Parameters are sharded over dp_shard x cp x sp (cp and sp ranks hold different tokens of the same
         # samples, so their gradients add up like those of data-parallel ranks) and replicated over dp_replicate.
         shard_dims = tuple(d for d in ("dp_shard", "cp", "sp") if getattr(layout, d) > 1)
-        if layout.batch_ranks * layout.cp * layout.sp > 1:
+        if layout.batch * layout.cp * layout.sp > 1:
             if len(shard_dims) > 1:
                 if layout.dp_replicate > 1:
                     raise NotImplementedError("plain HSDP over a flattened shard dimension is not written out")
@@ -216,9 +147,9 @@ class PlainRun:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         # This rank's rows: its coordinate along dp_replicate x dp_shard picks every batch_ranks-th batch.
         data_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
-        self.data, self.batch, self.stride, self.offset = data, args.batch, layout.batch_ranks, data_rank
+        self.data, self.batch, self.stride, self.offset = data, args.batch, layout.batch, data_rank
         # FSDP averages gradients over every rank that holds a share of the batch; the loss is scaled back up.
-        self.grad_ranks = layout.batch_ranks * layout.cp * layout.sp
+        self.grad_ranks = layout.batch * layout.cp * layout.sp
         self.index = 0
 
     def step(self, saved: SavedActivations | None = None) -> torch.Tensor:
@@ -321,7 +252,7 @@ def measure(layout: Layout, args: Any) -> dict[str, Any]:
     return {"times": times, "cpu": cpu, "counted": counted, "device": str(device), "peak_flops": peak,
             "param_gap": param_gap(lib.model, plain.model),
             "loss_gap": abs(counted["library"]["loss"] - counted["plain"]["loss"]),
-            "tokens_per_step": args.batch * args.seq * layout.batch_ranks}
+            "tokens_per_step": args.batch * args.seq * layout.batch}
 
 
 def param_gap(a: torch.nn.Module, b: torch.nn.Module) -> float | None:
@@ -362,7 +293,7 @@ def accelerate_row(layout: Layout, args: Any) -> dict[str, Any]:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if layout.fsdp > 1 else None
         acc = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, cpu=device.type == "cpu",
                           mixed_precision=precision)
-        model = build_model(args)
+        model = workload_model(args)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, optimizer = acc.prepare(model, optimizer)
         data = dataset(args, layout)

@@ -53,7 +53,7 @@ def test_sequence_shards_count_every_loss_token_once(cp, sp, load_balance):
         for s in range(sp):
             sharding = SequenceSharding(cp, c, sp, s, load_balance)
             shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-            positions = sharding.layout(16).positions()
+            positions = sharding.shards(16).positions()
             assert sharding.count_loss_tokens(batch) == int((shifted[:, positions] != IGNORE_INDEX).sum())
             total += sharding.count_loss_tokens(batch)
     assert total == count_loss_tokens(batch)

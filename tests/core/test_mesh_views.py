@@ -137,7 +137,7 @@ def test_no_module_restates_the_axes_or_a_view():
 # Names a size of cp, sp or dp_shard goes by in the package (a variable, an attribute, a config field).
 _CP, _SP, _DP_SHARD = {"cp", "cp_size"}, {"sp", "sp_size"}, {"dp_shard", "dp_shard_size"}
 # Benchmarks that write the layout out on purpose, as an independent check of the library: the plain-PyTorch step
-# (workloads.py's plain runner and its Layout, plain_sequence.py's attention) and run.py's expected bytes.
+# (workloads.py's plain runner, plain_sequence.py's attention) and run.py's expected bytes.
 _WRITTEN_OUT_ON_PURPOSE = {"workloads.py", "plain_sequence.py", "run.py"}
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ndparallel.parallel.sequence import SequenceLayout, kernels
+from ndparallel.parallel.sequence import SequenceChunking, kernels
 from ndparallel.parallel.sequence.allgather import allgather_attention
 from ndparallel.parallel.sequence.ring import ring_attention
 from ndparallel.parallel.sequence.ulysses import ulysses_attention
@@ -104,11 +104,11 @@ def test_cp_sp_attention_on_one_gpu_matches_fp64(one_rank_group, strategy, causa
     q, dout = (torch.randn(1, 8, seq, 128, device=device, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(1, 2, seq, 128, device=device, generator=g).to(dtype) for _ in range(2))
     scale = 128 ** -0.5
-    layout = SequenceLayout(seq, 1, 0, load_balance=True)
+    chunking = SequenceChunking(seq, 1, 0, load_balance=True)
     cp = {"ring": ring_attention, "allgather": allgather_attention}[strategy.split("+")[-1]]
 
     def attend(qq, kk, vv):
-        return cp(qq, kk, vv, layout, one_rank_group, causal, scale)
+        return cp(qq, kk, vv, chunking, one_rank_group, causal, scale)
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = ulysses_attention(*leaves, one_rank_group, attend) if strategy.startswith("ulysses") else attend(*leaves)
@@ -234,7 +234,7 @@ def test_fused_rms_norm_on_the_gpu_in_bf16(family):
     from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from saved_tensors import kept_bytes
+    from ndparallel.test_utils.memory import kept_bytes
     from tiny_models import build_model
 
     torch.manual_seed(0)

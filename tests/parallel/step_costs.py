@@ -20,17 +20,13 @@ still on; so nothing is counted twice and nothing is missed). Per op it counts:
   the GEMMs of the linear layers. Attention kernels are counted as ops (their FLOPs depend on the kernel's masking,
   not on what the library adds).
 
-`LiveBytes` is a `TorchDispatchMode` that tracks the storages ops create while it is on (each released through a
-weak reference when its last tensor dies) and keeps the largest sum of their bytes alive at once: the peak of what a
-region holds, on any device. Buffers a kernel allocates inside itself (workspaces) are not seen; the same kernels on
-both sides of a comparison keep that fair.
+`LiveBytes` (the bytes of tensors alive at a peak) lives in ndparallel.test_utils.memory: benchmarks use it too.
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -38,9 +34,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from ndparallel.test_utils.collectives import group_size
 
-from comm_count import _group_size  # noqa: E402  (a collective's group size, from its arguments)
 
 aten = torch.ops.aten
 
@@ -114,7 +109,7 @@ class StepCosts(TorchDispatchMode):
         ns, op = func.namespace, func._schema.name.split("::")[-1]
         if ns in COLLECTIVE_NAMESPACES or op in ("send", "recv", "recv_any_source"):
             if op not in ("wait_tensor", "wait", "_wrap_tensor_autograd"):  # parts of a functional collective
-                self.collectives[f"{op}/{_group_size(args, kwargs)}"] += 1
+                self.collectives[f"{op}/{group_size(args, kwargs)}"] += 1
             return out
         if _is_sync(func, op, args, kwargs):
             self.syncs += 1
@@ -132,43 +127,6 @@ class StepCosts(TorchDispatchMode):
     def summary(self) -> dict[str, Any]:
         return {"syncs": self.syncs, "ops": self.ops, "flops": self.flops, "collectives": dict(self.collectives),
                 "sync_sites": dict(self.sync_sites)}
-
-
-def _storages(x: Any) -> list[torch.UntypedStorage]:
-    if isinstance(x, torch.Tensor):
-        try:
-            return [x.untyped_storage()]
-        except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage of its own
-            return []
-    if isinstance(x, (list, tuple)):
-        return [s for item in x for s in _storages(item)]
-    return []
-
-
-class LiveBytes(TorchDispatchMode):
-    """``with LiveBytes() as m:`` then ``m.peak``: the most bytes of storages created inside that were alive at once
-    (``m.live`` now). Storages that existed before the region (inputs, parameters) are not counted."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: dict[int, int] = {}  # storage key -> bytes, while alive
-
-    def _release(self, key: int, _ref: Any = None) -> None:
-        self.live -= self._seen.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = {id(s): s for s in _storages((args, list((kwargs or {}).values())))}
-        out = func(*args, **(kwargs or {}))
-        for storage in _storages(out):
-            key = storage._cdata
-            if key in self._seen or any(s._cdata == key for s in before.values()):
-                continue
-            self._seen[key] = storage.nbytes()
-            self.live += storage.nbytes()
-            weakref.finalize(storage, self._release, key)
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 # ---- the default step of a layout, and plain PyTorch's on the same micro-batch ------------------------------------

@@ -236,7 +236,7 @@ def test_pretrained_bases_and_adapters_load_into_a_sharded_peft_model(tmp_path):
 @pytest.mark.parametrize("sizes", [{"dp_shard": 2}, {"dp_replicate": 2}], ids=["fsdp2", "ddp"])
 def test_only_the_adapters_gradients_are_reduced(sizes):
     """The frozen base is not reduced: a LoRA step's gradient reductions (FSDP2's reduce-scatters, DDP's
-    all-reduces, counted as sent bytes by benchmarks/comm_count.py) are exactly what the adapters' gradients need,
+    all-reduces, counted as sent bytes by ndparallel.test_utils.collectives) are exactly what the adapters' gradients need,
     and the optimizer keeps state (two AdamW moments) for the adapters only."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import adapters as bench

@@ -1,5 +1,5 @@
 """What one optimizer step communicates, against hand-written FSDP2 (issue 33): the loop of
-benchmarks/hsdp_overhead.py, counted with benchmarks/comm_count.py.
+benchmarks/hsdp_overhead.py, counted with ndparallel.test_utils.collectives.
 
 The library's step may do exactly one thing plain FSDP2 does not: one all-reduce of the window's loss-token count
 over the ``batch`` ranks per optimizer step (the loss is normalised by the global token count,
@@ -20,7 +20,7 @@ def _counted_steps(layout: str, accum: int) -> dict:
     import torch.distributed as dist
 
     import hsdp_overhead
-    from comm_count import CollectiveCounter, StoreCounter
+    from ndparallel.test_utils.collectives import CollectiveCounter, StoreCounter
 
     args = hsdp_overhead.parse(["count"])
     lib, plain = hsdp_overhead._runs(layout, accum, args, steps=8)

@@ -17,7 +17,7 @@ from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_atten
 from ndparallel.planner import Layout, Recipe
 from ndparallel.planner.footprint import attention_backward, head_chunks, layer_activations
 from ndparallel.planner.model import spec_from_config
-from step_costs import LiveBytes
+from ndparallel.test_utils.memory import LiveBytes
 
 SEQ, HEADS, KV_HEADS, HEAD_DIM, SP = 4096, 16, 4, 32, 2
 HIDDEN = HEADS * HEAD_DIM

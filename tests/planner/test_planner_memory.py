@@ -63,7 +63,7 @@ def test_the_fused_norm_term_is_what_the_library_keeps():
 
     from ndparallel.parallel.memory.rms_norm import apply_fused_rms_norm
     from ndparallel.planner.model import spec_from_config
-    from saved_tensors import training_step_kept_bytes
+    from ndparallel.test_utils.memory import training_step_kept_bytes
     from tiny_models import build_model
 
     torch.manual_seed(0)

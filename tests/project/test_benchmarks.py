@@ -21,7 +21,7 @@ def _known_collectives():
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import Partial
 
-    from comm_count import CollectiveCounter
+    from ndparallel.test_utils.collectives import CollectiveCounter
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))

@@ -168,7 +168,7 @@ class TrainingStepMixin:
         batch = self.gradient_state.batch
         with self.sequence_sharding.sharded(buffers, buffer_seq_dims, no_restore_buffers,
                                             expected_tokens=batch.local_tokens if batch is not None else None,
-                                            layout=batch.sequence_layout if batch is not None else None):
+                                            shards=batch.sequence_shards if batch is not None else None):
             yield
 
     @contextlib.contextmanager

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.tensor import DTensor
 
 from ..models.families import PerExpertNames
-from ..parallel.experts.layout import expert_count, expert_modules, family_experts
+from ..parallel.experts.modules import expert_count, expert_modules, family_experts
 from .manifest import _listing
 from .storage import CheckpointError
 

@@ -464,12 +464,12 @@ def load_state(prepared: PreparedObjects, project: ProjectConfiguration, input_d
     optimizer saved by position must have been saved under (`positional`)."""
     background.wait()  # a background save under way first commits (or fails)
     prepared.release_gathered()  # a gathered copy left by an evaluation forward would not see the loaded values
-    layout = None if parallelism is None else parallelism.to_dict()
+    fields = None if parallelism is None else parallelism.to_dict()  # what the checkpoint's record is compared with
     if input_dir is not None:
         path = Path(input_dir)
-        meta, small = verify.check(prepared, path, layout)
+        meta, small = verify.check(prepared, path, fields)
     else:
-        path, meta, small = verify.check_newest(prepared, project, layout)
+        path, meta, small = verify.check_newest(prepared, project, fields)
     _check_layout(prepared, meta["state_dict_type"] == FULL)
     _check_optimizer_layout(prepared, meta, path)
     if before_load is not None:

@@ -49,9 +49,9 @@ def components(prepared: PreparedObjects) -> dict[str, Any]:
 
 
 def read_and_compare(prepared: PreparedObjects, path: Path, tables: list[dict[str, list[int]]],
-                     layout: dict[str, Any] | None = None) -> dict[str, Any]:
+                     parallelism: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0: the checkpoint's metadata if `prepared` can load it, else a `CheckpointError` naming the problem.
-    `tables`: the prepared models' tensors (`manifest.model_tensors`, collective); `layout`: this run's
+    `tables`: the prepared models' tensors (`manifest.model_tensors`, collective); `parallelism`: this run's
     ``ParallelismConfig.to_dict()``, which optimizers saved by position must have been saved under (`positional`)."""
     meta = read_metadata(path)
     mine = components(prepared)
@@ -70,7 +70,7 @@ def read_and_compare(prepared: PreparedObjects, path: Path, tables: list[dict[st
                               f"these have {mine['param_groups']}")
     validate.check_metadata(meta, path, len(prepared.models), len(prepared.optimizers))
     positional.check_owners(prepared, meta, path)
-    positional.check_layout(meta, path, layout)
+    positional.check_layout(meta, path, parallelism)
     for i, expected in enumerate(tables):
         problem = compare_tensors(meta["model_tensors"][i], expected, f"checkpoint {path}: model {i}")
         if problem:
@@ -116,14 +116,14 @@ def read_small(prepared: PreparedObjects, path: Path, meta: dict[str, Any]) -> d
     return small
 
 
-def check(prepared: PreparedObjects, path: Path, layout: dict[str, Any] | None = None
+def check(prepared: PreparedObjects, path: Path, parallelism: dict[str, Any] | None = None
           ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: everything about `path` that can be checked without touching `prepared` -- metadata, every
-    file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states). `layout`:
-    see `read_and_compare`."""
+    file's size and CRC32, DCP metadata, the small states; returns (metadata, this rank's small states).
+    `parallelism`: see `read_and_compare`."""
     heartbeat(f"load_state: checking {path.name}")
     tables = [model_tensors(m) for m in prepared.models]  # collective under pipeline stages
-    meta = on_main(lambda: read_and_compare(prepared, path, tables, layout))
+    meta = on_main(lambda: read_and_compare(prepared, path, tables, parallelism))
     storage.verify_files(path, meta["files"])  # sizes and CRC32s, each rank a share of the files
     on_main(lambda: check_dcp_metadata(prepared, path, meta))
     error, small = None, {}
@@ -145,7 +145,7 @@ def candidates(project: ProjectConfiguration) -> list[Path]:
     return found[::-1]
 
 
-def check_newest(prepared: PreparedObjects, project: ProjectConfiguration, layout: dict[str, Any] | None = None
+def check_newest(prepared: PreparedObjects, project: ProjectConfiguration, parallelism: dict[str, Any] | None = None
                  ) -> tuple[Path, dict, dict]:
     """Collective: the newest checkpoint of the project that verifies, warning (rank 0) about each newer one that
     is damaged; one that does not fit `prepared` (another model...) raises, as an explicit path does."""
@@ -153,7 +153,7 @@ def check_newest(prepared: PreparedObjects, project: ProjectConfiguration, layou
     found = candidates(project)
     for i, path in enumerate(found):
         try:
-            meta, small = check(prepared, path, layout)
+            meta, small = check(prepared, path, parallelism)
         except (storage.CheckpointCorruptError, CheckpointNotFoundError) as exc:
             skipped.append(f"{path.name}: {exc}")
             if rank() == 0:

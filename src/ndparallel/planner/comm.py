@@ -2,7 +2,7 @@
 
 Bytes are those one rank sends under a bandwidth-optimal ring on a group of n ranks -- all-gather (n-1) x input,
 reduce-scatter (n-1) x output, all-reduce 2 (n-1)/n x size, all-to-all (n-1)/n x input -- the formulas
-`benchmarks/comm_count.py` counts with, so prediction and measurement compare like for like. Per step, with m
+`ndparallel.test_utils.collectives` counts with, so prediction and measurement compare like for like. Per step, with m
 micro-steps (gradient accumulation), P_s a rank's FSDP2 shard (elements, padded), c the compute dtype's bytes,
 n tokens per rank per micro-step, L layers:
 

@@ -15,7 +15,7 @@ or at the first batch; the planner says it before anything runs):
   the default schedule's micro-batches (one per stage);
 - expert parallelism (``ep_size``, carved out of dp_shard x cp x sp: no axis of the mesh, so no factor of the world):
   ep divides dp_shard x cp x sp and the number of routed experts (`config.ParallelismConfig`,
-  `parallel.experts.layout.check_experts`), and only a mixture of experts of a family the library knows takes one.
+  `parallel.experts.modules.check_experts`), and only a mixture of experts of a family the library knows takes one.
   For a mixture of experts every such ep is a layout of its own (`expert_layouts`).
 
 What the planner does not model is refused too, saying so: pipeline stages of a mixture of experts, and tensor
@@ -100,7 +100,7 @@ def tp_reasons(tp: int, c: Constraints) -> list[str]:
 
 def expert_reasons(layout: Layout, c: Constraints) -> list[str]:
     """Why the library refuses `layout`'s ep (the words of `config.ParallelismConfig` and
-    `parallel.experts.layout.check_experts`), or why the planner does not model it."""
+    `parallel.experts.modules.check_experts`), or why the planner does not model it."""
     m, ep, out = c.model, layout.ep, []
     if m.moe is not None and layout.pp > 1:
         out.append(f"pp={layout.pp}: pipeline stages of a mixture of experts are not modelled (the library runs them: "

@@ -357,7 +357,7 @@ class PreparedDataLoader:
         # parallelism: `SequenceSharding.count_loss_tokens`); None: the whole batch. Window totals always count whole
         # sequences.
         self.local_count = local_count
-        # The sequence layout of each batch when it depends on the batch (`SequenceSharding.plan`: packed rows
+        # The sequence shards of each batch when they depend on the batch (`SequenceSharding.plan`: packed rows
         # dealt over cp by attention work); given to maybe_context_parallel through the gradient state.
         self.sequence_plan = sequence_plan
         self.epoch = 0
@@ -522,7 +522,7 @@ class PreparedDataLoader:
             total = self._window_total(counts)
             if self.local_count is not None and self.even_batches:
                 counts = [self.local_count(b) for b in window]
-            layouts = [self.sequence_plan(b) if self.sequence_plan is not None else None for b in window]
+            planned = [self.sequence_plan(b) if self.sequence_plan is not None else None for b in window]
             for i, batch in enumerate(window):
                 last = i == len(window) - 1
                 end = last and pending is _END
@@ -530,7 +530,7 @@ class PreparedDataLoader:
                     self.gradient_state.on_batch(self, BatchInfo(
                         local_tokens=counts[i], window_tokens=total, window_batches=len(window), ends_window=last,
                         end_of_dataloader=end, remainder=self._shard.last_remainder if end else 0,
-                        sequence_layout=layouts[i]))
+                        sequence_shards=planned[i]))
                 self._position += self._step  # counted before the yield: the batch is the caller's now
                 self._finished = end
                 yield (move_to_device(batch, self.device, self.non_blocking or self.loader.pin_memory)

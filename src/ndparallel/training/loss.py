@@ -156,7 +156,7 @@ class BatchInfo:
     # samples repeated to even it out across ranks come after them in rank order, so gathering, then keeping the
     # first `remainder` rows, keeps every sample once.
     remainder: int = 0
-    sequence_layout: Any = None  # the cp x sp layout chosen for this batch (a document-balanced one), None: default
+    sequence_shards: Any = None  # the cp x sp shards chosen for this batch (a document-balanced one), None: default
 
 
 def loss_factor(info: BatchInfo | None, loss_world_size: int, accumulation_steps: int,

@@ -21,7 +21,7 @@ from torch import nn
 
 from harness import assert_refused, outcomes, run_ranks
 from tiny_models import _SMALL, build_model
-from ndparallel.parallel.experts.layout import check_experts
+from ndparallel.parallel.experts.modules import check_experts
 
 TOLERANCE = 1e-6
 

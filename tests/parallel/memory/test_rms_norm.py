@@ -13,8 +13,7 @@ from torch import nn
 
 from ndparallel.parallel.memory.rms_norm import (OWN_BACKWARD_BYTES, apply_fused_rms_norm, backward_bytes,
                                                  fused_rms_norm_status, fused_rms_norms, rms_norm)
-from saved_tensors import kept_bytes, training_step_kept_bytes
-from step_costs import LiveBytes
+from ndparallel.test_utils.memory import LiveBytes, kept_bytes, training_step_kept_bytes
 from test_parity import reference, run_layout
 from tiny_models import build_model
 
@@ -76,7 +75,7 @@ def test_what_a_fused_norm_keeps():
     """A bf16 norm of T tokens x h keeps its input (2 h bytes per token) and 1/rms (4 bytes per token); the model's own
     keeps an fp32 copy of the input (4 h), 1/rms and the bf16 normalised value (2 h, which the next projection keeps
     anyway). In a model: 4 h bytes per token less for each of its norms (2 per layer and the final one), and so much
-    less held at the peak of forward + backward (step_costs.LiveBytes; to the byte here since the fused backward
+    less held at the peak of forward + backward (ndparallel.test_utils.memory.LiveBytes; to the byte here since the fused backward
     computes in place, 12,416 B less before; the bound leaves 5% to the backward's own buffers)."""
     torch.manual_seed(0)
     tokens, hidden = 256, 64

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ndparallel.parallel.activation_checkpointing import _selective_contexts
 from ndparallel.parallel.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_status, tiled_mlps
-from saved_tensors import training_step_kept_bytes
+from ndparallel.test_utils.memory import training_step_kept_bytes
 from test_parity import reference, run_layout
 from tiny_models import build_model
 

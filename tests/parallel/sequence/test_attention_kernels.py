@@ -117,13 +117,13 @@ def _one_rank_block_path() -> dict[str, float]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ndparallel.parallel.sequence import SequenceLayout
+    from ndparallel.parallel.sequence import SequenceChunking
     from ndparallel.parallel.sequence.allgather import allgather_attention
     from ndparallel.parallel.sequence.ring import ring_attention
     from ndparallel.parallel.sequence.ulysses import ulysses_attention
 
     dist.init_process_group("gloo")
-    layout, group, errors = SequenceLayout(16, 1, 0, load_balance=True), dist.group.WORLD, {}
+    chunking, group, errors = SequenceChunking(16, 1, 0, load_balance=True), dist.group.WORLD, {}
     g = torch.Generator().manual_seed(3)
     q, dout = (torch.randn(2, 4, 16, 8, generator=g, dtype=FP64) for _ in range(2))
     k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=FP64) for _ in range(2))
@@ -133,10 +133,10 @@ def _one_rank_block_path() -> dict[str, float]:
         for name, cp in (("ring", ring_attention), ("allgather", allgather_attention), ("ulysses", None)):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             if cp is None:
-                out = ulysses_attention(*leaves, group, lambda a, b, c: ring_attention(a, b, c, layout, group, causal,
+                out = ulysses_attention(*leaves, group, lambda a, b, c: ring_attention(a, b, c, chunking, group, causal,
                                                                                        8 ** -0.5))
             else:
-                out = cp(*leaves, layout, group, causal, 8 ** -0.5)
+                out = cp(*leaves, chunking, group, causal, 8 ** -0.5)
             out.backward(dout)
             expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
             diffs = [out - expected] + [a.grad - b.grad for a, b in zip(leaves, ref)]

@@ -1,6 +1,6 @@
 """What the CP/SP block path holds at its peak, against SDPA on the same inputs (issue 38), counted on the CPU.
 
-The bytes of tensors alive at the peak of one forward + backward (step_costs.LiveBytes: every storage an op creates,
+The bytes of tensors alive at the peak of one forward + backward (ndparallel.test_utils.memory.LiveBytes: every storage an op creates,
 released when its last tensor dies; the inputs and the output's gradient exist before and are not counted): the
 block path -- ring and all-gather attention on one rank with the load-balanced layout, i.e. the kernels
 and merges one rank of a context-parallel group runs -- against ``F.scaled_dot_product_attention``, causal, GQA.
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndparallel.parallel.sequence import SequenceLayout, kernels
+from ndparallel.parallel.sequence import SequenceChunking, kernels
 from ndparallel.parallel.sequence.allgather import allgather_attention
 from ndparallel.parallel.sequence.ring import ring_attention
-from step_costs import LiveBytes
+from ndparallel.test_utils.memory import LiveBytes
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32
 STRATEGIES = {"ring": ring_attention, "allgather": allgather_attention}
@@ -45,7 +45,7 @@ def _peak_and_grads(attend, leaves, dout) -> tuple[int, list[torch.Tensor]]:
 
 def _block_path(strategy: str, seq: int):
     def attend(q, k, v):  # one rank: nothing to communicate, so no process group
-        return STRATEGIES[strategy](q, k, v, SequenceLayout(seq, 1, 0, load_balance=True), None, True,
+        return STRATEGIES[strategy](q, k, v, SequenceChunking(seq, 1, 0, load_balance=True), None, True,
                                     HEAD_DIM ** -0.5)
     return attend
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import run_ranks
-from ndparallel.parallel.sequence import SequenceLayout, SequenceShards, kernels, sequence_parallel_attention
+from ndparallel.parallel.sequence import SequenceChunking, SequenceShards, kernels, sequence_parallel_attention
 
 HEADS = [(4, 4), (4, 2), (6, 1)]  # (query heads, key/value heads): MHA, GQA, MQA
 LENGTHS = {2: [4, 12, 24], 4: [8, 24]}
@@ -42,12 +42,12 @@ def _compare(strategy: str, load_balance: bool, dtype: torch.dtype, backend: str
         full = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
         full.backward(dout)
 
-        layout = SequenceLayout(seq, cp, rank, load_balance)
-        local = [layout.shard(t.detach(), 2).clone().requires_grad_() for t in (q, k, v)]
-        out = sequence_parallel_attention(*local, SequenceShards(layout), cp_group=dist.group.WORLD, strategy=strategy,
+        chunking = SequenceChunking(seq, cp, rank, load_balance)
+        local = [chunking.shard(t.detach(), 2).clone().requires_grad_() for t in (q, k, v)]
+        out = sequence_parallel_attention(*local, SequenceShards(chunking), cp_group=dist.group.WORLD, strategy=strategy,
                                           is_causal=causal)
-        out.backward(layout.shard(dout, 2))
-        diffs = [out - layout.shard(full, 2)] + [t.grad - layout.shard(r.grad, 2) for t, r in zip(local, (q, k, v))]
+        out.backward(chunking.shard(dout, 2))
+        diffs = [out - chunking.shard(full, 2)] + [t.grad - chunking.shard(r.grad, 2) for t, r in zip(local, (q, k, v))]
         errors[f"seq={seq} heads={hq}/{hkv} causal={causal}"] = max(d.abs().max().item() for d in diffs)
     dist.destroy_process_group()
     return errors
@@ -70,12 +70,12 @@ def test_sharded_attention_matches_full_attention(strategy, load_balance, cp, ba
 def test_layout_chunks_and_positions():
     """Rank r of cp holds chunks r and 2cp-1-r (balanced) or chunk r; shard/unshard are inverse."""
     seq = torch.arange(16).view(1, 16)
-    balanced = [SequenceLayout(16, 4, r) for r in range(4)]
+    balanced = [SequenceChunking(16, 4, r) for r in range(4)]
     assert [lay.chunk_ids() for lay in balanced] == [(0, 7), (1, 6), (2, 5), (3, 4)]
     assert balanced[1].positions().tolist() == [2, 3, 12, 13]
     assert balanced[1].shard(seq, 1).tolist() == [[2, 3, 12, 13]]
     assert torch.equal(balanced[0].unshard([lay.shard(seq, 1) for lay in balanced], 1), seq)
-    plain = [SequenceLayout(16, 4, r, load_balance=False) for r in range(4)]
+    plain = [SequenceChunking(16, 4, r, load_balance=False) for r in range(4)]
     assert plain[2].positions().tolist() == [8, 9, 10, 11]
     assert torch.equal(plain[0].unshard([lay.shard(seq, 1) for lay in plain], 1), seq)
 
@@ -87,4 +87,4 @@ def test_layout_chunks_and_positions():
 ])
 def test_layout_refuses_uneven_lengths(seq, load_balance, match):
     with pytest.raises(ValueError, match=match):
-        SequenceLayout(seq, 2, 0, load_balance)
+        SequenceChunking(seq, 2, 0, load_balance)

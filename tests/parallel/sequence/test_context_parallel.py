@@ -17,7 +17,7 @@ from torch import nn
 
 from harness import assert_refused, outcomes, run_ranks
 from ndparallel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig, context_parallel_attention
-from ndparallel.parallel.sequence import SequenceLayout
+from ndparallel.parallel.sequence import SequenceChunking
 from test_parity import max_param_diff, reference, run_layout
 from tiny_models import build_model
 
@@ -157,8 +157,8 @@ def _hf_behaviour() -> dict:
         with torch.no_grad():
             logits = prepared(input_ids=batch["input_ids"], shift_labels=batch["shift_labels"],
                               attention_mask=torch.ones(2, 16, dtype=torch.long)).logits
-    layout = SequenceLayout(16, 2, dist.get_rank())
-    out["inside_no_position_ids"] = (logits - layout.shard(full, 1)).abs().max().item()
+    chunking = SequenceChunking(16, 2, dist.get_rank())
+    out["inside_no_position_ids"] = (logits - chunking.shard(full, 1)).abs().max().item()
     # A shard without loss tokens (rank 0 holds positions 0-3 and 12-15, all -100 here): loss 0, not NaN.
     batch = _batch()
     batch["shift_labels"][:, :4] = batch["shift_labels"][:, 12:] = -100

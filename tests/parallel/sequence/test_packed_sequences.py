@@ -225,7 +225,7 @@ def _train(kind: str, flags: dict, strategy: str, model_name: str, overrides: di
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     losses, dealt = [], 0
     for batch in loader:
-        dealt += acc.gradient_state.batch.sequence_layout is not None
+        dealt += acc.gradient_state.batch.sequence_shards is not None
         batch.pop("labels")  # the loss reads shift_labels (shifted before sharding)
         buffers = list(batch.values())
         with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
@@ -279,11 +279,11 @@ def test_training_matches_the_single_process_reference(case):
 def test_attention_work_counts_visible_pairs_and_imbalance():
     """Whole causal rows: the load-balanced layout gives every rank the same work, and computes S(S+1)/2 pairs
     per row. Packed rows: only visible pairs are computed (document pieces), and the report shows the imbalance."""
-    from ndparallel.parallel.sequence import SequenceLayout
+    from ndparallel.parallel.sequence import SequenceChunking
     from ndparallel.parallel.sequence.masking import attention_work
 
     def chunks(seq, cp):
-        return lambda r: SequenceLayout(seq, cp, r).chunk_ids()
+        return lambda r: SequenceChunking(seq, cp, r).chunk_ids()
 
     plain = attention_work(DocumentMask(torch.zeros(3, 32, dtype=torch.long)), 32, 4, chunks(32, 4))
     assert sum(w["visible"] for w in plain) == 3 * 32 * 33 // 2 and len({w["visible"] for w in plain}) == 1
@@ -304,17 +304,17 @@ UNBALANCED = torch.cat([torch.arange(24), torch.zeros(8, dtype=torch.long)]).uns
 def test_balanced_assignment_evens_out_packed_rows():
     """One 24-token document then eight 1-token ones: under the load-balanced layout (cp 2) rank 1 holds positions
     8-23 and does 264 of the 308 visible pairs (1.71x the mean); the dealt partition is within 1.1x."""
-    from ndparallel.parallel.sequence import SequenceLayout
+    from ndparallel.parallel.sequence import SequenceChunking
     from ndparallel.parallel.sequence.masking import attention_work, balanced_assignment
 
     doc = document_ids(UNBALANCED, None, (1, 32))
     default = [w["visible"] for w in attention_work(DocumentMask(doc), 32, 2,
-                                                     lambda r: SequenceLayout(32, 2, r).chunk_ids())]
+                                                     lambda r: SequenceChunking(32, 2, r).chunk_ids())]
     assert default == [44, 264]
     assignment = balanced_assignment(doc, 2)
     assert sorted(c for chunks in assignment for c in chunks) == list(range(8))
     dealt = [w["visible"] for w in attention_work(DocumentMask(doc), 32, 2,
-                                                   lambda r: SequenceLayout(32, 2, r, assignment=assignment)
+                                                   lambda r: SequenceChunking(32, 2, r, assignment=assignment)
                                                    .chunk_ids())]
     assert sum(dealt) == 308 and max(dealt) / (sum(dealt) / 2) < 1.1, dealt
     # whole causal rows are already even: nothing to deal

@@ -46,12 +46,12 @@ def _compare(cp: int, strategy: str, load_balance: bool) -> dict[str, float]:
         full = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
         full.backward(dout)
 
-        layout = SequenceShards.of(seq, cp, cp_rank, load_balance, sp, sp_rank)
-        local = [layout.shard(t.detach(), 2).clone().requires_grad_() for t in (q, k, v)]
-        out = sequence_parallel_attention(*local, layout, cp_group=cp_group, sp_group=sp_group, strategy=strategy,
+        shards = SequenceShards.of(seq, cp, cp_rank, load_balance, sp, sp_rank)
+        local = [shards.shard(t.detach(), 2).clone().requires_grad_() for t in (q, k, v)]
+        out = sequence_parallel_attention(*local, shards, cp_group=cp_group, sp_group=sp_group, strategy=strategy,
                                           is_causal=causal)
-        out.backward(layout.shard(dout, 2))
-        diffs = [out - layout.shard(full, 2)] + [t.grad - layout.shard(r.grad, 2) for t, r in zip(local, (q, k, v))]
+        out.backward(shards.shard(dout, 2))
+        diffs = [out - shards.shard(full, 2)] + [t.grad - shards.shard(r.grad, 2) for t, r in zip(local, (q, k, v))]
         errors[f"seq={seq} heads={hq}/{hkv} causal={causal}"] = max(d.abs().max().item() for d in diffs)
     dist.destroy_process_group()
     return errors

@@ -6,7 +6,7 @@ backward over groups of heads, against the unchunked path.
   in fp32 (the same operations on the same heads: 1e-6), and the prepared tiny Llama and Qwen2 (GQA) trained 6 steps
   under ``NDPARALLEL_ULYSSES_HEAD_CHUNKS`` against the same script unchunked;
 - memory: the bytes alive at the peak of one attention layer's forward + backward on one sp rank, and on one cp rank
-  with the all-gather (`step_costs.LiveBytes`), chunked against unchunked: fails without the feature;
+  with the all-gather (`ndparallel.test_utils.memory.LiveBytes`), chunked against unchunked: fails without the feature;
 - host syncs: none, as unchunked (`step_costs.StepCosts`);
 - the option: parsing, the environment, "auto", and the refusal of chunks that do not divide the heads.
 """
@@ -25,7 +25,8 @@ from ndparallel import MemoryKwargs
 from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention
 from ndparallel.parallel.sequence import ulysses
 from ndparallel.parallel.sequence.ulysses import auto_head_chunks, check_head_chunks, chunk_counts
-from step_costs import LiveBytes, StepCosts
+from ndparallel.test_utils.memory import LiveBytes
+from step_costs import StepCosts
 from test_parity import GLOBAL_BATCH, max_param_diff
 
 TOLERANCE = 1e-6  # fp32; the chunks run the same kernels on the same heads
@@ -41,9 +42,9 @@ def _groups(cp: int) -> tuple[int, int, int, dist.ProcessGroup, dist.ProcessGrou
     return sp, cp_rank, sp_rank, sp_groups[cp_rank], cp_groups[sp_rank] if cp > 1 else None
 
 
-def _run(layout, local, dout, sp_group, cp_group, causal, chunks, strategy):
+def _run(shards, local, dout, sp_group, cp_group, causal, chunks, strategy):
     leaves = [t.detach().clone().requires_grad_() for t in local]
-    out = sequence_parallel_attention(*leaves, layout, cp_group=cp_group, sp_group=sp_group, is_causal=causal,
+    out = sequence_parallel_attention(*leaves, shards, cp_group=cp_group, sp_group=sp_group, is_causal=causal,
                                       head_chunks=chunks, strategy=strategy)
     out.backward(dout)
     return [out.detach()] + [t.grad for t in leaves]
@@ -58,11 +59,11 @@ def _compare(cp: int, strategy: str) -> dict[str, float]:
         g = torch.Generator().manual_seed(hq * 10 + hkv)
         q, dout = (torch.randn(2, hq, seq, 8, generator=g) for _ in range(2))
         k, v = (torch.randn(2, hkv, seq, 8, generator=g) for _ in range(2))
-        layout = SequenceShards.of(seq, cp, cp_rank, True, sp, sp_rank)
-        local = [layout.shard(t, 2) for t in (q, k, v)]
-        plain = _run(layout, local, layout.shard(dout, 2), sp_group, cp_group, causal, None, strategy)
+        shards = SequenceShards.of(seq, cp, cp_rank, True, sp, sp_rank)
+        local = [shards.shard(t, 2) for t in (q, k, v)]
+        plain = _run(shards, local, shards.shard(dout, 2), sp_group, cp_group, causal, None, strategy)
         for chunks in (2, hq // sp):  # two groups; one query head per group
-            got = _run(layout, local, layout.shard(dout, 2), sp_group, cp_group, causal, chunks, strategy)
+            got = _run(shards, local, shards.shard(dout, 2), sp_group, cp_group, causal, chunks, strategy)
             errors[f"heads={hq}/{hkv} causal={causal} chunks={chunks}"] = max(
                 (a - b).abs().max().item() for a, b in zip(got, plain))
     dist.destroy_process_group()
@@ -87,18 +88,18 @@ def _costs(axis: str, strategy: str = "allgather") -> dict[str, dict]:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cp = 2 if axis == "cp" else 1
-    layout = SequenceShards.of(SEQ, cp, rank if cp > 1 else 0, True, 3 - cp, 0 if cp > 1 else rank)
+    shards = SequenceShards.of(SEQ, cp, rank if cp > 1 else 0, True, 3 - cp, 0 if cp > 1 else rank)
     groups = {"cp_group": dist.group.WORLD} if cp > 1 else {"sp_group": dist.group.WORLD}
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, MEM_HEADS, SEQ, HEAD_DIM, generator=g) for _ in range(4)]
-    local = [layout.shard(t, 2).contiguous() for t in full]
+    local = [shards.shard(t, 2).contiguous() for t in full]
     report = {}
     # "auto" with a budget of 1 MiB: 4 chunks' q/k/v/o of one rank (4 x 2048 x 32 x 4 B) fit, 2 chunks' do not
     ulysses.HEAD_CHUNK_BYTES = 2**20
     for chunks in (None, 2, 4, "auto") if axis == "sp" else (None, 2, 4):
         leaves = [t.clone().requires_grad_() for t in local[:3]]
         with LiveBytes() as memory, StepCosts() as costs:
-            out = sequence_parallel_attention(*leaves, layout, strategy=strategy, head_chunks=chunks, **groups)
+            out = sequence_parallel_attention(*leaves, shards, strategy=strategy, head_chunks=chunks, **groups)
             out.backward(local[3])
             del out
         report[str(chunks)] = {"peak": memory.peak, "syncs": costs.syncs, "collectives": dict(costs.collectives)}

@@ -9,7 +9,7 @@ over ``expert_shard`` (= fsdp / ep) and replicates over dp_replicate (`apply.sha
 tokens and the experts whole (transformers' ``moe_tp_experts`` is ``unsplit``): each tp rank exchanges with its own ep
 group.
 
-- `layout`: which modules are the experts and routers (the family table, `ndparallel.models.families`), and
+- `modules`: which modules are the experts and routers (the family table, `ndparallel.models.families`), and
   the refusals;
 - `apply`: the check and apply steps, and FSDP2 over the split experts;
 - `dispatch`: the experts module's call -- route, exchange, compute, return, combine;
@@ -21,7 +21,7 @@ The router's load-balancing loss is the global batch's under any layout (`ndpara
 
 from .apply import apply_expert_parallel, check_expert_parallel, expert_parallel_modules, shard_experts
 from .dispatch import ExpertShard, expert_parallel_forward
-from .layout import EXPERT_COUNTS, expert_modules, family_experts
+from .modules import EXPERT_COUNTS, expert_modules, family_experts
 
 __all__ = ["EXPERT_COUNTS", "ExpertShard", "apply_expert_parallel", "check_expert_parallel", "expert_modules",
            "expert_parallel_forward", "expert_parallel_modules", "family_experts", "shard_experts"]

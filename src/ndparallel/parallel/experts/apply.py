@@ -14,13 +14,13 @@ from ..gathered import reshards_after_forward
 from ..options import PrepareOptions
 from ..target import target_of
 from .dispatch import ExpertShard, expert_parallel_forward
-from .layout import check_experts, expert_count, expert_modules, family_experts
+from .modules import check_experts, expert_count, expert_modules, family_experts
 
 SHARD_ATTRIBUTE = "_ndparallel_expert_shard"  # set on each experts module the apply step split (its ExpertShard)
 
 
 def check_expert_parallel(model: nn.Module, mesh: ParallelMesh, options: PrepareOptions) -> None:
-    """Raise, on every rank alike, where ``ep_size`` cannot split `model` (`layout.check_experts`)."""
+    """Raise, on every rank alike, where ``ep_size`` cannot split `model` (`modules.check_experts`)."""
     check_experts(model, mesh.size("ep"), target_of(model, options))
 
 

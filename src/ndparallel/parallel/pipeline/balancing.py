@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from ...models.families import ROUTER_LOSS, USUAL_EXPERTS
-from ..experts.layout import family_experts
+from ..experts.modules import family_experts
 from ..moe import gather_token_rows, load_balancing_function
 from ..target import Target
 

@@ -1,7 +1,7 @@
 """Context parallelism (``cp``) and Ulysses sequence parallelism (``sp``): sequences sharded over ``cp x sp``, attention
 exact over the whole sequence. One module per concern, each importing only those above it in this list:
 
-- `positions`: which positions of a sequence each rank holds (`SequenceLayout` for cp, `SequenceShards` for cp x sp);
+- `positions`: which positions of a sequence each rank holds (`SequenceChunking` for cp, `SequenceShards` for cp x sp);
 - `kernels`: attention of one query block against one key block, with its log-sum-exp, and the merge of partial
   results;
 - `communication`: K/V all-gather and its reduce-scatter, the ring's point-to-point exchange, Ulysses' all-to-alls;
@@ -16,12 +16,12 @@ exact over the whole sequence. One module per concern, each importing only those
 
 from .apply import apply_sequence_parallel, check_sequence_parallel
 from .attention import CP_ATTENTION, sequence_parallel_attention
-from .positions import SequenceLayout, SequenceShards
+from .positions import SequenceChunking, SequenceShards
 from .sharding import SequenceSharding, active, context_parallel_attention
 
 __all__ = [
     "CP_ATTENTION",
-    "SequenceLayout",
+    "SequenceChunking",
     "SequenceShards",
     "SequenceSharding",
     "active",

@@ -15,22 +15,22 @@ import torch.distributed as dist
 
 from .communication import gather_pair, reduce_scatter_pair
 from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish, fused_gradients
-from .positions import SequenceLayout
+from .positions import SequenceChunking
 from .masking import DocumentMask, plan_block
 
 
-def _key_blocks(layout: SequenceLayout, causal: bool, doc: DocumentMask | None,
+def _key_blocks(chunking: SequenceChunking, causal: bool, doc: DocumentMask | None,
                 device: torch.device) -> list[list[tuple[int, int, list]]]:
     """Per local chunk, the key ranges ``(start, end, pieces)`` it attends to: under a causal mask the keys before
     the chunk (full) and the chunk itself (causal); else the whole sequence. With a document mask (padded or packed
     rows) the keys are cut into chunk-sized blocks, and blocks without a visible key are left out. Pieces:
     ``(rows, query range, key range, kernel's causal flag, mask or None)`` (`masking.plan_block`)."""
     blocks = []
-    for s, e in layout.chunks():
+    for s, e in chunking.chunks():
         if doc is None or doc.trivial:
-            ranges = [(0, s, False), (s, e, True)] if causal else [(0, layout.seq_len, False)]
+            ranges = [(0, s, False), (s, e, True)] if causal else [(0, chunking.seq_len, False)]
         else:
-            n, stop = layout.chunk_len, e if causal else layout.seq_len
+            n, stop = chunking.chunk_len, e if causal else chunking.seq_len
             ranges = [(a, min(a + n, stop), causal and a == s) for a in range(0, stop, n)]
         planned = [(a, b, plan_block(doc, slice(s, e), slice(a, b), diagonal, causal, device))
                    for a, b, diagonal in ranges if b > a]
@@ -40,12 +40,12 @@ def _key_blocks(layout: SequenceLayout, causal: bool, doc: DocumentMask | None,
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunking: SequenceChunking,
                 group: dist.ProcessGroup, causal: bool, scale: float, doc: DocumentMask | None) -> torch.Tensor:
-        full_k, full_v = gather_pair(key, value, layout, group)
-        n, lses = layout.chunk_len, []
+        full_k, full_v = gather_pair(key, value, chunking, group)
+        n, lses = chunking.chunk_len, []
         result = query.new_empty((*query.shape[:3], value.shape[-1]))  # each chunk written here once merged
-        for j, blocks in enumerate(_key_blocks(layout, causal, doc, query.device)):
+        for j, blocks in enumerate(_key_blocks(chunking, causal, doc, query.device)):
             state = None
             qj = query[:, :, j * n:(j + 1) * n]
             for s, e, pieces in blocks:
@@ -62,25 +62,25 @@ class _AllGatherAttention(torch.autograd.Function):
         lse_all = torch.cat(lses, dim=2)
         # The output is kept as returned (the inputs' dtype, as SDPA keeps its own); the lse in fp32.
         ctx.save_for_backward(query, key, value, result, lse_all)
-        ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
+        ctx.chunking, ctx.group, ctx.causal, ctx.scale, ctx.doc = chunking, group, causal, scale, doc
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         query, key, value, out, lse = ctx.saved_tensors
-        layout: SequenceLayout = ctx.layout
-        n = layout.chunk_len
-        full_k, full_v = gather_pair(key, value, layout, ctx.group)
+        chunking: SequenceChunking = ctx.chunking
+        n = chunking.chunk_len
+        full_k, full_v = gather_pair(key, value, chunking, ctx.group)
         # A query chunk gets at most two blocks' gradients (the keys before it, and its diagonal); so do the keys on
         # one rank. Such sums of the fused kernels' gradients run in the inputs' dtype -- computed in fp32, rounded
         # once, as an fp32 accumulator would round them -- in buffers of the gradients' own size; the keys' sums over
         # several ranks' chunks, and the math kernel's fp32 gradients, in fp32.
         fused, acc = fused_gradients(query, value, ctx.doc), acc_dtype(query)
         dq = torch.zeros(query.shape, dtype=query.dtype if fused else acc, device=query.device)
-        kv_dtype = query.dtype if fused and layout.size == 1 else acc
+        kv_dtype = query.dtype if fused and chunking.size == 1 else acc
         dk = torch.zeros(full_k.shape, dtype=kv_dtype, device=query.device)
         dv = torch.zeros(full_v.shape, dtype=kv_dtype, device=query.device)
-        for j, blocks in enumerate(_key_blocks(layout, ctx.causal, ctx.doc, query.device)):
+        for j, blocks in enumerate(_key_blocks(chunking, ctx.causal, ctx.doc, query.device)):
             chunk = slice(j * n, (j + 1) * n)
             for s, e, pieces in blocks:
                 for rows, qs, ks, diagonal, mask in pieces:
@@ -92,11 +92,11 @@ class _AllGatherAttention(torch.autograd.Function):
                     dk[:, :, s:e][rows, :, ks] += g[1]
                     dv[:, :, s:e][rows, :, ks] += g[2]
                     del g  # before the next block's: one block's gradients at a time
-        dk, dv = reduce_scatter_pair(dk, dv, layout, ctx.group)
+        dk, dv = reduce_scatter_pair(dk, dv, chunking, ctx.group)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None, None
 
 
-def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
+def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunking: SequenceChunking,
                         group: dist.ProcessGroup, is_causal: bool, scale: float,
                         doc: DocumentMask | None = None) -> torch.Tensor:
     """Exact attention of the local queries over the whole sequence, K/V all-gathered over `group`.
@@ -105,4 +105,4 @@ def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     (`ndparallel.parallel.sequence.attention`). `doc`: which keys each query sees in a padded or packed batch
     (`masking.DocumentMask`).
     """
-    return _AllGatherAttention.apply(query, key, value, layout, group, bool(is_causal), float(scale), doc)
+    return _AllGatherAttention.apply(query, key, value, chunking, group, bool(is_causal), float(scale), doc)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .allgather import allgather_attention
-from .positions import SequenceLayout, SequenceShards
+from .positions import SequenceChunking, SequenceShards
 from .masking import DocumentMask
 from .ring import ring_attention
 from .ulysses import head_chunked_attention, ulysses_attention
@@ -27,7 +27,7 @@ CP_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {"allgather": allgather_a
 
 
 def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shards: SequenceShards) -> None:
-    """Raise unless q/k/v are ``[batch, heads, local_len, head_dim]`` shards of this layout, with query heads a
+    """Raise unless q/k/v are ``[batch, heads, local_len, head_dim]`` shards of `shards`, with query heads a
     multiple of the key/value heads (GQA). The same on every rank, so it raises before any collective."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4 or t.shape[0] != query.shape[0] or t.shape[2] != shards.local_len:
@@ -58,20 +58,20 @@ def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: t
     """
     check_qkv(query, key, value, shards)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    layout, cp_attention = shards.cp, CP_ATTENTION[strategy]
+    chunking, cp_attention = shards.cp, CP_ATTENTION[strategy]
     masked = doc is not None and not doc.trivial
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if layout.size == 1 and masked:  # the block kernels on this rank's whole sequence, in two chunks
-            return ring_attention(q, k, v, SequenceLayout(layout.seq_len, 1, 0, layout.seq_len % 2 == 0), None,
+        if chunking.size == 1 and masked:  # the block kernels on this rank's whole sequence, in two chunks
+            return ring_attention(q, k, v, SequenceChunking(chunking.seq_len, 1, 0, chunking.seq_len % 2 == 0), None,
                                   is_causal, scale, doc)
-        if layout.size == 1:
+        if chunking.size == 1:
             gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
             return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
-        return cp_attention(q, k, v, layout, cp_group, is_causal, scale, doc if masked else None)
+        return cp_attention(q, k, v, chunking, cp_group, is_causal, scale, doc if masked else None)
 
     if shards.sp_size == 1:
-        if layout.size > 1:  # context parallelism alone: its head chunks, if any
-            return head_chunked_attention(query, key, value, attend, head_chunks, layout.seq_len)
+        if chunking.size > 1:  # context parallelism alone: its head chunks, if any
+            return head_chunked_attention(query, key, value, attend, head_chunks, chunking.seq_len)
         return attend(query, key, value)
     return ulysses_attention(query, key, value, sp_group, attend, head_chunks)

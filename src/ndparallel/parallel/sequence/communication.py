@@ -16,48 +16,48 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .positions import SequenceLayout
+from .positions import SequenceChunking
 
 SEQ_DIM = 2
 
 
 # ---- all-gather / reduce-scatter along the sequence ------------------------------------------------------------------
-def gather_sequence(x: torch.Tensor, layout: SequenceLayout, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, chunking: SequenceChunking, group: dist.ProcessGroup) -> torch.Tensor:
     """Every rank's shard of `x` concatenated in global order (not differentiable)."""
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(layout.size)]
+    parts = [torch.empty_like(x) for _ in range(chunking.size)]
     dist.all_gather(parts, x, group=group)
-    return layout.unshard(parts, dim=SEQ_DIM)
+    return chunking.unshard(parts, dim=SEQ_DIM)
 
 
-def reduce_scatter_sequence(x: torch.Tensor, layout: SequenceLayout, group: dist.ProcessGroup) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, chunking: SequenceChunking, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum of every rank's full-sequence `x`, each rank receiving its own shard of the sum."""
-    parts = [layout.shard(x, SEQ_DIM, rank=r).contiguous() for r in range(layout.size)]
-    out = torch.empty_like(parts[layout.rank])
+    parts = [chunking.shard(x, SEQ_DIM, rank=r).contiguous() for r in range(chunking.size)]
+    out = torch.empty_like(parts[chunking.rank])
     dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
-def gather_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
+def gather_pair(a: torch.Tensor, b: torch.Tensor, chunking: SequenceChunking,
                 group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """`gather_sequence` of two tensors (K and V) with one collective when their shapes allow: one rendezvous per
     layer instead of two, the same bytes. On one rank: the tensors themselves (nothing to gather or copy)."""
-    if layout.size == 1:
+    if chunking.size == 1:
         return a, b
     if a.shape != b.shape or a.dtype != b.dtype:
-        return gather_sequence(a, layout, group), gather_sequence(b, layout, group)
-    return gather_sequence(torch.cat([a, b], dim=1), layout, group).chunk(2, dim=1)
+        return gather_sequence(a, chunking, group), gather_sequence(b, chunking, group)
+    return gather_sequence(torch.cat([a, b], dim=1), chunking, group).chunk(2, dim=1)
 
 
-def reduce_scatter_pair(a: torch.Tensor, b: torch.Tensor, layout: SequenceLayout,
+def reduce_scatter_pair(a: torch.Tensor, b: torch.Tensor, chunking: SequenceChunking,
                         group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """`reduce_scatter_sequence` of two tensors (the K and V gradients), with one collective when shapes allow. On one
     rank: the tensors themselves."""
-    if layout.size == 1:
+    if chunking.size == 1:
         return a, b
     if a.shape != b.shape or a.dtype != b.dtype:
-        return reduce_scatter_sequence(a, layout, group), reduce_scatter_sequence(b, layout, group)
-    return reduce_scatter_sequence(torch.cat([a, b], dim=1), layout, group).chunk(2, dim=1)
+        return reduce_scatter_sequence(a, chunking, group), reduce_scatter_sequence(b, chunking, group)
+    return reduce_scatter_sequence(torch.cat([a, b], dim=1), chunking, group).chunk(2, dim=1)
 
 
 # ---- the ring ------------------------------------------------------------------------------------------------------

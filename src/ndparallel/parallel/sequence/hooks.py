@@ -82,7 +82,7 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise ValueError(f"{where}: {', '.join(unsupported)} cannot be honoured by context-parallel attention")
     window = kwargs.get("sliding_window")
     configured = _config_window(getattr(module, "config", None))
-    if "sliding_window" not in kwargs and configured is not None and configured < state.layout.seq_len:
+    if "sliding_window" not in kwargs and configured is not None and configured < state.shards.seq_len:
         raise ValueError(f"{where}: the config has a sliding window ({configured}) but the attention call does not "
                          "say which layers use it, so context-parallel attention cannot honour it; use a layout "
                          "without cp_size/sp_size (FSDP, TP: they run the model's own attention)")
@@ -220,8 +220,8 @@ def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts:
     """Refuse inputs CP would silently get wrong; describe the batch's padding and packed documents for attention;
     give the model global position_ids. Checks use the full-sequence copies of sharded buffers, so every rank of
     ``cp`` decides alike."""
-    layout = state.layout
-    local, total = layout.local_len, layout.seq_len
+    shards = state.shards
+    local, total = shards.local_len, shards.seq_len
     for name in ("input_ids", "inputs_embeds", "shift_labels", "position_ids"):
         t = kwargs.get(name)
         if not isinstance(t, torch.Tensor) or t.dim() < (1 if name == "position_ids" else 2):
@@ -258,7 +258,7 @@ def _check_hf_inputs(kwargs: dict, state: ShardedSequence, config: Any, accepts:
         kwargs["attention_mask"] = None  # attention rebuilds the mask from the documents
     if kwargs.get("position_ids") is None and "position_ids" in accepts:
         # Without them the model would number each shard 0..local-1 and rotary embeddings would be wrong.
-        kwargs["position_ids"] = layout.positions(device).unsqueeze(0)
+        kwargs["position_ids"] = shards.positions(device).unsqueeze(0)
     _check_config(config, total)
     shift = kwargs.get("shift_labels")
     expected = state.expected_tokens if torch.is_grad_enabled() else None
@@ -309,7 +309,7 @@ def _report_imbalance(state: ShardedSequence) -> None:
     if _imbalance_reported or sharding.cp_size == 1 or sharding.balance_documents or state.documents is None:
         return
     _imbalance_reported = True
-    cp = state.layout.cp
+    cp = state.shards.cp
     work = [w["visible"] for w in attention_work(state.documents, cp.seq_len, cp.size, cp.chunk_ids)]
     mean = sum(work) / len(work)
     if mean and max(work) / mean > IMBALANCE_WARNING and sharding.cp_rank == 0 and sharding.sp_rank == 0:
@@ -334,10 +334,10 @@ def _whole(state: ShardedSequence, t: Any, name: str) -> torch.Tensor | None:
     whole = _full(state, t)
     if whole is not None:
         return whole
-    if t.shape[-1] == state.layout.seq_len:
+    if t.shape[-1] == state.shards.seq_len:
         return t
-    if name == "position_ids":  # sharded by the caller: fine if they are the layout's positions (plus a row offset)
-        offsets = t - state.layout.positions(t.device)
+    if name == "position_ids":  # sharded by the caller: fine if they are the shards' positions (plus a row offset)
+        offsets = t - state.shards.positions(t.device)
         if bool((offsets == offsets[..., :1]).all()):
             return None
     raise ValueError(f"context parallelism: {name} was sharded outside maybe_context_parallel, so padding and "

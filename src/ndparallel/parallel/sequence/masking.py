@@ -224,7 +224,7 @@ def plan_block(doc: DocumentMask | None, queries: slice, keys: slice, causal_blo
 def attention_work(doc: DocumentMask, seq_len: int, cp_size: int, chunk_ids, causal: bool = True) -> list[dict]:
     """Per cp rank, the query-key pairs its attention computes and the ones that are visible, for a batch described
     by `doc`: ``[{"computed": ..., "visible": ...}, ...]``. `chunk_ids(rank)` gives the chunks a rank holds (as
-    `SequenceLayout.chunk_ids`), of ``seq_len / number of chunks`` positions each. A skipped block computes nothing,
+    `SequenceChunking.chunk_ids`), of ``seq_len / number of chunks`` positions each. A skipped block computes nothing,
     a causal one half its square (with the diagonal), full and masked ones all their pairs (the masked kernel scores
     the whole block). Pure arithmetic, for reports and benchmarks: nothing is communicated."""
     chunks = sorted(c for r in range(cp_size) for c in chunk_ids(r))

@@ -1,13 +1,13 @@
 """How a sequence is split over the ranks of ``cp`` (and ``sp``): which positions each rank holds.
 
-Context parallelism (`SequenceLayout`). A sequence of S tokens is cut into equal chunks:
+Context parallelism (`SequenceChunking`). A sequence of S tokens is cut into equal chunks:
 - load-balanced (default): 2*cp chunks of S/(2*cp); rank r holds chunks r and 2*cp-1-r, in that order. Under a
   causal mask, chunk c attends to c+1 chunks' worth of keys, so every rank gets the same amount of work
   (r+1 + 2*cp-r = 2*cp+1 chunk pairs);
 - contiguous: cp chunks of S/cp; rank r holds chunk r (the last rank does cp times the work of the first);
 - assigned: any equal number of equal chunks per rank, given as data (`assignment`) -- the document-balanced
   partition of packed rows (`masking.balanced_assignment`) is one.
-A rank's local rows are its chunks concatenated; `SequenceLayout.positions` gives their global positions.
+A rank's local rows are its chunks concatenated; `SequenceChunking.positions` gives their global positions.
 
 With Ulysses sequence parallelism as well (cp x sp), `SequenceShards` cuts each cp rank's shard into sp contiguous
 pieces; after Ulysses' all-to-all each rank holds its cp rank's whole shard again, in the order context-parallel
@@ -25,7 +25,7 @@ from ...distributed.layout import load_balanced_chunks
 
 
 @dataclass(frozen=True)
-class SequenceLayout:
+class SequenceChunking:
     """How one sequence of `seq_len` tokens is split over the `size` ranks of a group; `rank` is this rank's index.
 
     Raises ValueError when `seq_len` does not split into equal chunks, before anything is communicated.
@@ -115,14 +115,14 @@ class SequenceLayout:
 class SequenceShards:
     """A sequence sharded over ``cp x sp`` (Ulysses inside context parallelism, "unified sequence parallel").
 
-    `cp` says which tokens this rank's cp rank holds (`SequenceLayout`, load-balanced or not); the ``sp`` ranks of
+    `cp` says which tokens this rank's cp rank holds (`SequenceChunking`, load-balanced or not); the ``sp`` ranks of
     that cp rank split its shard into `sp_size` contiguous pieces, sp rank s holding piece s. Ulysses' all-to-all
     over ``sp`` concatenates the pieces in sp order, so after it each rank holds its cp rank's whole shard, in the
     order context-parallel attention expects. With ``sp_size=1`` this is `cp` itself; with ``cp.size=1``, plain
     Ulysses (each sp rank a contiguous 1/sp of the sequence). Raises ValueError when the length does not split.
     """
 
-    cp: SequenceLayout
+    cp: SequenceChunking
     sp_size: int = 1
     sp_rank: int = 0
 
@@ -142,7 +142,7 @@ class SequenceShards:
     @classmethod
     def of(cls, seq_len: int, cp_size: int = 1, cp_rank: int = 0, load_balance: bool = True, sp_size: int = 1,
            sp_rank: int = 0) -> SequenceShards:
-        return cls(SequenceLayout(seq_len, cp_size, cp_rank, load_balance and cp_size > 1), sp_size, sp_rank)
+        return cls(SequenceChunking(seq_len, cp_size, cp_rank, load_balance and cp_size > 1), sp_size, sp_rank)
 
     @property
     def seq_len(self) -> int:

@@ -21,21 +21,21 @@ import torch.distributed as dist
 
 from .communication import Ring
 from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish, fused_gradients
-from .positions import SequenceLayout
+from .positions import SequenceChunking
 from .masking import DocumentMask, plan_block
 
 _KV_TAG, _GRAD_TAG = 7, 8  # P2P tags: K/V blocks and their gradients may be in flight between the same peers
 
 
-def pairs(layout: SequenceLayout, owner: int, causal: bool, doc: DocumentMask | None = None,
+def pairs(chunking: SequenceChunking, owner: int, causal: bool, doc: DocumentMask | None = None,
           device: torch.device | None = None):
     """(local query chunk j, key chunk i of `owner`, pieces) for every chunk pair with a visible key: under a causal
     mask, pairs above the diagonal are skipped; with a document mask (padded or packed rows) also the pairs whose
     queries see none of the keys. Pieces: ``(rows, query range, key range, kernel's causal flag, mask or None)``
     within the chunks (`masking.plan_block`)."""
-    n = layout.chunk_len
-    for j, qc in enumerate(layout.chunk_ids()):
-        for i, kc in enumerate(layout.chunk_ids(owner)):
+    n = chunking.chunk_len
+    for j, qc in enumerate(chunking.chunk_ids()):
+        for i, kc in enumerate(chunking.chunk_ids(owner)):
             if causal and kc > qc:  # a key chunk after the query chunk is masked entirely
                 continue
             pieces = plan_block(doc, slice(qc * n, (qc + 1) * n), slice(kc * n, (kc + 1) * n), causal and kc == qc,
@@ -50,22 +50,22 @@ def _chunk(x: torch.Tensor, j: int, n: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunking: SequenceChunking,
                 group: dist.ProcessGroup | None, causal: bool, scale: float, doc: DocumentMask | None) -> torch.Tensor:
-        n, chunks = layout.chunk_len, len(layout.chunk_ids())
-        ring = Ring(group, layout.size, layout.rank) if layout.size > 1 else None
+        n, chunks = chunking.chunk_len, len(chunking.chunk_ids())
+        ring = Ring(group, chunking.size, chunking.rank) if chunking.size > 1 else None
         out: list[Any] = [None] * chunks
-        block, owner = [key.contiguous(), value.contiguous()], layout.rank
-        for t in range(layout.size):
-            pending = ring.start(block, _KV_TAG) if t < layout.size - 1 else None
+        block, owner = [key.contiguous(), value.contiguous()], chunking.rank
+        for t in range(chunking.size):
+            pending = ring.start(block, _KV_TAG) if t < chunking.size - 1 else None
             k, v = block
-            for j, i, pieces in pairs(layout, owner, causal, doc, query.device):
+            for j, i, pieces in pairs(chunking, owner, causal, doc, query.device):
                 qj, ki, vi = _chunk(query, j, n), _chunk(k, i, n), _chunk(v, i, n)
                 for rows, qs, ks, diagonal, mask in pieces:
                     o, l = block_forward(qj[rows, :, qs], ki[rows, :, ks], vi[rows, :, ks], scale, diagonal, mask)
                     out[j] = accumulate(out[j], rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
             if pending is not None:
-                block, owner = Ring.finish(pending), (owner - 1) % layout.size
+                block, owner = Ring.finish(pending), (owner - 1) % chunking.size
         # A chunk whose queries saw no key at all (padding only) gets output 0, lse -inf. Each chunk is written
         # into the one output buffer (rounded to the inputs' dtype there) and let go.
         result = query.new_empty((*query.shape[:3], value.shape[-1]))
@@ -79,27 +79,27 @@ class _RingAttention(torch.autograd.Function):
         lse_all = torch.cat(lses, dim=2)
         # The output is kept as returned (the inputs' dtype, as SDPA keeps its own); the lse in fp32.
         ctx.save_for_backward(query, key, value, result, lse_all)
-        ctx.layout, ctx.group, ctx.causal, ctx.scale, ctx.doc = layout, group, causal, scale, doc
+        ctx.chunking, ctx.group, ctx.causal, ctx.scale, ctx.doc = chunking, group, causal, scale, doc
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         query, key, value, out, lse = ctx.saved_tensors
-        layout: SequenceLayout = ctx.layout
-        n = layout.chunk_len
-        ring = Ring(ctx.group, layout.size, layout.rank) if layout.size > 1 else None
+        chunking: SequenceChunking = ctx.chunking
+        n = chunking.chunk_len
+        ring = Ring(ctx.group, chunking.size, chunking.rank) if chunking.size > 1 else None
         # On one rank no element gets more than two blocks' gradients (a causal chunk pair: the diagonal block and
         # the one before it), so the fused kernels' gradients add up in the inputs' dtype -- their sum computed in
         # fp32 and rounded once, as an fp32 accumulator would round it -- in buffers of the gradients' own size.
         # Otherwise (blocks of many ranks, the math kernel's fp32 gradients) the sums run in fp32.
-        acc = query.dtype if layout.size == 1 and fused_gradients(query, value, ctx.doc) else acc_dtype(query)
+        acc = query.dtype if chunking.size == 1 and fused_gradients(query, value, ctx.doc) else acc_dtype(query)
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
-        block, owner = [key.contiguous(), value.contiguous()], layout.rank
+        block, owner = [key.contiguous(), value.contiguous()], chunking.rank
         grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in block]
-        for t in range(layout.size):
-            pending = ring.start(block, _KV_TAG) if t < layout.size - 1 else None
+        for t in range(chunking.size):
+            pending = ring.start(block, _KV_TAG) if t < chunking.size - 1 else None
             (k, v), (dk, dv) = block, grads
-            for j, i, pieces in pairs(layout, owner, ctx.causal, ctx.doc, query.device):
+            for j, i, pieces in pairs(chunking, owner, ctx.causal, ctx.doc, query.device):
                 for rows, qs, ks, diagonal, mask in pieces:
                     g = block_backward(*(_chunk(t, j, n)[rows, :, qs] for t in (grad_out, query)),
                                        *(_chunk(t, i, n)[rows, :, ks] for t in (k, v)), _chunk(out, j, n)[rows, :, qs],
@@ -113,11 +113,11 @@ class _RingAttention(torch.autograd.Function):
             if ring is not None:
                 grads = Ring.finish(ring.start(grads, _GRAD_TAG))
             if pending is not None:
-                block, owner = Ring.finish(pending), (owner - 1) % layout.size
+                block, owner = Ring.finish(pending), (owner - 1) % chunking.size
         return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None, None, None
 
 
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SequenceLayout,
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunking: SequenceChunking,
                    group: dist.ProcessGroup | None, is_causal: bool, scale: float,
                    doc: DocumentMask | None = None) -> torch.Tensor:
     """Exact attention of the local queries over the sequence sharded on `group` (see the module docstring).
@@ -126,4 +126,4 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     (`ndparallel.parallel.sequence.attention`). `doc`: which keys each query sees in a padded or packed batch
     (`masking.DocumentMask`). `group` may be None on a one-rank layout.
     """
-    return _RingAttention.apply(query, key, value, layout, group, bool(is_causal), float(scale), doc)
+    return _RingAttention.apply(query, key, value, chunking, group, bool(is_causal), float(scale), doc)

@@ -2,8 +2,8 @@
 are sharded.
 
 `SequenceSharding` is the one place that knows the geometry: built from the mesh and the
-`TorchContextParallelConfig` when the Accelerator starts, it gives the layout of a sequence length
-(`positions`), counts the loss tokens of this rank's shard for the data loader (`count_loss_tokens`), shards buffers in
+`TorchContextParallelConfig` when the Accelerator starts, it gives the shards of a sequence length (`shards`,
+`positions`), counts the loss tokens of this rank's shard for the data loader (`count_loss_tokens`), shards buffers in
 place for ``Accelerator.maybe_context_parallel`` (`sharded`), and computes attention over the shards (`attend`).
 
 While a `sharded` block is open, the process-wide `active()` state says so, and `context_parallel_attention` -- the
@@ -29,7 +29,7 @@ from ...training.loss import count_loss_tokens
 from ...distributed.layout import sequence_divisor
 from ...distributed.mesh import ParallelMesh
 from .attention import sequence_parallel_attention
-from .positions import SequenceLayout, SequenceShards
+from .positions import SequenceChunking, SequenceShards
 from .masking import DocumentMask, balanced_assignment, document_ids
 
 
@@ -69,24 +69,24 @@ class SequenceSharding:
     def sizes(self) -> str:
         return describe_sizes(self.cp_size, self.sp_size)
 
-    def layout(self, seq_len: int) -> SequenceShards:
+    def shards(self, seq_len: int) -> SequenceShards:
         """Which positions of a `seq_len`-token sequence this rank holds; ValueError when the length does not split."""
         return SequenceShards.of(seq_len, self.cp_size, self.cp_rank, self.load_balance, self.sp_size, self.sp_rank)
 
     def fitting_length(self, seq_len: int) -> int:
-        """The shortest length >= `seq_len` that splits over this layout (`layout.sequence_divisor` at most away)."""
+        """The shortest length >= `seq_len` that splits over these ranks (`Layout.sequence_divisor` at most away)."""
         for length in range(seq_len, seq_len + sequence_divisor(self.cp_size, self.sp_size) + 1):
             try:
-                self.layout(length)
+                self.shards(length)
                 return length
             except ValueError:
                 continue
         raise ValueError(f"no sequence length from {seq_len} splits over {self.sizes}")
 
     def plan(self, batch: Any) -> SequenceShards | None:
-        """The layout of `batch` when it depends on the batch: with ``balance_documents``, packed or padded rows
+        """The shards of `batch` when they depend on the batch: with ``balance_documents``, packed or padded rows
         (``position_ids`` restarting at 0, a 2-D ``attention_mask``) whose chunks deal more evenly over cp by
-        attention work than the load-balanced layout (`masking.balanced_assignment`); else None (the default).
+        attention work than the load-balanced chunks (`masking.balanced_assignment`); else None (the default).
         The same on every rank of cp and sp: it reads only the whole batch."""
         if not self.balance_documents or self.cp_size == 1 or not isinstance(batch, Mapping):
             return None
@@ -103,8 +103,8 @@ class SequenceSharding:
         assignment = balanced_assignment(doc.cpu(), self.cp_size)
         if assignment is None:
             return None
-        layout = SequenceLayout(ids.shape[1], self.cp_size, self.cp_rank, assignment=assignment)
-        return SequenceShards(layout, self.sp_size, self.sp_rank)
+        chunking = SequenceChunking(ids.shape[1], self.cp_size, self.cp_rank, assignment=assignment)
+        return SequenceShards(chunking, self.sp_size, self.sp_rank)
 
     def count_loss_tokens(self, batch: Any) -> int | None:
         """Loss tokens of this rank's shard of `batch` (`ndparallel.training.loss.count_loss_tokens`): what its loss
@@ -117,30 +117,30 @@ class SequenceSharding:
         if planned is not None and planned.seq_len == labels.shape[-1]:
             return planned.shard(labels, -1)
         try:
-            layout = self.layout(labels.shape[-1])
+            shards = self.shards(labels.shape[-1])
         except ValueError:
             return None
-        return layout.shard(labels, -1)
+        return shards.shard(labels, -1)
 
-    def attend(self, layout: SequenceShards, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def attend(self, shards: SequenceShards, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                is_causal: bool, scale: float | None, doc: DocumentMask | None = None) -> torch.Tensor:
-        return sequence_parallel_attention(query, key, value, layout, cp_group=self.cp_group, sp_group=self.sp_group,
+        return sequence_parallel_attention(query, key, value, shards, cp_group=self.cp_group, sp_group=self.sp_group,
                                            strategy=self.strategy, is_causal=is_causal, scale=scale, doc=doc,
                                            head_chunks=self.head_chunks)
 
     @contextlib.contextmanager
     def sharded(self, buffers: list[torch.Tensor] | None, seq_dims: list[int] | None,
                 no_restore: set[torch.Tensor] | None = None, expected_tokens: int | None = None,
-                layout: SequenceShards | None = None) -> Iterator[ShardedSequence]:
+                shards: SequenceShards | None = None) -> Iterator[ShardedSequence]:
         """Shard `buffers` in place along their `seq_dims` for the duration of the block; on exit restore those not
         in `no_restore`. `expected_tokens` is this shard's loss-token count as the prepared data loader counted it
-        (checked against the model's ``shift_labels``); `layout`, the layout it chose for the batch (`plan`), used
+        (checked against the model's ``shift_labels``); `shards`, the shards it chose for the batch (`plan`), used
         when the buffers have its length. Every check comes before anything is changed, and nothing here
         communicates."""
         global _ACTIVE
         if _ACTIVE is not None:
             raise RuntimeError("maybe_context_parallel blocks cannot be nested")
-        layout = self._check_buffers(buffers, seq_dims, layout)
+        shards = self._check_buffers(buffers, seq_dims, shards)
         unique = list({id(b): (b, d) for b, d in zip(buffers, seq_dims)}.values())
         storages = [b.untyped_storage().data_ptr() for b, _ in unique]
         if len(set(storages)) < len(storages):
@@ -149,10 +149,10 @@ class SequenceSharding:
         keep = {id(b) for b in (no_restore or ())}
         full = {id(b): b.clone() for b, _ in unique}
         for buf, dim in unique:
-            part = layout.shard(full[id(buf)], dim)
+            part = shards.shard(full[id(buf)], dim)
             buf.resize_(part.shape)  # in place, as torch's context_parallel does: the caller's batch sees the shard
             buf.copy_(part)
-        state = ShardedSequence(self, layout, full, expected_tokens)
+        state = ShardedSequence(self, shards, full, expected_tokens)
         _ACTIVE = state
         failed = False
         try:
@@ -200,7 +200,7 @@ class SequenceSharding:
             shapes = ", ".join(f"{tuple(b.shape)} (dim {d})" for b, d in zip(buffers, seq_dims))
             raise ValueError(f"maybe_context_parallel: the buffers' sequence lengths differ: {shapes}")
         length = lengths.pop()
-        return planned if planned is not None and planned.seq_len == length else self.layout(length)
+        return planned if planned is not None and planned.seq_len == length else self.shards(length)
 
 
 @dataclass
@@ -208,7 +208,7 @@ class ShardedSequence:
     """What attention and the model's input checks need to know while the sequence is sharded."""
 
     sharding: SequenceSharding
-    layout: SequenceShards  # this rank's part: cp layout, then its sp piece
+    shards: SequenceShards  # this rank's part: cp chunks, then its sp piece
     full: Mapping[int, torch.Tensor]  # id(buffer) -> the buffer's full-sequence copy, for input checks
     expected_tokens: int | None = None  # loss tokens of this shard, as counted by the prepared data loader
     forwards: int = 0  # forwards of prepared models inside the block
@@ -222,7 +222,7 @@ class ShardedSequence:
     def visibility(self, window: int | None) -> DocumentMask | None:
         """The batch's document mask with a sliding window (None: none), one object per window for the batch so
         each block's kind is worked out once, not once per layer."""
-        if window is not None and window >= self.layout.seq_len:
+        if window is not None and window >= self.shards.seq_len:
             window = None  # a window covering the sequence is plain causal attention
         if window is None:
             return self.documents
@@ -260,4 +260,4 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
         return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale, **gqa)
     state.attention_calls += 1
-    return state.sharding.attend(state.layout, query, key, value, is_causal, scale, state.visibility(sliding_window))
+    return state.sharding.attend(state.shards, query, key, value, is_causal, scale, state.visibility(sliding_window))

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism: attention over a sequence sharded on ``sp`` by switching to head sharding.
 
-Each rank of ``sp`` holds 1/sp of every sequence (`layout.SequenceShards`). Around attention:
+Each rank of ``sp`` holds 1/sp of every sequence (`positions.SequenceShards`). Around attention:
 
 1. one all-to-all over ``sp`` turns sequence-sharded ``[batch, heads, L/sp, head_dim]`` query/key/value into
    head-sharded ``[batch, heads/sp, L, head_dim]``: rank s keeps heads ``[s*heads/sp, (s+1)*heads/sp)`` of every

@@ -1,4 +1,5 @@
-"""Counting what a training step sends, and what it keeps in memory, on one rank.
+"""Counting what a training step sends, on one rank: `CollectiveCounter` (collectives and host syncs) and
+`StoreCounter` (c10d store operations); `group_size` reads a dispatched collective's group.
 
 `CollectiveCounter` is a `TorchDispatchMode`: every collective reaches the dispatcher as an op, whether FSDP2 calls
 ``torch.distributed`` (``c10d.*`` ops: ``_allgather_base_``, ``_reduce_scatter_base_``, ``allreduce_``...) or a
@@ -21,6 +22,24 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def group_size(args: tuple, kwargs: dict) -> int:
+    """The number of ranks in the group of a collective op dispatched with `args` and `kwargs` (a c10d op carries its
+    process group as a script object, a functional one its group's name)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    values = list(args) + list(kwargs.values())
+    for a in values:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except (RuntimeError, TypeError):  # a ReduceOp
+                continue
+    names = [a for a in values if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product")]
+    return _resolve_process_group(names[-1]).size()
+
 
 KINDS = {
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
@@ -45,21 +64,6 @@ def _nbytes(x: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(x))
 
 
-def _group_size(args: tuple, kwargs: dict) -> int:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    values = list(args) + list(kwargs.values())
-    for a in values:
-        if isinstance(a, torch.ScriptObject):
-            try:
-                return dist.ProcessGroup.unbox(a).size()
-            except (RuntimeError, TypeError):  # a ReduceOp
-                continue
-    names = [a for a in values if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product")]
-    return _resolve_process_group(names[-1]).size()
-
-
 def sent_bytes(kind: str, op: str, args: tuple, kwargs: dict, n: int) -> int:
     """Bytes this rank sends for one collective (the formulas of the module docstring)."""
     if kind == "all_gather":
@@ -76,7 +80,7 @@ def sent_bytes(kind: str, op: str, args: tuple, kwargs: dict, n: int) -> int:
     return _nbytes(args[0])
 
 
-def _caller(skip: tuple[str, ...] = ("/torch/", "/contextlib.py", "comm_count.py")) -> str:
+def _caller(skip: tuple[str, ...] = ("/torch/", "/contextlib.py", "ndparallel/test_utils/collectives.py")) -> str:
     """``file:line`` of the innermost frame outside torch (and this module): who asked for it."""
     import traceback
 
@@ -114,7 +118,7 @@ class CollectiveCounter(TorchDispatchMode):
         op = func._schema.name.split("::")[-1]
         if ns in ("c10d", "_c10d_functional") and op in KINDS:
             kind = KINDS[op]
-            n = _group_size(args, kwargs)
+            n = group_size(args, kwargs)
             self.bytes[kind] += sent_bytes(kind, op, args, kwargs, n)
             self.calls[kind] += 1
             self.by_group[f"{kind}/{n}"] += 1
@@ -163,76 +167,3 @@ class StoreCounter:
         for name, original in self._saved.items():
             setattr(dist.Store, name, original)
         self._saved.clear()
-
-
-# ---- memory ------------------------------------------------------------------------------------------------
-def local_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (DTensors: their local shards)."""
-    from torch.distributed.tensor import DTensor
-
-    storages: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor) and v.dim() > 0]  # not the scalar step counters
-    return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params),
-            "optimizer": local_bytes(state)}
-
-
-class SavedActivations:
-    """Bytes autograd saves for backward during a forward (distinct storages), as ``saved_tensors_hooks`` see
-    them: activations, plus any weight tensors a layer saves (FSDP2's unsharded parameters are freed after
-    forward all the same)."""
-
-    def __init__(self) -> None:
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        local = t.to_local() if isinstance(t, DTensor) else t
-        # Not the chunked loss's gradients, computed in its forward (the head's gradient, not an activation).
-        if not isinstance(t, torch.nn.Parameter) and not getattr(t, "_ndparallel_loss_gradient", False):
-            try:
-                s = local.untyped_storage()
-                self.storages[s.data_ptr()] = s.nbytes()
-            except RuntimeError:  # a tensor without a plain storage (a wrapper subclass): its own bytes
-                self.storages[id(local)] = local.numel() * local.element_size()
-        return t
-
-    def context(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-
-def reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

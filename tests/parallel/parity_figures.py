@@ -1,6 +1,8 @@
 """Print how far each data-parallel layout is from the single-process reference (the figures the tests bound).
 
-    python benchmarks/parity.py [--tp]
+    python tests/parallel/parity_figures.py [--tp]
+
+It lives with the tests it reads (their layouts, runs and reference), not in benchmarks/: no benchmark imports tests/.
 
 For every layout of tests/parallel/test_parity.py and both tiny models: the largest per-step loss difference over 6
 AdamW steps. Then, with -100 labels spread unevenly, the largest parameter difference after 6 SGD steps,
@@ -12,7 +14,7 @@ parallelism.
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
+TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "scripts"), str(TESTS / "parallel"), str(TESTS / "parallel" / "tensor")]
 
 import torch  # noqa: E402

@@ -13,7 +13,7 @@ from ..target import Target
 # Config fields through which the table's mixtures of experts give their number of routed experts.
 EXPERT_COUNTS = expert_count_fields()
 # What transformers' `use_experts_implementation` sets on a stacked experts module (`compute` reads them).
-LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_transposed")
+STACKED_ATTRIBUTES = ("has_gate", "has_bias", "is_transposed")
 
 
 def family_experts(model: nn.Module, target: Target | None = None) -> tuple[str | None, Experts | None]:
@@ -72,14 +72,14 @@ def check_experts(model: nn.Module, ep: int, target: Target | None = None) -> No
                          f"and {len(routers)} router(s) named layers.*.{experts.router}, where the family table "
                          f"expects one of each per sparse layer of {model_type!r}")
     for where, module in modules:
-        layout = all(hasattr(module, a) for a in LAYOUT_ATTRIBUTES) and not getattr(module, "has_post_expert_norm",
-                                                                                      False)
+        implemented = (all(hasattr(module, a) for a in STACKED_ATTRIBUTES)
+                       and not getattr(module, "has_post_expert_norm", False))
         stacked = _stacked(module, count)
         others = [n for n, _ in module.named_parameters() if n not in stacked]
-        if not layout or not stacked or others:
+        if not implemented or not stacked or others:
             raise ValueError(
                 f"ep_size={ep}: {where!r} ({type(module).__name__}) is not transformers' stacked experts layout "
                 f"(one weight per projection with the {count} experts along dimension 0, and the attributes "
-                f"{list(LAYOUT_ATTRIBUTES)}); parameters {others or 'none'} are not stacked per expert. Expert "
+                f"{list(STACKED_ATTRIBUTES)}); parameters {others or 'none'} are not stacked per expert. Expert "
                 "parallelism splits that layout only (transformers >= 5 builds it); per-expert modules (an "
                 "nn.ModuleList of MLPs, remote code, adapters on the experts) are trained without ep_size")

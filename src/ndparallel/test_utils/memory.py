@@ -1,0 +1,74 @@
+"""Memory counted on the CPU, on any device's tensors: what autograd keeps for backward (`kept_bytes`: the distinct
+storages the saved tensors live in, parameters aside) and the most bytes of tensors alive at once in a region
+(`LiveBytes`).
+
+`LiveBytes` is a `TorchDispatchMode` that tracks the storages ops create while it is on (each released through a
+weak reference when its last tensor dies) and keeps the largest sum of their bytes alive at once: the peak of what a
+region holds, on any device. Buffers a kernel allocates inside itself (workspaces) are not seen; the same kernels on
+both sides of a comparison keep that fair.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def kept_bytes(run: Callable[[], object], parameters: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages `run()` saves for backward (each storage once), less those of `parameters`."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    weights = {p.untyped_storage().data_ptr() for p in parameters}
+    return sum(n for ptr, n in kept.items() if ptr not in weights)
+
+
+def training_step_kept_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """What a causal LM's forward and backward on `ids` (labels the same) keep, parameters aside."""
+    return kept_bytes(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss.backward(), model.parameters())
+
+
+def _storages(x: Any) -> list[torch.UntypedStorage]:
+    if isinstance(x, torch.Tensor):
+        try:
+            return [x.untyped_storage()]
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage of its own
+            return []
+    if isinstance(x, (list, tuple)):
+        return [s for item in x for s in _storages(item)]
+    return []
+
+
+class LiveBytes(TorchDispatchMode):
+    """``with LiveBytes() as m:`` then ``m.peak``: the most bytes of storages created inside that were alive at once
+    (``m.live`` now). Storages that existed before the region (inputs, parameters) are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: dict[int, int] = {}  # storage key -> bytes, while alive
+
+    def _release(self, key: int, _ref: Any = None) -> None:
+        self.live -= self._seen.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = {id(s): s for s in _storages((args, list((kwargs or {}).values())))}
+        out = func(*args, **(kwargs or {}))
+        for storage in _storages(out):
+            key = storage._cdata
+            if key in self._seen or any(s._cdata == key for s in before.values()):
+                continue
+            self._seen[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            weakref.finalize(storage, self._release, key)
+        self.peak = max(self.peak, self.live)
+        return out
