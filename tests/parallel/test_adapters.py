@@ -19,6 +19,8 @@ if __name__ == "__main__":  # run as a script (docs table regeneration): the imp
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from ndparallel.distributed.layout import Layout  # noqa: E402
+
 import lora_run  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from readme_sections import read_section, write_section  # noqa: E402
@@ -242,6 +244,6 @@ def test_only_the_adapters_gradients_are_reduced(sizes):
     import adapters as bench
 
     options = {"hidden": 64, "layers": 2, "rank": 4, "seq": 16, "batch": 2}
-    result = run_ranks(bench.step, 2, options, sizes, True, timeout=300)[0]
+    result = run_ranks(bench.step, 2, options, Layout(**sizes), True, timeout=300)[0]
     assert result["reduced"] == result["needed"] > 0
     assert result["optimizer"] == 2 * result["grads"] > 0
