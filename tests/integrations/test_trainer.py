@@ -86,7 +86,7 @@ def assert_same_run(results: list[dict], ref: dict) -> None:
     assert got["accelerator"] == "ndparallel.integrations.trainer"
     assert ref["accelerator"] == "accelerate.accelerator"
     assert len(got["losses"]) == len(ref["losses"]) == 6
-    for name in ("losses", "grad_norms", "eval_losses"):
+    for name in ("losses", "grad_norms", "eval_losses", "epochs"):
         assert len(got[name]) == len(ref[name])
         diff = max((abs(a - b) for a, b in zip(got[name], ref[name])), default=0.0)
         assert diff < TOL, (name, got[name], ref[name])

@@ -16,10 +16,10 @@ import pytest
 import lora_run
 from harness import run_ranks
 
-COUNTED = ("adapter_free", "plan_styles", "resolve_plan", "block_classes")
+COUNTED = ("adapter_free", "plan_styles", "resolve_plan", "block_classes", "under_layers")
 
 
-def count_calls(sizes: dict[str, int], peft: bool) -> dict[str, int]:
+def count_calls(sizes: dict[str, int], peft: bool, model_name: str = "llama") -> dict[str, int]:
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs, ParallelismConfig
     import ndparallel.parallel as parallel
     from tiny_models import build_model
@@ -53,8 +53,8 @@ def count_calls(sizes: dict[str, int], peft: bool) -> dict[str, int]:
     parallel.parallelize = counted_parallelize
     acc = Accelerator(parallelism_config=ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()}),
                       fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True),
-                      kwargs_handlers=[MemoryKwargs(tiled_mlp=True)])
-    model = lora_run.lora_model("llama") if peft else build_model("llama")
+                      kwargs_handlers=[MemoryKwargs(tiled_mlp=model_name == "llama")])  # MoE MLPs stay untiled
+    model = lora_run.lora_model(model_name) if peft else build_model(model_name)
     acc.prepare(model)
     return during
 
@@ -67,3 +67,10 @@ def test_one_parallelize_peels_the_adapter_and_resolves_the_plan_once(sizes, pef
         assert counts["adapter_free"] == counts["block_classes"] == 1, counts
         tp = sizes.get("tp", 1) > 1
         assert counts["plan_styles"] == counts["resolve_plan"] == (1 if tp else 0), counts
+
+
+def test_one_parallelize_finds_the_experts_and_routers_once():
+    """A mixture of experts under expert parallelism: its experts modules and routers are found once (one search by
+    each name of the family table), for the check and the split alike."""
+    for counts in run_ranks(count_calls, 2, {"dp_shard": 2, "ep": 2}, False, "qwen3_moe", timeout=300):
+        assert counts["under_layers"] == 2 and counts["adapter_free"] == 1, counts

@@ -54,6 +54,7 @@ def train(output_dir: str, *, steps: int = 6, per_device: int = 2, accumulation:
     out = {"losses": [h["loss"] for h in history if "loss" in h],
            "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
            "eval_losses": [h["eval_loss"] for h in history if "eval_loss" in h],
+           "epochs": [h["epoch"] for h in history if "loss" in h],  # where the Trainer thinks each step is
            "params": full_parameters(trainer.model),
            "accelerator": type(trainer.accelerator).__module__,
            "rank": int(os.environ.get("RANK", "0"))}

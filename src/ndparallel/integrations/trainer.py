@@ -29,7 +29,9 @@ What changes, each for a reason (the rest of the training loop is the Trainer's 
    ``position_ids`` added, then every sequence tensor of the batch sharded by `Accelerator.maybe_context_parallel`
    (cp and sp alike; padded and packed rows included: ndparallel keeps their masks). TRL's padding-free fields
    (``cu_seq_lens_*``, ``max_length_*``) are dropped after a check that they describe the rows ``position_ids``
-   restarts at: ndparallel reads the documents from ``position_ids``. The Trainer draws a whole accumulation
+   restarts at: ndparallel reads the documents from ``position_ids``. The Trainer's batches per epoch are the loader's
+   length under sp too (`set_initial_training_values`: transformers counts sp_size times as many, for Accelerate's
+   DeepSpeed-Ulysses adapter, which cuts each batch into sp_size; ndparallel's loader does not). The Trainer draws a whole accumulation
    window of batches before its first micro-step; each micro-step shards with what the data loader said of its own
    batch (`TrainerAccelerator._start_batch`). When the Trainer counts no tokens (a model that
    takes no ``num_items_in_batch``: ``model_accepts_loss_kwargs`` False), each rank's loss is its model's mean over
@@ -526,6 +528,25 @@ def load_best_model(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def set_initial_training_values(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, args: Any, dataloader: Any) -> tuple:
+        if not taken_over(self) or self.get_sp_size() == 1:
+            return original(self, args, dataloader)
+        # The Trainer counts sp_size times the data loader's batches per epoch: Accelerate's sequence parallelism
+        # (DeepSpeed's Ulysses) cuts each batch into sp_size batches of their own. ndparallel's shards each batch
+        # inside the model, and its loader yields what its length says; counted sp_size times over, the epochs, a
+        # max_steps run's number of epochs (it stopped early) and the LR schedule of an epoch-based one were wrong.
+        # The data-parallel size (the global batch) stays world / (tp x cp x sp).
+        total = self.get_total_train_batch_size(args)
+        self.get_sp_size, self.get_total_train_batch_size = (lambda: 1), (lambda _args: total)
+        try:
+            return original(self, args, dataloader)
+        finally:
+            del self.get_sp_size, self.get_total_train_batch_size
+    return wrapper
+
+
 def skip_first_batches(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(dataloader: Any, num_batches: int = 0) -> Any:
@@ -547,6 +568,7 @@ HOOKS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "_load_best_model": load_best_model,
     "_wrap_model": wrap_model,
     "_prepare_input": prepare_input,
+    "set_initial_training_values": set_initial_training_values,
 }
 
 

@@ -55,6 +55,7 @@ EXPECTED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "_load_best_model": ("self",),
     "_wrap_model": ("self", "model", "training", "dataloader"),
     "_prepare_input": ("self", "data"),
+    "set_initial_training_values": ("self", "args", "dataloader"),
 }
 MODULE_HOOKS: dict[str, tuple[str, ...] | None] = {"Accelerator": None, "skip_first_batches": ("dataloader", "num_batches")}
 

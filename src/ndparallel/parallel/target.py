@@ -4,14 +4,17 @@ Under PEFT the steps read the transformers model inside the ``PeftModel`` (its p
 `adapted.adapter_free`) and the family table's entry for its ``config.model_type``; at tp > 1 they split the model by
 one resolved plan (module name -> style, `tensor.plans.plan_styles`); FSDP2's wrap, activation checkpointing, regional
 compilation and the tiled MLP work on its transformer blocks (the classes ``transformer_cls_names_to_wrap`` or the
-model's ``_no_split_modules`` name, `blocks.block_classes`). `parallelize` peels the wrapper, resolves the plan and
-the block classes once, into a `Target` it hands the steps in ``options.target`` (`options.PrepareOptions`), so that
-no step peels or resolves again and the checks and the applies see the same resolution. A step called on its own
+model's ``_no_split_modules`` name, `blocks.block_classes`); expert parallelism checks and splits a mixture of experts'
+routed experts modules and routers (named by the family table). `parallelize` peels the wrapper, resolves the plan,
+the block classes and the experts once, into a `Target` it hands the steps in ``options.target``
+(`options.PrepareOptions`), so that no step peels or resolves again and the checks and the applies see the same
+resolution. A step called on its own
 (outside `parallelize`, as a unit test does) resolves its own (`target_of`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +40,10 @@ class Target:
     tp_source: str = ""
     # The transformer block classes (`blocks.block_classes` of the FSDP plugin's names; empty where none are named)
     block_types: tuple[type[nn.Module], ...] = ()
+    # A known mixture of experts: its routed experts modules and routers, (name, module) in module order, found by the
+    # names the family table gives them (`under_layers`); empty otherwise
+    expert_modules: tuple[tuple[str, nn.Module], ...] = ()
+    routers: tuple[tuple[str, nn.Module], ...] = ()
 
     @classmethod
     def of(cls, model: nn.Module, block_names: list[str] | None = None) -> Target:
@@ -45,17 +52,31 @@ class Target:
         classes it has, where a name matches none)."""
         inner = adapter_free(model)
         model_type = getattr(getattr(inner, "config", None), "model_type", None)
-        return cls(inner, model_type, FAMILIES.get(model_type), experts_of(model_type),
-                   block_types=tuple(block_classes(model, block_names)))
+        experts = experts_of(model_type)
+        found = {} if experts is None else {"expert_modules": tuple(under_layers(model, experts.modules)),
+                                            "routers": tuple(under_layers(model, experts.router))}
+        return cls(inner, model_type, FAMILIES.get(model_type), experts,
+                   block_types=tuple(block_classes(model, block_names)), **found)
 
     def blocks_in(self, module: nn.Module) -> list[nn.Module]:
         """The transformer blocks under `module` (the model, or a pipeline stage cut from it), in module order."""
         return blocks_of(module, list(self.block_types))
 
+    def experts_in(self, module: nn.Module) -> list[nn.Module]:
+        """The routed experts modules under `module` (the model, or a pipeline stage cut from it), in module order."""
+        under = {id(m) for m in module.modules()}
+        return [m for _, m in self.expert_modules if id(m) in under]
+
     @property
     def config(self) -> Any:
         """The inner model's config (None where it has none)."""
         return getattr(self.inner, "config", None)
+
+
+def under_layers(model: nn.Module, suffix: str) -> list[tuple[str, nn.Module]]:
+    """Modules named ``...layers.<i>.<suffix>`` (the decoder layers that have one), in module order."""
+    pattern = re.compile(r"(?:.*\.)?layers\.\d+\." + re.escape(suffix))
+    return [(name, module) for name, module in model.named_modules() if pattern.fullmatch(name)]
 
 
 def target_of(model: nn.Module, options: Any) -> Target:

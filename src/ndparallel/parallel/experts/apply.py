@@ -14,7 +14,7 @@ from ..gathered import reshards_after_forward
 from ..options import PrepareOptions
 from ..target import target_of
 from .dispatch import ExpertShard, expert_parallel_forward
-from .modules import check_experts, expert_count, expert_modules, family_experts
+from .modules import check_experts, expert_count, family_experts
 
 SHARD_ATTRIBUTE = "_ndparallel_expert_shard"  # set on each experts module the apply step split (its ExpertShard)
 
@@ -34,7 +34,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepare
     _, experts = family_experts(model, target)
     shard = ExpertShard(mesh.group("ep"), mesh.size("ep"), mesh.rank("ep"), expert_count(model, experts, target))
     mine = slice(shard.rank * shard.local, (shard.rank + 1) * shard.local)
-    for _, module in expert_modules(model, experts):
+    for module in target.experts_in(model):  # this pipeline stage's, under pipeline parallelism
         for name, param in list(module.named_parameters(recurse=False)):
             # Every rank holds the same full weights here (broadcast by `parallelize`); meta ones stay meta.
             part = param.detach()[mine].clone()

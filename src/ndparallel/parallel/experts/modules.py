@@ -3,12 +3,10 @@ on every rank alike and before any collective, what expert parallelism cannot sp
 
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
 from ...models.families import Experts, expert_count_fields, expert_counts, expert_types
-from ..target import Target
+from ..target import Target, under_layers
 
 # Config fields through which the table's mixtures of experts give their number of routed experts.
 EXPERT_COUNTS = expert_count_fields()
@@ -28,14 +26,8 @@ def expert_count(model: nn.Module, experts: Experts, target: Target | None = Non
     return int(getattr(target.config, experts.count))
 
 
-def _under_layers(model: nn.Module, suffix: str) -> list[tuple[str, nn.Module]]:
-    """Modules named ``...layers.<i>.<suffix>`` (the decoder layers that have one), in module order."""
-    pattern = re.compile(r"(?:.*\.)?layers\.\d+\." + re.escape(suffix))
-    return [(name, module) for name, module in model.named_modules() if pattern.fullmatch(name)]
-
-
 def expert_modules(model: nn.Module, experts: Experts) -> list[tuple[str, nn.Module]]:
-    return _under_layers(model, experts.modules)
+    return under_layers(model, experts.modules)
 
 
 def _stacked(module: nn.Module, count: int) -> list[str]:
@@ -65,8 +57,7 @@ def check_experts(model: nn.Module, ep: int, target: Target | None = None) -> No
         divisors = [d for d in range(1, count + 1) if count % d == 0]
         raise ValueError(f"ep_size={ep} must divide the experts of {name}: {experts.count}={count} cannot be split "
                          f"over {ep} ranks; use an ep_size in {divisors} (that also divides dp_shard x cp x sp)")
-    modules = expert_modules(model, experts)
-    routers = _under_layers(model, experts.router)
+    modules, routers = target.expert_modules, target.routers  # found as `parallelize` began (`Target.of`)
     if not modules or len(routers) != len(modules):
         raise ValueError(f"ep_size={ep}: {name} has {len(modules)} experts module(s) named layers.*.{experts.modules} "
                          f"and {len(routers)} router(s) named layers.*.{experts.router}, where the family table "
