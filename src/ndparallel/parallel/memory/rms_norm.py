@@ -70,6 +70,7 @@ class _RMSNorm(torch.autograd.Function):
             grad_x = _backward_chunk(x, grad, rstd, scale, ctx.form, grad_weight).to(x.dtype)
         else:  # each chunk's input gradient written into its rows of one buffer (the same values: per-token math)
             grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            # views of the rows (a copy only of a tensor whose rows cannot be viewed so: not a model's hidden states)
             flat_x, flat_grad, flat_rstd = x.reshape(-1, hidden), grad.reshape(-1, hidden), rstd.reshape(-1, 1)
             out = grad_x.view(-1, hidden)
             for start in range(0, tokens, step):
