@@ -100,8 +100,11 @@ def test_max_seq_takes_head_chunks_where_they_lengthen_the_sequence_and_prints_t
     args = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--gpus-per-node", "8", "--max-seq"]
     assert main(args + ["--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    sp8, cp8 = rows["sp=8"], rows["cp=8"]
-    assert sp8["head_chunks"] and sp8["tokens"]["all"] > sp8["tokens_without_head_chunks"] > 0
+    cp4sp2, sp8, cp8 = rows["cp=4,sp=2"], rows["sp=8"], rows["cp=8"]
+    assert cp4sp2["head_chunks"] and cp4sp2["tokens"]["all"] > cp4sp2["tokens_without_head_chunks"] > 0
+    # sp 8, one query head per chunk: the rebuilt chunk's full-sequence q/k/v/o and gradients come on top of the
+    # shard's q/k/v/o gradients, as large as the unchunked attention's: not taken
+    assert not sp8["head_chunks"] and sp8["tokens"]["all"] == sp8["tokens_without_head_chunks"] > 0
     assert not cp8["head_chunks"] and cp8["tokens_without_head_chunks"] is None  # sp 1: not modelled
     assert main(args) == 0
-    assert 'MemoryKwargs(ulysses_head_chunks="auto"), 8 at that length' in capsys.readouterr().out
+    assert 'MemoryKwargs(ulysses_head_chunks="auto"), 16 at that length' in capsys.readouterr().out

@@ -26,7 +26,8 @@ README's does), tensor by tensor:
 - **a layer's backward buffers** (`backward_transient`): the largest of what one op of the layer allocates in its
   backward beyond the saved activations -- a tiled MLP's rebuilt tile, the attention's gradients (over head chunks,
   one chunk's rebuilt q/k/v/o and gradients with the shard's gradient buffers: `attention_backward`), an RMSNorm's
-  working set (`norm_backward`) -- added to the rebuilt layer (AC) or alone (no AC), in the ``recompute`` term.
+  working set (`norm_backward`; a fused norm's over chunks of tokens, beside its input gradient) -- added to the
+  rebuilt layer (AC) or alone (no AC), in the ``recompute`` term.
 - **head-chunked Ulysses attention** (``MemoryKwargs(ulysses_head_chunks="auto")``, sp > 1): the attention keeps the
   sequence-sharded q/k/v and o_proj's copy of the output instead of the full-sequence heads, chunks as the library's
   "auto" picks them (`head_chunks`).
@@ -58,7 +59,9 @@ from dataclasses import dataclass, field
 from ..distributed.layout import Layout
 from ..parallel.gathered import reshards_after_forward  # the library's own rule, not a copy
 from ..parallel.memory.host_pool import aligned
-from ..parallel.memory.rms_norm import OWN_BACKWARD_BYTES, backward_bytes as norm_backward_bytes  # the library's
+from ..parallel.memory.rms_norm import OWN_BACKWARD_BYTES  # the library's own counts, not copies
+from ..parallel.memory.rms_norm import backward_bytes as norm_backward_bytes, chunk_tokens as norm_chunk_tokens
+from ..parallel.memory.rms_norm import token_bytes as norm_token_bytes
 from ..parallel.sequence.ulysses import auto_head_chunks, chunk_bytes
 from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
@@ -258,7 +261,8 @@ def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tupl
     qw, ow, kw, vw = attention_widths(model, layout)
     chunks = head_chunks(model, layout, recipe)
     if chunks == 1:
-        return n * (qw + ow + kw + vw) * c, f"{n} tokens x ({qw}+{ow}+{kw}+{vw}) x {c} B (the gradients of o, q, k, v)"
+        return n * (qw + ow + kw + vw) * c, (f"{n} tokens x ({qw}+{ow}+{kw}+{vw}) x {c} B (the gradients of o, q, k, "
+                                             "v, all heads of all the rank's tokens at once)")
     heads, kv, full = model.heads // layout.tp, model.kv_heads // layout.tp, recipe.seq_len // layout.cp
     chunk = chunk_bytes(heads, kv, layout.sp, chunks, full, recipe.micro_batch, model.head_dim, c)
     lse = recipe.micro_batch * full * heads // (layout.sp * chunks) * FP32
@@ -266,17 +270,22 @@ def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tupl
     shard = n * (qw + kw + vw + ow) * c
     return 2 * chunk + lse + shard, (f"{chunks} head chunks: one chunk's full-sequence q/k/v/o and their gradients "
                                      f"2 x {chunk:,} B + its lse {lse:,} B + the shard's q/k/v gradients and the "
-                                     f"output's {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B")
+                                     f"output's {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B (all heads of the shard at "
+                                     "once: the projections' backward takes them whole)")
 
 
 def norm_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """What an RMSNorm's backward allocates for the hidden states of one rank's tokens: a fused norm's
-    (`rms_norm.backward_bytes`, the library's count for Llama's form), or the model's own (`rms_norm.
-    OWN_BACKWARD_BYTES` per element, measured on Llama's)."""
-    n, h = recipe.tokens(layout), model.hidden
+    (`rms_norm.backward_bytes`, the library's count: over chunks of tokens, the input gradient and one chunk's
+    working set), or the model's own (`rms_norm.OWN_BACKWARD_BYTES` per element, measured on Llama's)."""
+    n, h, c = recipe.tokens(layout), model.hidden, recipe.compute_bytes
     if recipe.fused_norms:
-        per_token = norm_backward_bytes(h, recipe.compute_bytes)
-        return n * per_token, f"{n} tokens x {per_token} B (a fused RMSNorm's backward)"
+        step = norm_chunk_tokens(n, h)
+        if step >= n:
+            return norm_backward_bytes(n, h, c), f"{n} tokens x {norm_token_bytes(h)} B (a fused RMSNorm's backward)"
+        return norm_backward_bytes(n, h, c), (f"{n} tokens x {h} x {c} B (the input gradient) + {step} tokens x "
+                                              f"{norm_token_bytes(h)} B (one of {math.ceil(n / step)} chunks' working "
+                                              "set; a fused RMSNorm's backward)")
     return n * h * OWN_BACKWARD_BYTES, f"{n} tokens x {h} x {OWN_BACKWARD_BYTES} B (an RMSNorm's backward)"
 
 

@@ -77,9 +77,13 @@ def chunk_rows(tokens: int, vocab_local: int, requested: int | None = None) -> i
     one chunk (one matrix multiply, as the unchunked loss) when all the logits fit."""
     if requested is not None:
         return max(1, int(requested))
-    fit = max(1, CHUNK_BYTES // (4 * max(1, vocab_local)))  # the most rows whose fp32 logits fit
-    chunks = max(1, math.ceil(tokens / fit))
-    return max(1, math.ceil(tokens / chunks))  # the rows spread evenly over those chunks
+    return even_chunk_rows(tokens, CHUNK_BYTES // (4 * max(1, vocab_local)))  # the most rows whose fp32 logits fit
+
+
+def even_chunk_rows(rows: int, fit: int) -> int:
+    """Rows per chunk when `rows` are spread evenly over the fewest chunks of at most `fit` rows (at least 1) each."""
+    chunks = max(1, math.ceil(rows / max(1, fit)))
+    return max(1, math.ceil(rows / chunks))
 
 
 def aligned_labels(labels: torch.Tensor | None, shift_labels: torch.Tensor | None,

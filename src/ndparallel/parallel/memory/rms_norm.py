@@ -8,6 +8,15 @@ such norm runs `rms_norm` instead: the same operations forward (the output is bi
 backward written out, which keeps the input and one fp32 ``1/rms`` per token (``h c + 4`` bytes) and recomputes the
 normalised value from them. The gradients are the module's own to rounding (fp32: 1e-6).
 
+The backward runs over chunks of tokens (`chunk_tokens`): as few equal chunks as keep each one's working set -- the
+recomputed normalised value, the fp32 gradient of it and their product, 12 h + 4 bytes a token (`token_bytes`) --
+within `CHUNK_BYTES` (128 MiB, the chunked loss's budget), all tokens in one wherever they fit (up to 2,730 tokens of
+hidden size 4,096). Each chunk's input gradient is written into its rows of one buffer in the input's dtype (bitwise
+the unchunked values: every operation but the weight's sum is per token), and the weight's gradient is summed over
+the chunks in fp32. So at a long sequence the backward holds the input gradient and one chunk's working set
+(`backward_bytes`) instead of three fp32 tensors of the whole sequence. The chunks come from shapes: no value is read
+on the host.
+
 Which norms: every module whose class name ends in ``RMSNorm`` with a 1-d ``weight``, an epsilon (``variance_epsilon``
 or ``eps``) and no other parameter, whose forward is found, on a probe, to be one of the two forms above: with random
 weights (so that no form passes for another by its weights' values), in fp32 and in bf16, its output must equal the
@@ -25,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..adapted import adapter_free
+from .cross_entropy import even_chunk_rows
 
 STATUS_ATTR = "_ndparallel_fused_rms_norm"
 FORMS = ("scaled_after_cast", "scaled_before_cast")  # Llama's: weight * normed.to(dtype); Gemma's: fp32, then cast
@@ -48,40 +58,83 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
-        rows = tuple(range(grad.dim() - 1))
-        grad_weight = None
+        hidden = x.shape[-1]
+        tokens = x.numel() // hidden if hidden else 0
         if ctx.form == "scaled_before_cast":
-            g = grad.float()
-            grad_normed = g * (ctx.offset + weight.float())
-            if ctx.needs_input_grad[1]:
-                grad_weight = (g * normed).sum(rows).to(weight.dtype)
+            scale = ctx.offset + weight.float()
         else:
             scale = weight + ctx.offset if ctx.offset else weight
-            cast = normed.to(x.dtype)
-            grad_normed = (grad * scale).to(cast.dtype).float()
-            if ctx.needs_input_grad[1]:
-                grad_weight = (grad * cast).sum(rows).to(weight.dtype)
-        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g - normed * mean(g * normed)), written into the recomputed
-        # `normed` (no longer needed: grad_weight is taken) -- the same values bitwise, and at most three fp32
-        # tokens x h tensors alive at once where four were: they set the step's peak at long sequences
-        # (docs/long_context.md part 6)
-        dot = (grad_normed * normed).mean(-1, keepdim=True)
-        grad_x = normed.mul_(dot).neg_().add_(grad_normed).mul_(rstd)
-        return grad_x.to(x.dtype), grad_weight, None, None, None
+        grad_weight = torch.zeros(hidden, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        step = chunk_tokens(tokens, hidden)
+        if step >= tokens:  # all at once: the input gradient is the chunk's own buffer
+            grad_x = _backward_chunk(x, grad, rstd, scale, ctx.form, grad_weight).to(x.dtype)
+        else:  # each chunk's input gradient written into its rows of one buffer (the same values: per-token math)
+            grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            # views of the rows (a copy only of a tensor whose rows cannot be viewed so: not a model's hidden states)
+            flat_x, flat_grad, flat_rstd = x.reshape(-1, hidden), grad.reshape(-1, hidden), rstd.reshape(-1, 1)
+            out = grad_x.view(-1, hidden)
+            for start in range(0, tokens, step):
+                rows = slice(start, start + step)
+                out[rows].copy_(_backward_chunk(flat_x[rows], flat_grad[rows], flat_rstd[rows], scale, ctx.form,
+                                                grad_weight))
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_x, grad_weight, None, None, None
 
 
-def backward_bytes(hidden: int, element_size: int, form: str = "scaled_after_cast") -> int:
-    """Bytes per token `_RMSNorm.backward` allocates at its peak, for an input of `element_size` bytes: the recomputed
-    normalised value, the fp32 gradient of it and their product (fp32, 3 x 4 h; the input gradient is then written
-    into the first), in a narrower dtype also the normalised value's cast (Llama's form) or the incoming gradient's
-    fp32 copy beside the scaled one (Gemma's: 2 x c h), and the fp32 dot product of the row (4 B). The planner's
-    term for the fused norm's backward (`ndparallel.planner.footprint`); `tests/parallel/memory/test_rms_norm.py`
-    checks it against the bytes the backward holds at its peak (`step_costs.LiveBytes`)."""
-    if form not in FORMS:
-        raise ValueError(f"backward_bytes: form must be one of {FORMS}, got {form!r}")
-    narrow = 0 if element_size == 4 else (1 if form == "scaled_after_cast" else 2) * element_size
-    return (3 * 4 + narrow) * hidden + 4
+def _backward_chunk(x: torch.Tensor, grad: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, form: str,
+                    grad_weight: torch.Tensor | None) -> torch.Tensor:
+    """The input gradient of some of the tokens (fp32), their share of the weight's gradient added to `grad_weight`
+    (fp32). `scale`: ``offset + weight`` as the forward multiplies by it (in fp32 for Gemma's form)."""
+    normed = x.float() * rstd
+    rows = tuple(range(grad.dim() - 1))
+    # The weight's share first, then what it needed goes: at most three fp32 tokens x h tensors alive at once
+    if form == "scaled_before_cast":
+        g = grad.float()
+        if grad_weight is not None:
+            grad_weight.add_((g * normed).sum(rows))
+        grad_normed = g * scale
+        del g
+    else:
+        if grad_weight is not None:
+            grad_weight.add_((grad * normed.to(x.dtype)).sum(rows, dtype=torch.float32))
+        grad_normed = (grad * scale).to(x.dtype).float()
+    # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g - normed * mean(g * normed)), written into the recomputed
+    # `normed` (no longer needed) -- the same values bitwise
+    dot = (grad_normed * normed).mean(-1, keepdim=True)
+    return normed.mul_(dot).neg_().add_(grad_normed).mul_(rstd)
+
+
+# The fused norm's backward runs over as few equal chunks of tokens as keep each chunk's working set (`token_bytes`)
+# within CHUNK_BYTES -- the chunked loss's budget (`cross_entropy.CHUNK_BYTES`) -- and all at once wherever that fits.
+CHUNK_BYTES = 128 * 2**20
+
+
+def token_bytes(hidden: int) -> int:
+    """Bytes per token a chunk of `_RMSNorm.backward` allocates at its peak, in either form and any dtype: three fp32
+    tokens x `hidden` tensors (the recomputed normalised value, the fp32 gradient of it and their product; what a
+    narrower dtype adds, the normalised value's cast or the incoming gradient's fp32 copy, is let go before the
+    third) and the fp32 dot product of the row (4 B)."""
+    return 3 * 4 * hidden + 4
+
+
+def chunk_tokens(tokens: int, hidden: int, budget: int | None = None) -> int:
+    """Tokens per chunk of the fused norm's backward: as few equal chunks as keep each one's `token_bytes` within
+    `budget` (`CHUNK_BYTES` unless given) -- all `tokens` in one wherever they fit."""
+    budget = CHUNK_BYTES if budget is None else budget
+    return even_chunk_rows(tokens, budget // token_bytes(hidden))
+
+
+def backward_bytes(tokens: int, hidden: int, element_size: int) -> int:
+    """Bytes `_RMSNorm.backward` allocates at its peak for `tokens` tokens of `hidden` elements of `element_size` bytes
+    (the weight's fp32 gradient aside, under one token's worth): in one chunk, `token_bytes` per token (the input
+    gradient is then written into the first fp32 tensor); in more, the input gradient (``tokens x hidden`` in the
+    input's dtype) and one chunk's `token_bytes`. The planner's term for the fused norm's backward
+    (`ndparallel.planner.footprint`); `tests/parallel/memory/test_rms_norm.py` checks it against the bytes the
+    backward holds at its peak (`ndparallel.test_utils.memory.LiveBytes`)."""
+    step = chunk_tokens(tokens, hidden)
+    if step >= tokens:
+        return tokens * token_bytes(hidden)
+    return tokens * hidden * element_size + step * token_bytes(hidden)
 
 
 # Bytes per element the model's own RMSNorm's backward allocates at its peak (autograd's gradients of its fp32 ops),
