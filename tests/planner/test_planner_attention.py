@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from harness import run_ranks
 from ndparallel.cli import main
-from ndparallel.parallel.sequence import SequenceShards, sequence_parallel_attention, ulysses
+from ndparallel.parallel.sequence import SequenceShards, block, sequence_parallel_attention, ulysses
 from ndparallel.planner import Layout, Recipe
 from ndparallel.planner.footprint import attention_backward, head_chunks, layer_activations
 from ndparallel.planner.model import spec_from_config
@@ -62,7 +62,9 @@ def _predicted(chunks: int) -> int:
     MLP) and what its backward holds beyond that (`attention_backward`), with "auto" under the same budget. Less,
     over chunks, the output's sequence-sharded gradient, which the planner counts and the test hands in (made before
     the counted region)."""
-    spec = spec_from_config({"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": 1,
+    # mistral: a family whose attention module the chunked block does not run (`block.SUPPORTED`), so the planner
+    # counts the attention function alone, as measured here (Llama's chunked block: `test_chunked_block_terms`)
+    spec = spec_from_config({"model_type": "mistral", "hidden_size": HIDDEN, "num_hidden_layers": 1,
                              "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "intermediate_size": 64,
                              "vocab_size": 64}, "test")
     layout, recipe = Layout(sp=SP), Recipe(SEQ, 1, 1, "fp32", False, head_chunks=True)
@@ -102,9 +104,37 @@ def test_max_seq_takes_head_chunks_where_they_lengthen_the_sequence_and_prints_t
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     cp4sp2, sp8, cp8 = rows["cp=4,sp=2"], rows["sp=8"], rows["cp=8"]
     assert cp4sp2["head_chunks"] and cp4sp2["tokens"]["all"] > cp4sp2["tokens_without_head_chunks"] > 0
-    # sp 8, one query head per chunk: the rebuilt chunk's full-sequence q/k/v/o and gradients come on top of the
-    # shard's q/k/v/o gradients, as large as the unchunked attention's: not taken
-    assert not sp8["head_chunks"] and sp8["tokens"]["all"] == sp8["tokens_without_head_chunks"] > 0
+    # sp 8: with Llama's chunked block (the projections' backward in each chunk) taken too, though one query head
+    # per chunk leaves the attention function's chunk buffers as large as its unchunked gradients
+    assert sp8["head_chunks"] and sp8["tokens"]["all"] > sp8["tokens_without_head_chunks"] > 0
     assert not cp8["head_chunks"] and cp8["tokens_without_head_chunks"] is None  # sp 1: not modelled
     assert main(args) == 0
-    assert 'MemoryKwargs(ulysses_head_chunks="auto"), 16 at that length' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert 'MemoryKwargs(ulysses_head_chunks="auto"), 16 at that length' in out
+    assert "the projections' backward in each (the chunked block)" in out
+
+
+def _chunked_block_terms(model_type: str, tp: int = 1) -> tuple[float, float]:
+    spec = spec_from_config({"model_type": model_type, "hidden_size": 4096, "num_hidden_layers": 32,
+                             "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                             "vocab_size": 128256}, "test")
+    layout, recipe = Layout(cp=4, sp=2, tp=tp), Recipe(4_521_984, 1, 1, "bf16", True, head_chunks=True)
+    return layer_activations(spec, layout, recipe)[0], attention_backward(spec, layout, recipe)[0]
+
+
+def test_chunked_block_terms():
+    """Llama (no tp): the chunked block keeps nothing for attention beyond the norm's output, and the rebuilt layer's
+    attention buffer is the larger of the block's forward and backward, the library's counts
+    (`block.forward_bytes` / `backward_bytes`, checked against the bytes the block holds in
+    tests/parallel/sequence/test_chunked_block.py); a family the block does not run, and Llama under tp (DTensor
+    projections: the module's own forward), keep the attention function's terms."""
+    saved, held = _chunked_block_terms("llama")
+    other_saved, other_held = _chunked_block_terms("mistral")
+    n, c, chunks = 4_521_984 // 8, 2, 16
+    shape = (32, 8, 2, chunks, 4_521_984 // 4, n, 1, 128)
+    lse = 4_521_984 // 4 * 32 // (2 * chunks) * 4
+    assert held == max(block.forward_bytes(*shape, c), block.backward_bytes(*shape, 4096, c) + lse)
+    assert other_saved - saved == n * (4096 + 4096 + 1024 + 1024) * c  # q/k/v and o_proj's input not kept
+    assert other_held - held > 0
+    tp_saved, tp_held = _chunked_block_terms("llama", tp=2)
+    assert (tp_saved, tp_held) == _chunked_block_terms("mistral", tp=2)

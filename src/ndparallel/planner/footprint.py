@@ -62,6 +62,7 @@ from ..parallel.memory.host_pool import aligned
 from ..parallel.memory.rms_norm import OWN_BACKWARD_BYTES  # the library's own counts, not copies
 from ..parallel.memory.rms_norm import backward_bytes as norm_backward_bytes, chunk_tokens as norm_chunk_tokens
 from ..parallel.memory.rms_norm import token_bytes as norm_token_bytes
+from ..parallel.sequence import block
 from ..parallel.sequence.ulysses import auto_head_chunks, chunk_bytes
 from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
@@ -194,7 +195,11 @@ def layer_activations(model: ModelSpec, layout: Layout, recipe: Recipe, sparse: 
     (`moe.block_activations`)."""
     n, c, t, h = recipe.tokens(layout), recipe.compute_bytes, layout.tp, model.hidden
     qw, ow, kw, vw = attention_widths(model, layout)
-    if head_chunks(model, layout, recipe) > 1:
+    if chunked_block(model, layout, recipe):
+        # The projections' backward inside each head chunk too: the block keeps only its input, the norm's output
+        # (counted with the norm), and the rotary tables (counted outside the layers)
+        attention, how = 0, "attention (chunked block: its input only)"
+    elif head_chunks(model, layout, recipe) > 1:
         # Head chunks: the chunked function keeps the sequence-sharded q/k/v (key/value heads not repeated), o_proj
         # its copy of the output; the full-sequence heads are rebuilt a chunk at a time in backward
         # (`attention_backward`)
@@ -248,6 +253,13 @@ def head_chunks(model: ModelSpec, layout: Layout, recipe: Recipe) -> int:
                             model.head_dim, recipe.compute_bytes)
 
 
+def chunked_block(model: ModelSpec, layout: Layout, recipe: Recipe) -> bool:
+    """Whether the library runs the attention's q/k/v/o projections' backward inside each head chunk too
+    (`parallel.sequence.block`: head chunks at these shapes, a family whose attention it reproduces, no tp)."""
+    return (head_chunks(model, layout, recipe) > 1 and layout.tp == 1 and model.model_type in block.MODEL_TYPES
+            and not model.qk_norm and model.mla is None and model.sliding_window is None)
+
+
 def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """What one layer's attention holds in its backward beyond what the layer saved (`layer_activations`).
 
@@ -266,6 +278,16 @@ def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tupl
     heads, kv, full = model.heads // layout.tp, model.kv_heads // layout.tp, recipe.seq_len // layout.cp
     chunk = chunk_bytes(heads, kv, layout.sp, chunks, full, recipe.micro_batch, model.head_dim, c)
     lse = recipe.micro_batch * full * heads // (layout.sp * chunks) * FP32
+    if chunked_block(model, layout, recipe):
+        shape = (heads, kv, layout.sp, chunks, full, full // layout.sp, recipe.micro_batch, model.head_dim)
+        forward = block.forward_bytes(*shape, c)
+        backward = block.backward_bytes(*shape, model.hidden, c) + lse
+        return max(forward, backward), (
+            f"{chunks} head chunks, the projections' backward in each (the chunked block): the larger of its "
+            f"forward's {forward:,} B (the shard's q/k/v and attention output, {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B, "
+            f"and one chunk's full-sequence q/k/v/o with their send buffers, 2 x {chunk:,} B) and its backward's "
+            f"{backward:,} B (the hidden states' gradient {n} x {model.hidden} x {c} B, one chunk's full-sequence "
+            f"q/k/v/o and their gradients 2 x {chunk:,} B, its sequence-sharded ones and theirs, its lse {lse:,} B)")
     kw, vw = attention_widths(model, layout, repeated=False)[2:]
     shard = n * (qw + kw + vw + ow) * c
     return 2 * chunk + lse + shard, (f"{chunks} head chunks: one chunk's full-sequence q/k/v/o and their gradients "

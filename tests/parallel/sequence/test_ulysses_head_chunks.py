@@ -70,8 +70,13 @@ def _compare(cp: int, strategy: str) -> dict[str, float]:
     return errors
 
 
-@pytest.mark.parametrize("cp,world,strategy", [(1, 2, "allgather"), (2, 4, "allgather"), (2, 2, "allgather"),
-                                               (2, 2, "ring")], ids=["sp2", "cp2_sp2", "cp2_allgather", "cp2_ring"])
+# sp 2, cp 2 x sp 2, cp 2 alone (all-gather and ring): the layouts head chunks run in (test_chunked_block.py too)
+LAYOUTS = pytest.mark.parametrize("cp,world,strategy", [(1, 2, "allgather"), (2, 4, "allgather"),
+                                                        (2, 2, "allgather"), (2, 2, "ring")],
+                                  ids=["sp2", "cp2_sp2", "cp2_allgather", "cp2_ring"])
+
+
+@LAYOUTS
 def test_head_chunks_match_the_unchunked_path(cp, world, strategy):
     results = run_ranks(_compare, world, cp, strategy, timeout=120)
     assert len(results[0]) == len(HEADS) * 2 * 2

@@ -13,7 +13,7 @@ from torch import nn
 from ...distributed.mesh import ParallelMesh
 from ..options import PrepareOptions
 from ..target import target_of
-from . import hooks
+from . import block, hooks
 from .sharding import describe_sizes
 from .ulysses import check_head_chunks, check_heads
 
@@ -41,8 +41,13 @@ def apply_sequence_parallel(model: nn.Module, mesh: ParallelMesh, options: Prepa
     """Route `model`'s attention through `sharding.context_parallel_attention` while sequences are sharded.
 
     Hugging Face models with ``attn_implementation`` "sdpa" or "eager" are switched to ndparallel's registered
-    attention function; any other model must call `ndparallel.context_parallel_attention` itself.
+    attention function; any other model must call `ndparallel.context_parallel_attention` itself. With head chunks
+    (``MemoryKwargs(ulysses_head_chunks=...)``, no tp) Llama attention blocks run their projections' backward per
+    chunk as well (`block.install`).
     """
     if mesh.size("cp") > 1 or mesh.size("sp") > 1:
-        hooks.prepare_model(model, _sizes(mesh), target_of(model, options).inner)
+        inner = target_of(model, options).inner
+        hooks.prepare_model(model, _sizes(mesh), inner)
+        if options.memory.ulysses_head_chunks is not None and mesh.size("tp") == 1:
+            block.install(inner)  # the projections' backward inside each head chunk too (`block`)
     return model

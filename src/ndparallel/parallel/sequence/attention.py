@@ -57,7 +57,21 @@ def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: t
     (`ulysses.ulysses_attention`, `ulysses.head_chunked_attention`).
     """
     check_qkv(query, key, value, shards)
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    attend = whole_sequence_attend(shards, cp_group, strategy, is_causal, query.shape[-1], scale, doc)
+    if shards.sp_size == 1:
+        if shards.cp.size > 1:  # context parallelism alone: its head chunks, if any
+            return head_chunked_attention(query, key, value, attend, head_chunks, shards.cp.seq_len)
+        return attend(query, key, value)
+    return ulysses_attention(query, key, value, sp_group, attend, head_chunks)
+
+
+def whole_sequence_attend(shards: SequenceShards, cp_group: dist.ProcessGroup | None, strategy: str, is_causal: bool,
+                          head_dim: int, scale: float | None, doc: DocumentMask | None
+                          ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`attend(q, k, v)`: attention of head-sharded tensors over the whole (cp-local) sequence -- plain SDPA, the block
+    kernels where documents mask it, or the context-parallel attention over ``cp`` (`sequence_parallel_attention`'s
+    arguments)."""
+    scale = head_dim ** -0.5 if scale is None else float(scale)
     chunking, cp_attention = shards.cp, CP_ATTENTION[strategy]
     masked = doc is not None and not doc.trivial
 
@@ -70,8 +84,4 @@ def sequence_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: t
             return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
         return cp_attention(q, k, v, chunking, cp_group, is_causal, scale, doc if masked else None)
 
-    if shards.sp_size == 1:
-        if chunking.size > 1:  # context parallelism alone: its head chunks, if any
-            return head_chunked_attention(query, key, value, attend, head_chunks, chunking.seq_len)
-        return attend(query, key, value)
-    return ulysses_attention(query, key, value, sp_group, attend, head_chunks)
+    return attend

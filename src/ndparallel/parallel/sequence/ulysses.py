@@ -167,6 +167,29 @@ def _leave(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch
     return x.unsqueeze(0) if size == 1 else parts_from_heads(x, group, size)
 
 
+def chunk_plan(heads: int, kv_heads: int, size: int, chunks: int) -> list[tuple[Runs, Runs, Runs]]:
+    """Per chunk, the heads of ``[B, heads, L, D]`` query and ``[B, kv_heads, L, D]`` key and value that it sends to
+    each sp rank (the module docstring's groups; key/value heads repeated to a multiple of ``size * chunks``)."""
+    repeats = kv_repeats(heads, kv_heads, size * chunks)
+    plans = []
+    for c in range(chunks):
+        kv = _chunk_heads(kv_heads, repeats, size, chunks, c)
+        plans.append((_chunk_heads(heads, 1, size, chunks, c), kv, kv))
+    return plans
+
+
+def resolve_chunks(head_chunks: int | str | None, heads: int, kv_heads: int, size: int, full_len: int, batch: int,
+                   head_dim: int, element_size: int) -> int:
+    """The head chunks `head_chunks` means for these shapes (1: all heads at once): "auto" as `auto_head_chunks`, an
+    int checked against the heads each sp rank holds (`check_head_chunks`)."""
+    if head_chunks == "auto":
+        return auto_head_chunks(heads, kv_heads, size, full_len, batch, head_dim, element_size)
+    if head_chunks is None or head_chunks <= 1:
+        return 1
+    check_head_chunks(head_chunks, heads, size)
+    return head_chunks
+
+
 class _HeadChunked(torch.autograd.Function):
     """Ulysses over groups of heads (module docstring). Forward runs the chunks one after the other and keeps only
     the sequence-sharded q/k/v; backward runs each chunk's all-to-alls and attention again and its backward, one
@@ -188,13 +211,8 @@ class _HeadChunked(torch.autograd.Function):
 
     @staticmethod
     def plan(query: torch.Tensor, key: torch.Tensor, size: int, chunks: int) -> list[tuple[Runs, Runs, Runs]]:
-        """Per chunk, the heads of query, key and value sent to each rank."""
-        repeats = kv_repeats(query.shape[1], key.shape[1], size * chunks)
-        plans = []
-        for c in range(chunks):
-            kv = _chunk_heads(key.shape[1], repeats, size, chunks, c)
-            plans.append((_chunk_heads(query.shape[1], 1, size, chunks, c), kv, kv))
-        return plans
+        """Per chunk, the heads of query, key and value sent to each rank (`chunk_plan`)."""
+        return chunk_plan(query.shape[1], key.shape[1], size, chunks)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
@@ -220,12 +238,10 @@ def head_chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     recomputed in backward (the module docstring's head chunks with nothing to exchange), so the gathered (or
     circulating) key/value blocks and the attention's buffers exist for one group of heads at a time. "auto" counts
     q/k/v/o at `full_len`, the whole sequence's length (the gathered key/value's; q/o are shards: an overcount)."""
-    if head_chunks == "auto":
-        b, h, _, d = query.shape
-        head_chunks = auto_head_chunks(h, key.shape[1], 1, full_len, b, d, query.element_size())
-    if head_chunks is None or head_chunks <= 1:
+    b, h, _, d = query.shape
+    head_chunks = resolve_chunks(head_chunks, h, key.shape[1], 1, full_len, b, d, query.element_size())
+    if head_chunks == 1:
         return attend(query, key, value)
-    check_head_chunks(head_chunks, query.shape[1], 1)
     return _HeadChunked.apply(query, key, value, None, 1, head_chunks, attend)
 
 
@@ -242,11 +258,9 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     size = dist.get_world_size(group)
     if size == 1:
         return attend(query, key, value)
-    if head_chunks == "auto":
-        b, h, n, d = query.shape
-        head_chunks = auto_head_chunks(h, key.shape[1], size, size * n, b, d, query.element_size())
-    if head_chunks is not None and head_chunks > 1:
-        check_head_chunks(head_chunks, query.shape[1], size)
+    b, h, n, d = query.shape
+    head_chunks = resolve_chunks(head_chunks, h, key.shape[1], size, size * n, b, d, query.element_size())
+    if head_chunks > 1:
         return _HeadChunked.apply(query, key, value, group, size, head_chunks, attend)
     repeats = kv_repeats(query.shape[1], key.shape[1], size)
     if repeats > 1:
