@@ -195,10 +195,12 @@ class Family:
     experts: Experts | None = None  # a mixture of experts: where its experts and router are
     names: ConfigNames = ConfigNames()
     planned: Planned | None = None  # what ``ndparallel plan`` models of it; None: a Llama-style decoder, with a warning
+    # its attention class whose forward head-chunked attention blocks reproduce op for op (`parallel.sequence.block`)
+    chunked_attention: str | None = None
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(plan=_DECODER_PLAN, planned=Planned()),
+    "llama": Family(plan=_DECODER_PLAN, planned=Planned(), chunked_attention="LlamaAttention"),
     "mistral": Family(plan=_DECODER_PLAN, planned=Planned()),
     "qwen2": Family(plan=_DECODER_PLAN, planned=Planned(qkv_bias=True)),
     # transformers has no plan for GPT-2. Its attention splits c_attn's output into q, k and v by `split_size`.
@@ -315,6 +317,12 @@ def expert_types() -> tuple[str, ...]:
 def planned_types() -> tuple[str, ...]:
     """The families ``ndparallel plan`` models (a `Planned` entry)."""
     return tuple(name for name, entry in FAMILIES.items() if entry.planned is not None)
+
+
+def chunked_attention_types() -> dict[str, str]:
+    """Model type -> its attention class, for the families whose attention blocks run over head chunks whole
+    (`Family.chunked_attention`)."""
+    return {name: entry.chunked_attention for name, entry in FAMILIES.items() if entry.chunked_attention}
 
 
 def planned(model_type: str | None) -> Planned | None:

@@ -30,7 +30,10 @@ README's does), tensor by tensor:
   rebuilt layer (AC) or alone (no AC), in the ``recompute`` term.
 - **head-chunked Ulysses attention** (``MemoryKwargs(ulysses_head_chunks="auto")``, sp > 1): the attention keeps the
   sequence-sharded q/k/v and o_proj's copy of the output instead of the full-sequence heads, chunks as the library's
-  "auto" picks them (`head_chunks`).
+  "auto" picks them (`head_chunks`). For Llama without tp the library runs the projections' backward inside each
+  chunk too (`chunked_block`, `parallel.sequence.block`): the attention keeps nothing beyond the norm's output, and
+  its buffers are the larger of the block's forward (the shard's q/k/v and output while it runs) and its backward
+  (the hidden states' gradient and one chunk's buffers), the library's `block.forward_bytes` / `backward_bytes`.
 - **tiled MLPs** keep no MLP intermediate for backward and rebuild one tile's in it; **activation offloading** keeps
   two layers' inputs on the GPU (the others in the offload's host pool, pinned: the ``host_offload`` term, not GPU
   memory; each layer's input a block of its bytes aligned, `parallel.memory.host_pool.aligned`).
@@ -313,8 +316,9 @@ def norm_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[flo
 
 def backward_transient(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """The largest of what one op of a layer allocates in its backward beyond the layer's saved activations: a
-    tiled MLP's rebuilt tile (`mlp_tile`), the attention's gradients (`attention_backward`), a fused norm's working
-    set (`norm_backward`). They run one after the other, so only the largest counts."""
+    tiled MLP's rebuilt tile (`mlp_tile`), the attention's gradients (`attention_backward`; a chunked block's forward,
+    which keeps nothing for attention and so holds its q/k/v and output only while it runs, counts there too), a
+    fused norm's working set (`norm_backward`). They run one after the other, so only the largest counts."""
     tile = mlp_tile(model, layout, recipe) if recipe.tiled_mlp and model.dense_layers else (0.0, "")
     return max(tile, attention_backward(model, layout, recipe), norm_backward(model, layout, recipe))
 
@@ -441,7 +445,7 @@ def estimate(model: ModelSpec, layout: Layout, recipe: Recipe, fragmentation: fl
         mem.add("activations", mem.activations_with_checkpointing,
                 f"{where} x {n} tokens x {model.hidden} x {c} B (layer inputs) + outside the layers: {outside_how}")
         mem.add("recompute", layer + transient, f"one layer rebuilt in backward (the largest): {layer_how} + the "
-                f"largest of its backward's buffers: {transient_how}")
+                f"largest buffer it allocates (in its backward, or its forward again): {transient_how}")
         if recipe.offload:
             block = aligned(n * model.hidden * c)
             mem.add("host_offload", L * block, f"{L} layers' inputs in the offload's host pool: {L} x {n} x "

@@ -205,7 +205,7 @@ def missing_features(row: Longest, request: Request) -> list[str]:
                    "reshards_after_forward); resharding would free them for a cast per layer in backward")
     held, how = backward_transient(model, row.layout, _setting("all", row.tokens["all"], request.mixed_precision,
                                                                 request.optimizer, row.offload_params, row.head_chunks))
-    out.append(f"  - {held / gib:.1f} GiB: the largest buffer of the rebuilt layer's backward, {how}")
+    out.append(f"  - {held / gib:.1f} GiB: the largest buffer the rebuilt layer allocates (in its backward, or its forward again), {how}")
     if mem["fragmentation"]:
         out.append(f"  - {mem['fragmentation'] / gib:.1f} GiB of the caching allocator's reserve (the profile's "
                    f"fragmentation {request.hardware.fragmentation}, tuned on torchtitan's runs without "

@@ -134,7 +134,7 @@ def test_chunked_block_holds_fewer_bytes_at_the_peak(memory):
     states' gradient (1,024 x 256 x 4 B); k and v are u/4 each. The module over 4 head chunks keeps q/k/v and o_proj's
     input (2.5u) from forward to backward, whose o_proj and q/k/v projections then take the shard's gradients whole;
     the chunked block keeps none of them (measured: 3.5u -> 1.0u kept with the output, 7.26u -> 6.45u at the
-    backward's peak) and its forward holds one q and k instead of two around rotary (4.5u -> 4.0u)."""
+    backward's peak) and its forward holds one q and k instead of two around rotary (4.5u -> 3.75u-4.0u)."""
     u = SEQ // 2 * HIDDEN * 4
     for report in memory:
         module, chunked = report["module"], report["block"]

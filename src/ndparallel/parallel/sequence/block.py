@@ -39,12 +39,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...models.families import chunked_attention_types
 from .attention import whole_sequence_attend
 from .sharding import active, context_parallel_attention
 from .ulysses import Runs, _add, _arrive, _leave, _runs, _send, chunk_bytes, chunk_plan, resolve_chunks
 
-SUPPORTED = ("LlamaAttention",)  # attention classes whose forward `ChunkedBlock` reproduces op for op
-MODEL_TYPES = ("llama",)  # their model types (the planner models the chunked block for these)
+# model type -> the attention class whose forward `ChunkedBlock` reproduces op for op (the families table's); the planner
+# models the chunked block for these types
+MODEL_TYPES = chunked_attention_types()
+SUPPORTED = tuple(MODEL_TYPES.values())
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
