@@ -2,6 +2,7 @@
 
     python benchmarks/long_context_gpu.py [--out gpu_check_out] [--models 1b 3b] [--seqs 8192 32768]
                                           [--max-seq 131072]
+    python benchmarks/long_context_gpu.py --issue50     # (c): issue 50's features and the allocator's reserve
     python benchmarks/long_context.py --gpu               # the same, with the defaults
     bash scripts/gpu_check.sh                             # the GPU check runs it after benchmarks/gpu.py
 
@@ -16,6 +17,14 @@ tiled MLPs -- and **plain** -- FSDP2 with activation checkpointing and the model
     tokens/s of --timed steps (median);
 (b) the longest sequence, a multiple of 4096 up to --max-seq, whose step runs without a CUDA out-of-memory error,
     for each setting (doubling, then --bisect halvings).
+(c) ``--issue50`` instead: the 1B and an **8B-shaped** Llama (Llama 3.1 8B's widths -- hidden 4096, MLP 14336, 32 /
+    8 heads of 128 -- and 4 of its 32 layers) at 32,768 tokens, in **all** and in **all + issue 50** (the fused
+    RMSNorm, and FSDP2's CPU offload of parameters, gradients and optimizer state: a one-rank shard group resharded
+    after forward, offloaded activations in the host pool), each under the default allocator and under
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (set in the measuring process before CUDA starts): the
+    measured peak beside the planner's, and the allocator's reserve (max reserved - max allocated), which the planner's
+    `Hardware.fragmentation` constant stands for and which it does not know under expandable segments. No
+    longest-sequence search (b) in this mode.
 
 Each measurement runs in a fresh process (ndparallel.test_utils.run_ranks, one rank), so an out-of-memory error or the allocator's
 cache of one run does not reach the next; this process never touches CUDA (a forked child tells it the GPU's name),
@@ -48,14 +57,23 @@ MODELS = {  # name -> LlamaConfig fields (Llama 3.2 1B and 3B shapes)
                num_key_value_heads=8, head_dim=64),
     "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                num_key_value_heads=8, head_dim=128),
+    "8b-shaped": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16),
 }
-SETTINGS = {  # name -> (MemoryKwargs fields, activation_checkpointing), and the planner's feature flags
-    "all": ({"chunked_loss": True, "tiled_mlp": True}, {"every": 1, "offload": True}),
-    "plain": ({"chunked_loss": False}, True),
+SETTINGS = {  # name -> (MemoryKwargs fields, activation_checkpointing, FSDP2 cpu_offload), and the planner's flags
+    "all": ({"chunked_loss": True, "tiled_mlp": True}, {"every": 1, "offload": True}, False),
+    "plain": ({"chunked_loss": False}, True, False),
+    "all + issue 50": ({"chunked_loss": True, "tiled_mlp": True, "fused_rms_norm": True}, {"every": 1, "offload": True},
+                       True),
 }
-FEATURES = {"all": dict(chunked_loss=True, tiled_mlp=True, offload=True), "plain": dict(chunked_loss=False)}
+FEATURES = {"all": dict(chunked_loss=True, tiled_mlp=True, offload=True), "plain": dict(chunked_loss=False),
+            "all + issue 50": dict(chunked_loss=True, tiled_mlp=True, offload=True, fused_norms=True,
+                                   offload_params=True)}
+ALLOCATORS = {"default": {}, "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+ISSUE50 = {"models": ["1b", "8b-shaped"], "seqs": [32768], "settings": ["all", "all + issue 50"],
+           "allocators": ["default", "expandable"], "timed": 1}
 QUANTUM = 4096
 
 
@@ -72,9 +90,10 @@ def _run(model: str, setting: str, seq: int, vocab: int, timed: int, cpu: bool) 
 
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs
 
-    fields, checkpointing = SETTINGS[setting]
+    fields, checkpointing, cpu_offload = SETTINGS[setting]
     accelerator = Accelerator(mixed_precision="bf16", cpu=cpu, kwargs_handlers=[MemoryKwargs(**fields)],
-                              fsdp_plugin=FullyShardedDataParallelPlugin(activation_checkpointing=checkpointing))
+                              fsdp_plugin=FullyShardedDataParallelPlugin(activation_checkpointing=checkpointing,
+                                                                         cpu_offload=cpu_offload))
     cuda = accelerator.device.type == "cuda"
     torch.manual_seed(0)
     net = LlamaForCausalLM(config(model, seq, vocab))
@@ -116,8 +135,12 @@ def _run(model: str, setting: str, seq: int, vocab: int, timed: int, cpu: bool) 
             "tokens_per_s": seq / statistics.median(times) if times else None}
 
 
-def run(model: str, setting: str, seq: int, args: argparse.Namespace, timed: int = 0) -> dict | None:
-    return run_ranks(_run, 1, model, setting, seq, args.vocab, timed, args.device == "cpu", timeout=3600)[0]
+def run(model: str, setting: str, seq: int, args: argparse.Namespace, timed: int = 0,
+        allocator: str = "default") -> dict | None:
+    """`_run` in a fresh process; `allocator` names the CUDA allocator's settings (`ALLOCATORS`), which the process
+    has in its environment before CUDA starts."""
+    return run_ranks(_run, 1, model, setting, seq, args.vocab, timed, args.device == "cpu", timeout=3600,
+                     env=ALLOCATORS[allocator])[0]
 
 
 def predicted(model: str, setting: str, seq: int, vocab: int, gpu: str) -> tuple[float, float]:
@@ -183,7 +206,16 @@ def gpu_rows(argv: list[str] | None = None) -> dict:
     p.add_argument("--bisect", type=int, default=3)
     p.add_argument("--timed", type=int, default=3)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a tiny model, no memory figures")
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=["all", "plain"])
+    p.add_argument("--allocators", nargs="+", choices=list(ALLOCATORS), default=["default"],
+                   help="expandable: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the measuring process")
+    p.add_argument("--issue50", action="store_true",
+                   help="(c): " + ", ".join(f"{k} {' '.join(map(str, v))}" for k, v in ISSUE50.items()) +
+                        "; no longest-sequence search")
     args = p.parse_args(argv)
+    if args.issue50:
+        for name, value in ISSUE50.items():
+            setattr(args, name, value)
     facts = gpu_facts(args.device)  # in a child: this process forks the measuring ranks, so it never touches CUDA
     if not facts["available"]:
         raise SystemExit("long_context_gpu: no CUDA GPU (--device cpu checks that the program runs)")
@@ -191,28 +223,36 @@ def gpu_rows(argv: list[str] | None = None) -> dict:
         args.models, args.seqs, args.vocab, args.max_seq, args.bisect, args.timed = ["tiny"], [256], 512, 8192, 1, 1
     gpu = facts["profile"]
     rows, lines = [], [f"### Long sequences on one {facts['name']} (planner profile {gpu})", "",
-                       "| model | setting | seq | reserved GiB, measured / predicted | allocated GiB, measured / "
-                       "predicted | tokens/s |", "|---|---|---|---|---|---|"]
+                       "| model | setting | allocator | seq | reserved GiB, measured / predicted | allocated GiB, "
+                       "measured / predicted | reserve GiB, measured / predicted | tokens/s |",
+                       "|---|---|---|---|---|---|---|---|"]
     for model in args.models:
         for seq in args.seqs:
-            for setting in SETTINGS:
-                r = run(model, setting, seq, args, args.timed)
-                peak, allocated = predicted(model, setting, seq, args.vocab, gpu)
-                rows.append({"model": model, "setting": setting, "seq": seq, "measured": r,
-                             "predicted": {"peak": peak, "allocated": allocated}})
-                cells = ("out of memory", "out of memory", "-") if r is None else (
-                    f"{r['reserved'] / GiB:.1f} / {peak / GiB:.1f} ({r['reserved'] / peak - 1:+.0%})",
-                    f"{r['allocated'] / GiB:.1f} / {allocated / GiB:.1f} ({r['allocated'] / allocated - 1:+.0%})",
-                    f"{r['tokens_per_s']:,.0f}")
-                lines.append(f"| {model} | {setting} | {seq} | " + " | ".join(cells) + " |")
-                print(lines[-1], flush=True)
-    lines += ["", "| model | longest sequence, all | plain FSDP2 + AC | ratio |", "|---|---|---|---|"]
+            for setting in args.settings:
+                for allocator in args.allocators:
+                    r = run(model, setting, seq, args, args.timed, allocator)
+                    peak, allocated = predicted(model, setting, seq, args.vocab, gpu)
+                    rows.append({"model": model, "setting": setting, "allocator": allocator, "seq": seq,
+                                 "measured": r, "predicted": {"peak": peak, "allocated": allocated}})
+                    cells = ("out of memory",) * 3 + ("-",) if r is None else (
+                        f"{r['reserved'] / GiB:.1f} / {peak / GiB:.1f} ({r['reserved'] / peak - 1:+.0%})",
+                        f"{r['allocated'] / GiB:.1f} / {allocated / GiB:.1f} ({r['allocated'] / allocated - 1:+.0%})",
+                        f"{(r['reserved'] - r['allocated']) / GiB:.2f} / {(peak - allocated) / GiB:.2f}",
+                        f"{r['tokens_per_s']:,.0f}")
+                    lines.append(f"| {model} | {setting} | {allocator} | {seq} | " + " | ".join(cells) + " |")
+                    print(lines[-1], flush=True)
+    if args.issue50:
+        result = {"gpu": gpu, "rows": rows}
+        write_results(args.out, "long_context_gpu_issue50", "\n".join(lines) + "\n", result, indent=1)
+        return result
+    first, second = args.settings[0], args.settings[-1]
+    lines += ["", f"| model | longest sequence, {first} | {second} | ratio |", "|---|---|---|---|"]
     longest_rows = {}
     for model in args.models:
-        found = {setting: longest(model, setting, args) for setting in SETTINGS}
+        found = {setting: longest(model, setting, args) for setting in args.settings}
         longest_rows[model] = found
-        ratio = f"{found['all'] / found['plain']:.1f}x" if found["plain"] else "-"
-        lines.append(f"| {model} | {found['all']:,} | {found['plain']:,} | {ratio} |")
+        ratio = f"{found[first] / found[second]:.1f}x" if found[second] else "-"
+        lines.append(f"| {model} | {found[first]:,} | {found[second]:,} | {ratio} |")
         print(lines[-1], flush=True)
     result = {"gpu": gpu, "rows": rows, "longest": longest_rows}
     write_results(args.out, "long_context_gpu", "\n".join(lines) + "\n", result, indent=1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: the GPU test tier (tests/gpu/test_gpu.py), then benchmarks/gpu.py's table and
-# benchmarks/long_context_gpu.py's (long sequences; the planner's memory against the allocator's). Run it on any
+# benchmarks/long_context_gpu.py's (long sequences; the planner's memory against the allocator's; then with --issue50
+# issue 50's features and the allocator's reserve under expandable segments). Run it on any
 # machine with a CUDA GPU, from the repository root or anywhere:
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]        # default: gpu_check_out
@@ -32,5 +33,9 @@ python benchmarks/gpu.py --out "$out" 2>&1 | tee "$out/gpu_benchmark.txt"
 bench_rc=${PIPESTATUS[0]}
 python benchmarks/long_context_gpu.py --out "$out" 2>&1 | tee "$out/long_context_gpu.txt"
 long_rc=${PIPESTATUS[0]}
-echo "gpu_check: tests exit code $tests_rc, benchmark exit codes $bench_rc (gpu.py), $long_rc (long_context_gpu.py); results in $out/"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$long_rc" -eq 0 ]
+# issue 50's rows last (8 one-step runs): its features and the allocator's reserve under expandable segments
+python benchmarks/long_context_gpu.py --issue50 --out "$out" 2>&1 | tee "$out/long_context_gpu_issue50.txt"
+issue50_rc=${PIPESTATUS[0]}
+echo "gpu_check: tests exit code $tests_rc, benchmark exit codes $bench_rc (gpu.py), $long_rc (long_context_gpu.py)," \
+     "$issue50_rc (long_context_gpu.py --issue50); results in $out/"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$long_rc" -eq 0 ] && [ "$issue50_rc" -eq 0 ]

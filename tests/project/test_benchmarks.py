@@ -249,3 +249,33 @@ def test_long_context_gpu_benchmark_forks_its_ranks_from_a_parent_without_cuda(t
     assert [(r["model"], r["setting"]) for r in result["rows"]] == [("tiny", "all"), ("tiny", "plain")]
     assert all(r["measured"] is not None for r in result["rows"]) and result["longest"]["tiny"]["all"] > 0
     assert "on one CPU" in (tmp_path / "long_context_gpu.md").read_text()
+
+
+@pytest.mark.slow
+def test_long_context_gpu_issue50_rows_run_each_setting_under_each_allocator(tmp_path, monkeypatch):
+    """`--issue50` (the fused norm and FSDP2's CPU offload beside `all`, each under the default allocator and under
+    expandable segments) runs end to end on the CPU's tiny model, with the reserve in its table."""
+    import long_context_gpu
+
+    _forbid_cuda_in_this_process(monkeypatch)
+    result = long_context_gpu.gpu_rows(["--device", "cpu", "--issue50", "--out", str(tmp_path)])
+    assert [(r["setting"], r["allocator"]) for r in result["rows"]] == [
+        ("all", "default"), ("all", "expandable"), ("all + issue 50", "default"), ("all + issue 50", "expandable")]
+    assert all(r["measured"] is not None for r in result["rows"])
+    assert "reserve GiB" in (tmp_path / "long_context_gpu_issue50.md").read_text()
+
+
+def test_long_context_gpu_settings_ask_the_planner_for_what_they_run():
+    """Each setting's planner flags (`FEATURES`) name the features its run turns on (`SETTINGS`), so the predicted
+    column is the prediction for the measured run."""
+    import long_context_gpu
+
+    assert long_context_gpu.SETTINGS.keys() == long_context_gpu.FEATURES.keys()
+    for name, (fields, checkpointing, cpu_offload) in long_context_gpu.SETTINGS.items():
+        flags = long_context_gpu.FEATURES[name]
+        assert flags.get("chunked_loss", True) == fields.get("chunked_loss", True), name
+        assert flags.get("tiled_mlp", False) == fields.get("tiled_mlp", False), name
+        assert flags.get("fused_norms", False) == fields.get("fused_rms_norm", False), name
+        offload = isinstance(checkpointing, dict) and checkpointing.get("offload", False)
+        assert flags.get("offload", False) == offload, name
+        assert flags.get("offload_params", False) == cpu_offload, name
