@@ -72,3 +72,44 @@ def _check(world: int, flags: list[str], *extra: str) -> None:
     results = run_layout("llama", world, flags, 1, "--cpu-offload", *extra)
     diff = max(abs(a - b) for a, b in zip(results[0]["losses"], reference("llama")["losses"]))
     assert len(results[0]["losses"]) == 6 and diff <= 1e-5, f"{flags}: losses differ by {diff:.2e}"
+
+
+
+def _step_syncs(cpu_offload: bool, checkpointing: dict | bool) -> int:
+    """Host syncs (tests/parallel/step_costs.py) of the second training step of the tiny Llama through `prepare` on
+    one process: forward, backward and the optimizer's step (the first step made the optimizer's state)."""
+    from step_costs import StepCosts
+
+    from ndparallel import Accelerator, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
+        fsdp_version=2, cpu_offload=cpu_offload, activation_checkpointing=checkpointing))
+    torch.manual_seed(0)
+    model = acc.prepare(build_model("llama"))
+    optimizer = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.arange(64).remainder(96).view(2, 32)
+
+    def step() -> None:
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    with StepCosts() as costs:
+        step()
+    return costs.syncs
+
+
+def test_cpu_offload_and_the_activation_pool_add_no_host_sync():
+    """FSDP2's CPU offload (the one-rank group resharded after forward) and activation offloading (its path; the
+    copies through the host pool: tests/parallel/memory/test_offload.py) read no tensor value on the host that the
+    same step without them does not.
+    (Both steps read some: the CPU AdamW's step counts, 21 here, and with checkpointing one more in transformers'
+    mask code -- plain PyTorch's loop reads the same.)"""
+    def syncs(cpu_offload: bool, checkpointing: dict | bool) -> int:
+        return run_ranks(_step_syncs, 1, cpu_offload, checkpointing)[0]
+
+    assert syncs(True, False) == syncs(False, False)
+    checkpointed = syncs(False, {"every": 1})
+    assert syncs(False, {"every": 1, "offload": True}) == checkpointed
+    assert syncs(True, {"every": 1, "offload": True}) == checkpointed

@@ -64,6 +64,29 @@ def test_checkpointed_inputs_are_routed_and_restored_exactly(every, copy_):
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_own))  # bit for bit
 
 
+def test_copies_through_the_host_pool_add_no_host_sync():
+    """The round trip through the pool's blocks (``copy=True``: the CUDA path's packing, block bookkeeping and
+    restoring, without streams) reads no tensor value on the host that the checkpointed step without it does not."""
+    from step_costs import StepCosts
+
+    def syncs(offloaded: bool) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = build_model("llama", num_hidden_layers=2)
+        for layer in model.model.layers:
+            checkpoint(layer)
+        offload = ActivationOffload(torch.device("cpu"), copy=True)
+        if offloaded:
+            offload_block_inputs(list(model.model.layers), offload)
+        ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # the pool's first step allocates
+        with StepCosts() as costs:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return costs.syncs, offload.stats.restored
+
+    (plain, _), (offloaded, restored) = syncs(False), syncs(True)
+    assert restored == 2 * 2 and offloaded == plain, (plain, offloaded)
+
+
 def test_a_tensor_given_to_several_blocks_is_offloaded_once():
     offload = ActivationOffload(torch.device("cpu"), copy=True)
     x = torch.randn(4, 4, requires_grad=True)
