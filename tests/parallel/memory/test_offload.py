@@ -3,7 +3,8 @@
 On CPU nothing moves physically (host memory is the memory), so these tests check what is routed -- each
 checkpointed block's hidden-state input, once, and nothing during the recomputation -- that every routed tensor is
 restored once, that the round trip through a copy (``copy=True``) gives the same gradients bit for bit, and that
-training under FSDP2, CP and TP with offloading matches the single-process run. The memory it saves on a GPU is
+training under FSDP2, CP, TP, SP and PP with offloading matches the single-process run (and that the round trip adds
+no host sync). The memory it saves on a GPU is
 measured by scripts/gpu_check.sh (benchmarks/long_context.py --gpu), not here.
 """
 
@@ -101,6 +102,8 @@ LAYOUTS = {
     "fsdp2": (2, ["--dp-shard-size", "2"]),
     "cp2": (2, ["--cp-size", "2"]),
     "tp2": (2, ["--tp-size", "2"]),
+    "sp2": (2, ["--sp-size", "2"]),
+    "pp2": (2, ["--pp-size", "2"]),
 }
 
 
@@ -110,7 +113,7 @@ def test_offloading_trains_as_one_process(layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["cp2", "tp2"])
+@pytest.mark.parametrize("layout", ["cp2", "tp2", "sp2", "pp2"])
 def test_offloading_trains_as_one_process_under_more_layouts(layout):
     _check(layout)
 
@@ -122,4 +125,11 @@ def _check(layout: str) -> None:
     assert diff <= 1e-5, f"{layout} with offloaded activations: losses differ by {diff:.2e}"
     for result in results:
         stats = result["offloaded"]
+        if layout == "pp2":  # one block per stage, 2 micro-batches a step; torch's schedules (2.12.1 on) run each stage
+            # once more, with gradients, in their first step to learn the shapes sent: that call offloads too
+            from ndparallel.parallel.pipeline.balancing import _SHAPE_CALL_WITH_GRAD
+
+            assert stats is not None and stats.tensors == 2 * 6 + _SHAPE_CALL_WITH_GRAD, stats
+            assert 2 * 6 <= stats.restored <= stats.tensors, stats
+            continue
         assert stats is not None and stats.tensors == 2 * 6 and stats.restored == stats.tensors, stats  # 2 blocks
