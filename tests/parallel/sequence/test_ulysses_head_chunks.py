@@ -155,23 +155,43 @@ def test_head_chunks_under_allgather_context_parallelism_hold_fewer_bytes_withou
 
 # ---- the prepared models ---------------------------------------------------------------------------------------------
 SP = ("--sp-size", "2")
+STEPS, LAYERS = 6, 2  # accelerate_style's steps, the tiny models' decoder layers
 
 
-def _train(model: str, chunks: str | None, *flags: str) -> list[dict]:
+def _main_counting_head_chunks(argv: list[str]) -> dict:
+    """`accelerate_style.main` in a forked rank, with the calls of the attention's head chunks (`_HeadChunked`, which
+    the chunked block's forward runs too) counted: whether chunks ran at all."""
+    calls = []
+    apply = ulysses._HeadChunked.apply
+
+    def counted(*args):
+        calls.append(1)
+        return apply(*args)
+
+    ulysses._HeadChunked.apply = counted  # this forked rank's copy only
+    return {**accelerate_style.main(argv), "head_chunked_calls": len(calls)}
+
+
+def _train(model: str, chunks: str | None, *flags: str, world: int = 2) -> list[dict]:
     argv = ["--model", model, "--micro-batch", str(GLOBAL_BATCH), "--accum", "1", "--optimizer", "sgd", "--lr", "0.5",
             "--return-params", *(flags or SP)]
-    return run_ranks(accelerate_style.main, 2, argv, env={"NDPARALLEL_ULYSSES_HEAD_CHUNKS": chunks} if chunks else {})
+    return run_ranks(_main_counting_head_chunks, world, argv,
+                     env={"NDPARALLEL_ULYSSES_HEAD_CHUNKS": chunks} if chunks else {})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "qwen2"])  # 8 query heads, 4 key/value heads (GQA)
 def test_prepared_models_train_as_unchunked(model):
+    """Llama's attention through the chunked block (once per layer and step), Qwen2's with attention-only chunks."""
     plain = _train(model, None)
+    assert plain[0]["head_chunked_calls"] == plain[0]["chunked_block_calls"] == 0
     for chunks in ("2", "4"):  # 4: one query head per chunk, the key/value heads repeated to 8
         got = _train(model, chunks)
         diff = max(abs(a - b) for a, b in zip(got[0]["losses"], plain[0]["losses"]))
         assert diff <= TOLERANCE, f"{model} chunks={chunks}: per-step losses differ by {diff:.2e}"
         assert max_param_diff(got[0]["params"], plain[0]["params"]) <= TOLERANCE
+        assert all(r["head_chunked_calls"] > 0 for r in got)
+        assert [r["chunked_block_calls"] for r in got] == [LAYERS * STEPS if model == "llama" else 0] * 2
 
 
 @pytest.mark.slow
@@ -179,10 +199,45 @@ def test_prepared_models_train_as_unchunked(model):
                          ids=["sp2_activation_checkpointing", "cp2"])
 def test_head_chunks_train_as_unchunked_under_checkpointing_and_cp(flags):
     """The decoder layers checkpointed too (their recomputation runs the chunked forward again, whose backward then
-    recomputes each chunk); context parallelism alone (all-gather)."""
+    recomputes each chunk); context parallelism alone (all-gather). The chunked block runs in both: under checkpointing
+    twice per layer and step (forward, and its recomputation)."""
     plain, got = _train("llama", None, *flags), _train("llama", "2", *flags)
     assert max(abs(a - b) for a, b in zip(got[0]["losses"], plain[0]["losses"])) <= TOLERANCE
     assert max_param_diff(got[0]["params"], plain[0]["params"]) <= TOLERANCE
+    per_step = 2 * LAYERS if "--activation-checkpointing" in flags else LAYERS
+    assert [r["chunked_block_calls"] for r in got] == [per_step * STEPS] * 2
+
+
+# 4 ranks each: (world, flags, chunks). Per rank 8 query / 4 key/value heads over tp x sp; under tp 2 x sp 2, 2 query
+# heads per rank: 2 chunks; otherwise 4 (one query head per chunk, the key/value heads repeated)
+MORE_LAYOUTS = {
+    "tp2_sp2": (4, ("--tp-size", "2", *SP), "2"),
+    "pp2_sp2": (4, ("--pp-size", "2", *SP), "4"),
+    "fsdp2_sp2": (4, ("--dp-shard-size", "2", *SP), "4"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,layout", [("llama", "tp2_sp2"), ("llama", "pp2_sp2"), ("llama", "fsdp2_sp2"),
+                                          ("qwen2", "pp2_sp2"), ("qwen2", "fsdp2_sp2")])
+def test_head_chunks_train_as_unchunked_under_tp_pp_and_fsdp(model, layout):
+    """Head chunks with tensor parallelism, pipeline stages and FSDP2 sharding over dp_shard (each with sp 2): every
+    rank's losses and parameters (its stage's, under pp) as the unchunked run's. Llama's attention runs through the
+    chunked block (`parallel/sequence/block.py`) under pp and fsdp: once per layer and micro-batch on every rank (plus,
+    under pp, the schedule's first call, which runs each stage once more to learn its shapes); under tp, whose
+    projections are DTensors, never -- the module's own forward with the attention-only chunks. Qwen2's attention is
+    not one the block reproduces: attention-only chunks in every layout."""
+    world, flags, chunks = MORE_LAYOUTS[layout]
+    plain, got = _train(model, None, *flags, world=world), _train(model, chunks, *flags, world=world)
+    for rank, (mine, theirs) in enumerate(zip(got, plain)):
+        diff = max(abs(a - b) for a, b in zip(mine["losses"], theirs["losses"]))
+        assert len(mine["losses"]) == STEPS and diff <= TOLERANCE, f"{layout} rank {rank}: losses differ by {diff:.2e}"
+        assert max_param_diff(mine["params"], theirs["params"]) <= TOLERANCE, (layout, rank)
+        assert theirs["head_chunked_calls"] == theirs["chunked_block_calls"] == 0
+        assert mine["head_chunked_calls"] > 0, (layout, rank)
+        layers, runs = (LAYERS // 2, 2 * STEPS + 1) if layout == "pp2_sp2" else (LAYERS, STEPS)  # pp: 2 micro-batches
+        block = model == "llama" and layout != "tp2_sp2"
+        assert mine["chunked_block_calls"] == (layers * runs if block else 0), (layout, rank, mine["chunked_block_calls"])
 
 
 # ---- the option ------------------------------------------------------------------------------------------------------

@@ -217,6 +217,7 @@ def _forward(module: nn.Module, original: Callable[..., Any], *args: Any, **kwar
                  getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb"), attend, causal, module.scaling)
     cos, sin = kwargs["position_embeddings"]
     q, k, v, o = (getattr(module, p) for p in PROJECTIONS)
+    module._ndparallel_chunked_block_calls += 1  # a host-side count: no tensor read
     out = ChunkedBlock.apply(x, cos, sin, q.weight, k.weight, v.weight, o.weight, q.bias, k.bias, v.bias, o.bias,
                              spec)
     return out, None
@@ -233,8 +234,15 @@ def install(model: nn.Module) -> int:
             continue
         module.forward = functools.partial(_forward, module, module.forward)
         module._ndparallel_chunked_block = True
+        module._ndparallel_chunked_block_calls = 0
         count += 1
     return count
+
+
+def chunked_calls(model: nn.Module) -> int:
+    """The forwards of `model`'s `install`ed attention modules that ran through `ChunkedBlock` (not the module's own
+    forward) since they were installed; 0 where none is installed (tests read it)."""
+    return sum(getattr(m, "_ndparallel_chunked_block_calls", 0) for m in model.modules())
 
 
 def forward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len: int, local_len: int, batch: int,
