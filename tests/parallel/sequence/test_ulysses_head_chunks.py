@@ -4,7 +4,9 @@ backward over groups of heads, against the unchunked path.
 - exactness: sp 2, cp 2 x sp 2 and cp 2 alone (all-gather and ring), MHA and GQA (including chunks that need the key/value heads repeated further),
   chunks 2 and one query head per chunk, causal and full: output and q/k/v gradients against the unchunked path's
   in fp32 (the same operations on the same heads: 1e-6), and the prepared tiny Llama and Qwen2 (GQA) trained 6 steps
-  under ``NDPARALLEL_ULYSSES_HEAD_CHUNKS`` against the same script unchunked;
+  under ``NDPARALLEL_ULYSSES_HEAD_CHUNKS`` against the same script unchunked (sp 2; Llama also under sp 2 with
+  activation checkpointing, cp 2, tp 2 x sp 2, pp 2 x sp 2, dp_shard 2 x sp 2; Qwen2 under pp 2 x sp 2 and
+  dp_shard 2 x sp 2), the chunks and the chunked block counted where they run;
 - memory: the bytes alive at the peak of one attention layer's forward + backward on one sp rank, and on one cp rank
   with the all-gather (`ndparallel.test_utils.memory.LiveBytes`), chunked against unchunked: fails without the feature;
 - host syncs: none, as unchunked (`step_costs.StepCosts`);

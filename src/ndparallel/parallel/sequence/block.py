@@ -24,8 +24,11 @@ The same operations on the same heads as the unchunked block, but the hidden sta
 chunks' matmuls (3 per chunk, in the compute dtype) where autograd sums three whole-head ones: equal to rounding
 (tests: fp32 1e-6 of each gradient's largest element; in bf16 the errors against fp64 measured 1.4x the module's for
 the hidden states' gradient, up to 2x for key/value weights whose heads several chunks share). The price: each chunk's q/k/v projections, rotary, all-to-alls and attention forward again in
-backward. Nothing reads tensor values on the host. Tensor-parallel projections (DTensor weights), adapters (PEFT
-wrappers around the projections), caches, masks and dropout keep the module's own forward (`_plain_reason`).
+backward. Nothing reads tensor values on the host. Tensor-parallel projections (DTensor weights: under tp
+`apply_sequence_parallel` does not install the block, and `_plain_reason` refuses them), adapters (PEFT wrappers around
+the projections), caches, masks and dropout keep the module's own forward (`_plain_reason`). Tested in training
+(`chunked_calls` counts the forwards it ran): sp 2, cp 2, pp 2 x sp 2 and dp_shard 2 x sp 2 run it and train as
+unchunked; tp 2 x sp 2 never runs it and trains as unchunked (tests/parallel/sequence/test_ulysses_head_chunks.py).
 """
 
 from __future__ import annotations
