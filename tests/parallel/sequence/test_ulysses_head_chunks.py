@@ -210,8 +210,8 @@ def test_head_chunks_train_as_unchunked_under_checkpointing_and_cp(flags):
     assert [r["chunked_block_calls"] for r in got] == [per_step * STEPS] * 2
 
 
-# 4 ranks each: (world, flags, chunks). Per rank 8 query / 4 key/value heads over tp x sp; under tp 2 x sp 2, 2 query
-# heads per rank: 2 chunks; otherwise 4 (one query head per chunk, the key/value heads repeated)
+# 4 ranks each: (world, flags, chunks). The tiny models' 8 query / 4 key/value heads split over tp x sp: under tp 2 x
+# sp 2, 2 query heads per rank, 2 chunks; otherwise 4 per rank, 4 chunks (one query head each, key/value repeated)
 MORE_LAYOUTS = {
     "tp2_sp2": (4, ("--tp-size", "2", *SP), "2"),
     "pp2_sp2": (4, ("--pp-size", "2", *SP), "4"),
@@ -228,7 +228,7 @@ def test_head_chunks_train_as_unchunked_under_tp_pp_and_fsdp(model, layout):
     chunked block (`parallel/sequence/block.py`) under pp and fsdp: once per layer and micro-batch on every rank (plus,
     under pp, the schedule's first call, which runs each stage once more to learn its shapes); under tp, whose
     projections are DTensors, never -- the module's own forward with the attention-only chunks. Qwen2's attention is
-    not one the block reproduces: attention-only chunks in every layout."""
+    not one the block reproduces: attention-only chunks under pp and fsdp (under tp Llama's run takes that path)."""
     world, flags, chunks = MORE_LAYOUTS[layout]
     plain, got = _train(model, None, *flags, world=world), _train(model, chunks, *flags, world=world)
     for rank, (mine, theirs) in enumerate(zip(got, plain)):
