@@ -269,6 +269,11 @@ def test_auto_picks_the_fewest_chunks_that_fit_and_refusals():
     with pytest.raises(ValueError, match=r"LlamaForCausalLM: ulysses_head_chunks=3 does not divide the 4 query heads "
                                          r"each sp rank holds .* chunk counts that work: \[1, 2, 4\]"):
         check_head_chunks(3, 8, sp_size=2, where="LlamaForCausalLM")
+    # under tp the heads each sp rank holds are those of its tp rank: tp 2 x sp 2 leaves 2 of 8
+    with pytest.raises(ValueError, match=r"ulysses_head_chunks=4 does not divide the 2 query heads each sp rank holds "
+                                         r"\(num_attention_heads=8 / tp_size=2 / sp_size=2\); chunk counts that work: "
+                                         r"\[1, 2\]"):
+        check_head_chunks(4, 8, sp_size=2, tp_size=2)
 
 
 def _prepared_setting() -> dict:
