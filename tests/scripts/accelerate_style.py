@@ -27,6 +27,7 @@ from ndparallel.parallel.activation_checkpointing import OFFLOAD_ATTR
 from ndparallel.parallel.memory import chunked_loss_of, chunked_loss_status
 from ndparallel.parallel.memory.rms_norm import fused_rms_norms
 from ndparallel.parallel.memory.tiled_mlp import tiled_mlps
+from ndparallel.parallel.sequence.block import chunked_calls
 from tiny_models import PLAIN_PLAN, VOCAB, TokenDataset, build_model, make_optimizer
 
 
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "chunked_calls": chunked.calls if chunked is not None else 0,
                     "tiled_calls": sum(t.calls for t in tiled_mlps(accelerator.unwrap_model(model))),
                     "fused_norm_calls": sum(n.calls for n in fused_rms_norms(accelerator.unwrap_model(model))),
+                    "chunked_block_calls": chunked_calls(accelerator.unwrap_model(model)),
                     "offloaded": getattr(getattr(accelerator.unwrap_model(model), OFFLOAD_ATTR, None), "stats", None)}
     if args.return_params:
         result["params"] = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()

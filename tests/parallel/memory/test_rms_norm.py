@@ -246,10 +246,12 @@ def test_fused_norms_under_more_layouts(layout):
     _check(layout, *LAYOUTS[layout])
 
 
-@pytest.mark.parametrize("layout", ["cp2", "fsdp2_checkpointing"])
+@pytest.mark.parametrize("layout", ["cp2", "fsdp2_checkpointing",
+                                    *(pytest.param(name, marks=pytest.mark.slow)
+                                      for name in ("tp2", "sp2", "pp2", "cp2_sp2"))])
 def test_fused_norms_over_chunks_under_layouts(layout, monkeypatch):
     """The ranks are forked from this process, so each fused norm's backward there runs in chunks of at most 3 tokens
-    (of the tiny Llama's hidden size 32; a rank's micro-batch holds more): the same losses."""
+    (of the tiny Llama's hidden size 32; a rank's micro-batch holds more): the same losses, in every layout."""
     monkeypatch.setattr(rms_norm_module, "CHUNK_BYTES", 3 * token_bytes(build_model("llama").config.hidden_size))
     assert chunk_tokens(16, 32) == 3
     _check(layout, *LAYOUTS[layout])

@@ -4,7 +4,9 @@ backward over groups of heads, against the unchunked path.
 - exactness: sp 2, cp 2 x sp 2 and cp 2 alone (all-gather and ring), MHA and GQA (including chunks that need the key/value heads repeated further),
   chunks 2 and one query head per chunk, causal and full: output and q/k/v gradients against the unchunked path's
   in fp32 (the same operations on the same heads: 1e-6), and the prepared tiny Llama and Qwen2 (GQA) trained 6 steps
-  under ``NDPARALLEL_ULYSSES_HEAD_CHUNKS`` against the same script unchunked;
+  under ``NDPARALLEL_ULYSSES_HEAD_CHUNKS`` against the same script unchunked (sp 2; Llama also under sp 2 with
+  activation checkpointing, cp 2, tp 2 x sp 2, pp 2 x sp 2, dp_shard 2 x sp 2; Qwen2 under pp 2 x sp 2 and
+  dp_shard 2 x sp 2), the chunks and the chunked block counted where they run;
 - memory: the bytes alive at the peak of one attention layer's forward + backward on one sp rank, and on one cp rank
   with the all-gather (`ndparallel.test_utils.memory.LiveBytes`), chunked against unchunked: fails without the feature;
 - host syncs: none, as unchunked (`step_costs.StepCosts`);
@@ -155,23 +157,43 @@ def test_head_chunks_under_allgather_context_parallelism_hold_fewer_bytes_withou
 
 # ---- the prepared models ---------------------------------------------------------------------------------------------
 SP = ("--sp-size", "2")
+STEPS, LAYERS = 6, 2  # accelerate_style's steps, the tiny models' decoder layers
 
 
-def _train(model: str, chunks: str | None, *flags: str) -> list[dict]:
+def _main_counting_head_chunks(argv: list[str]) -> dict:
+    """`accelerate_style.main` in a forked rank, with the calls of the attention's head chunks (`_HeadChunked`, which
+    the chunked block's forward runs too) counted: whether chunks ran at all."""
+    calls = []
+    apply = ulysses._HeadChunked.apply
+
+    def counted(*args):
+        calls.append(1)
+        return apply(*args)
+
+    ulysses._HeadChunked.apply = counted  # this forked rank's copy only
+    return {**accelerate_style.main(argv), "head_chunked_calls": len(calls)}
+
+
+def _train(model: str, chunks: str | None, *flags: str, world: int = 2) -> list[dict]:
     argv = ["--model", model, "--micro-batch", str(GLOBAL_BATCH), "--accum", "1", "--optimizer", "sgd", "--lr", "0.5",
             "--return-params", *(flags or SP)]
-    return run_ranks(accelerate_style.main, 2, argv, env={"NDPARALLEL_ULYSSES_HEAD_CHUNKS": chunks} if chunks else {})
+    return run_ranks(_main_counting_head_chunks, world, argv,
+                     env={"NDPARALLEL_ULYSSES_HEAD_CHUNKS": chunks} if chunks else {})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "qwen2"])  # 8 query heads, 4 key/value heads (GQA)
 def test_prepared_models_train_as_unchunked(model):
+    """Llama's attention through the chunked block (once per layer and step), Qwen2's with attention-only chunks."""
     plain = _train(model, None)
+    assert plain[0]["head_chunked_calls"] == plain[0]["chunked_block_calls"] == 0
     for chunks in ("2", "4"):  # 4: one query head per chunk, the key/value heads repeated to 8
         got = _train(model, chunks)
         diff = max(abs(a - b) for a, b in zip(got[0]["losses"], plain[0]["losses"]))
         assert diff <= TOLERANCE, f"{model} chunks={chunks}: per-step losses differ by {diff:.2e}"
         assert max_param_diff(got[0]["params"], plain[0]["params"]) <= TOLERANCE
+        assert all(r["head_chunked_calls"] > 0 for r in got)
+        assert [r["chunked_block_calls"] for r in got] == [LAYERS * STEPS if model == "llama" else 0] * 2
 
 
 @pytest.mark.slow
@@ -179,10 +201,45 @@ def test_prepared_models_train_as_unchunked(model):
                          ids=["sp2_activation_checkpointing", "cp2"])
 def test_head_chunks_train_as_unchunked_under_checkpointing_and_cp(flags):
     """The decoder layers checkpointed too (their recomputation runs the chunked forward again, whose backward then
-    recomputes each chunk); context parallelism alone (all-gather)."""
+    recomputes each chunk); context parallelism alone (all-gather). The chunked block runs in both: under checkpointing
+    twice per layer and step (forward, and its recomputation)."""
     plain, got = _train("llama", None, *flags), _train("llama", "2", *flags)
     assert max(abs(a - b) for a, b in zip(got[0]["losses"], plain[0]["losses"])) <= TOLERANCE
     assert max_param_diff(got[0]["params"], plain[0]["params"]) <= TOLERANCE
+    per_step = 2 * LAYERS if "--activation-checkpointing" in flags else LAYERS
+    assert [r["chunked_block_calls"] for r in got] == [per_step * STEPS] * 2
+
+
+# 4 ranks each: (world, flags, chunks). The tiny models' 8 query / 4 key/value heads split over tp x sp: under tp 2 x
+# sp 2, 2 query heads per rank, 2 chunks; otherwise 4 per rank, 4 chunks (one query head each, key/value repeated)
+MORE_LAYOUTS = {
+    "tp2_sp2": (4, ("--tp-size", "2", *SP), "2"),
+    "pp2_sp2": (4, ("--pp-size", "2", *SP), "4"),
+    "fsdp2_sp2": (4, ("--dp-shard-size", "2", *SP), "4"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,layout", [("llama", "tp2_sp2"), ("llama", "pp2_sp2"), ("llama", "fsdp2_sp2"),
+                                          ("qwen2", "pp2_sp2"), ("qwen2", "fsdp2_sp2")])
+def test_head_chunks_train_as_unchunked_under_tp_pp_and_fsdp(model, layout):
+    """Head chunks with tensor parallelism, pipeline stages and FSDP2 sharding over dp_shard (each with sp 2): every
+    rank's losses and parameters (its stage's, under pp) as the unchunked run's. Llama's attention runs through the
+    chunked block (`parallel/sequence/block.py`) under pp and fsdp: once per layer and micro-batch on every rank (plus,
+    under pp, the schedule's first call, which runs each stage once more to learn its shapes); under tp, whose
+    projections are DTensors, never -- the module's own forward with the attention-only chunks. Qwen2's attention is
+    not one the block reproduces: attention-only chunks under pp and fsdp (under tp Llama's run takes that path)."""
+    world, flags, chunks = MORE_LAYOUTS[layout]
+    plain, got = _train(model, None, *flags, world=world), _train(model, chunks, *flags, world=world)
+    for rank, (mine, theirs) in enumerate(zip(got, plain)):
+        diff = max(abs(a - b) for a, b in zip(mine["losses"], theirs["losses"]))
+        assert len(mine["losses"]) == STEPS and diff <= TOLERANCE, f"{layout} rank {rank}: losses differ by {diff:.2e}"
+        assert max_param_diff(mine["params"], theirs["params"]) <= TOLERANCE, (layout, rank)
+        assert theirs["head_chunked_calls"] == theirs["chunked_block_calls"] == 0
+        assert mine["head_chunked_calls"] > 0, (layout, rank)
+        layers, runs = (LAYERS // 2, 2 * STEPS + 1) if layout == "pp2_sp2" else (LAYERS, STEPS)  # pp: 2 micro-batches
+        block = model == "llama" and layout != "tp2_sp2"
+        assert mine["chunked_block_calls"] == (layers * runs if block else 0), (layout, rank, mine["chunked_block_calls"])
 
 
 # ---- the option ------------------------------------------------------------------------------------------------------
@@ -212,6 +269,11 @@ def test_auto_picks_the_fewest_chunks_that_fit_and_refusals():
     with pytest.raises(ValueError, match=r"LlamaForCausalLM: ulysses_head_chunks=3 does not divide the 4 query heads "
                                          r"each sp rank holds .* chunk counts that work: \[1, 2, 4\]"):
         check_head_chunks(3, 8, sp_size=2, where="LlamaForCausalLM")
+    # under tp the heads each sp rank holds are those of its tp rank: tp 2 x sp 2 leaves 2 of 8
+    with pytest.raises(ValueError, match=r"ulysses_head_chunks=4 does not divide the 2 query heads each sp rank holds "
+                                         r"\(num_attention_heads=8 / tp_size=2 / sp_size=2\); chunk counts that work: "
+                                         r"\[1, 2\]"):
+        check_head_chunks(4, 8, sp_size=2, tp_size=2)
 
 
 def _prepared_setting() -> dict:

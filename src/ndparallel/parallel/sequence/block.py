@@ -24,8 +24,11 @@ The same operations on the same heads as the unchunked block, but the hidden sta
 chunks' matmuls (3 per chunk, in the compute dtype) where autograd sums three whole-head ones: equal to rounding
 (tests: fp32 1e-6 of each gradient's largest element; in bf16 the errors against fp64 measured 1.4x the module's for
 the hidden states' gradient, up to 2x for key/value weights whose heads several chunks share). The price: each chunk's q/k/v projections, rotary, all-to-alls and attention forward again in
-backward. Nothing reads tensor values on the host. Tensor-parallel projections (DTensor weights), adapters (PEFT
-wrappers around the projections), caches, masks and dropout keep the module's own forward (`_plain_reason`).
+backward. Nothing reads tensor values on the host. Tensor-parallel projections (DTensor weights: under tp
+`apply_sequence_parallel` does not install the block, and `_plain_reason` refuses them), adapters (PEFT wrappers around
+the projections), caches, masks and dropout keep the module's own forward (`_plain_reason`). Tested in training
+(`chunked_calls` counts the forwards it ran): sp 2, cp 2, pp 2 x sp 2 and dp_shard 2 x sp 2 run it and train as
+unchunked; tp 2 x sp 2 never runs it and trains as unchunked (tests/parallel/sequence/test_ulysses_head_chunks.py).
 """
 
 from __future__ import annotations
@@ -217,6 +220,7 @@ def _forward(module: nn.Module, original: Callable[..., Any], *args: Any, **kwar
                  getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb"), attend, causal, module.scaling)
     cos, sin = kwargs["position_embeddings"]
     q, k, v, o = (getattr(module, p) for p in PROJECTIONS)
+    module._ndparallel_chunked_block_calls += 1  # a host-side count: no tensor read
     out = ChunkedBlock.apply(x, cos, sin, q.weight, k.weight, v.weight, o.weight, q.bias, k.bias, v.bias, o.bias,
                              spec)
     return out, None
@@ -233,8 +237,15 @@ def install(model: nn.Module) -> int:
             continue
         module.forward = functools.partial(_forward, module, module.forward)
         module._ndparallel_chunked_block = True
+        module._ndparallel_chunked_block_calls = 0
         count += 1
     return count
+
+
+def chunked_calls(model: nn.Module) -> int:
+    """The forwards of `model`'s `install`ed attention modules that ran through `ChunkedBlock` (not the module's own
+    forward) since they were installed; 0 where none is installed (tests read it)."""
+    return sum(getattr(m, "_ndparallel_chunked_block_calls", 0) for m in model.modules())
 
 
 def forward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len: int, local_len: int, batch: int,
