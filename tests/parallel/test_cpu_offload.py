@@ -1,4 +1,4 @@
-"""FSDP2's CPU offload on a one-rank shard group (one process, or tp / dp_replicate only): the blocks reshard after
+"""FSDP2's CPU offload on a one-rank shard group (one process, or tp / dp_replicate / cp / sp / pp only): the blocks reshard after
 forward, so between a block's forward and its backward its parameters live only in host memory (the GPU holds the
 unit it computes), and training stays the single-process run's. Without offload such a group keeps them gathered
 (resharding would free nothing: the shard is the whole parameter). The GPU bytes it saves are the planner's
@@ -62,8 +62,9 @@ def test_cpu_offload_on_a_one_rank_shard_group_trains_as_one_process(extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,flags", [(2, ["--tp-size", "2"]),
-                                         (2, ["--dp-replicate-size", "2", "--dp-shard-size", "1"])],
-                         ids=["tp2", "hsdp_replicate2"])
+                                         (2, ["--dp-replicate-size", "2", "--dp-shard-size", "1"]),
+                                         (2, ["--cp-size", "2"]), (2, ["--sp-size", "2"]), (2, ["--pp-size", "2"])],
+                         ids=["tp2", "hsdp_replicate2", "cp2", "sp2", "pp2"])
 def test_cpu_offload_on_one_rank_shard_groups_of_more_layouts_trains_as_one_process(world, flags):
     _check(world, flags)
 
