@@ -1,6 +1,6 @@
-"""FSDP2's CPU offload on a one-rank shard group (one process, or tp / dp_replicate / cp / sp / pp only): the blocks reshard after
-forward, so between a block's forward and its backward its parameters live only in host memory (the GPU holds the
-unit it computes), and training stays the single-process run's. Without offload such a group keeps them gathered
+"""FSDP2's CPU offload on a one-rank shard group (one process, or tp / dp_replicate / cp / sp / pp only): the blocks
+reshard after forward, so between a block's forward and its backward its parameters live only in host memory (the GPU
+holds the unit it computes), and training stays the single-process run's. Without offload such a group keeps them gathered
 (resharding would free nothing: the shard is the whole parameter). The GPU bytes it saves are the planner's
 (tests/planner/test_planner_offload.py); here, on the CPU, the decision and each parameter's state are checked."""
 
