@@ -5,6 +5,7 @@ RMSNorms.
     python benchmarks/long_context.py --loss-only          # part 1 only
     python benchmarks/long_context.py --cap-only           # part 3 only
     python benchmarks/long_context.py --norm-only --vocab 512 --cap-mib 128 --step 128   # part 6 only
+    python benchmarks/long_context.py --features-only --vocab 512 --heads 8 --kv-heads 2 --seq 8192 --cap-mib 96  # 7
     python benchmarks/long_context.py --gpu               # on a CUDA GPU (scripts/gpu_check.sh): see `gpu_rows`
 
 1. The loss alone: the LM head and transformers' ``ForCausalLMLoss`` on the full logits ("plain") next to
@@ -27,6 +28,15 @@ RMSNorms.
    multiple of --step, part 3's search), without and with the fused norm, each beside what the planner's memory
    model (`ndparallel.planner.footprint.estimate`, no allocator reserve on the CPU: the step's allocated bytes above
    the parameters and optimizer state) predicts for the same model, layout and cap, and the growth factor of both.
+7. The same measure for what Ulysses sequence parallelism adds (`feature_settings`): sp 2 on the 2 ranks with the
+   chunked loss, tiled MLPs (tiles of 256 tokens, so that no fixed tile outweighs the per-token buffers), fused norms
+   and checkpointing as the base; head chunks (``MemoryKwargs(ulysses_head_chunks=heads / 2)``, one query head per
+   chunk) on Qwen2 (the attention alone: no chunked block for that family) and on Llama (the chunked block engages);
+   the fused norm's backward over chunks of tokens (``rms_norm.CHUNK_BYTES`` set to 1 MiB in the ranks and for the
+   planner: the library has no option for it, and at the 128 MiB default these sizes never chunk). Each growth of the
+   longest sequence (`FEATURE_STEPS`) measured against the planner's, within 15% or not. The planner models "auto"
+   head chunks only: it is asked with no budget, which takes the most chunks, and a count other than the ranks'
+   raises (`as_the_ranks`). The measured search starts from the planner's longest (fewer forked runs).
 
 How memory is measured: each measurement runs in freshly forked processes (`run_ranks`), glibc told to serve
 large blocks from mmap so that freed memory leaves the resident set, the peak resident set size (Linux VmHWM, reset
@@ -58,6 +68,7 @@ from common import peak_above_now as _peak_of  # noqa: E402
 from common import serve_large_blocks_from_mmap as _mmap_large_blocks  # noqa: E402
 
 from ndparallel.test_utils import run_ranks  # noqa: E402
+from ndparallel.test_utils.memory import LiveBytes  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 
@@ -199,7 +210,7 @@ def model_config(seq: int, args: argparse.Namespace, family: str = "llama"):
 @contextlib.contextmanager
 def norm_budget(setting: Setting):
     """`rms_norm.CHUNK_BYTES` as `setting` asks for it while the block runs (the ranks' step, the planner's count)."""
-    rms_norm = importlib.import_module("ndparallel.parallel.memory.rms_norm")  # (the package's `rms_norm` is a function)
+    rms_norm = importlib.import_module("ndparallel.parallel.memory.rms_norm")  # (the package's is a function)
     before = rms_norm.CHUNK_BYTES
     if setting.norm_chunk_bytes is not None:
         rms_norm.CHUNK_BYTES = setting.norm_chunk_bytes
@@ -209,7 +220,28 @@ def norm_budget(setting: Setting):
         rms_norm.CHUNK_BYTES = before
 
 
-def _train_run(setting: Setting, seq: int, args: argparse.Namespace, timed: int) -> dict:
+class _PeakOp(LiveBytes):
+    """`LiveBytes` that also records the op that set the peak and the module whose backward it ran in (the last one
+    whose backward began: `hook` is each module's backward pre-hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module, self.at = "forward", ""
+
+    def hook(self, name: str):
+        return lambda module, grad: setattr(self, "module", name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.peak
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.peak > before:
+            self.at = f"{func} in the backward of {self.module}"
+        return out
+
+
+def _train_run(setting: Setting, seq: int, args: argparse.Namespace, timed: int, where: bool = False) -> dict:
+    """One rank's measured step (module docstring); `where`: the step's tensors alive at its peak instead
+    (`_PeakOp`), with the op that reached it."""
     _mmap_large_blocks()
     from transformers import AutoModelForCausalLM
 
@@ -225,7 +257,7 @@ def _train_run(setting: Setting, seq: int, args: argparse.Namespace, timed: int)
     optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
     model.train()
 
-    def step(length: int) -> None:
+    def step(length: int, mode: contextlib.AbstractContextManager = contextlib.nullcontext()) -> None:
         ids = torch.randint(0, args.vocab, (1, length), generator=torch.Generator().manual_seed(length))
         batch = {"input_ids": ids, "labels": ids.clone()}
         if setting.sp > 1:  # what a sequence-parallel script adds: shifted labels and positions, sharded with the ids
@@ -233,21 +265,31 @@ def _train_run(setting: Setting, seq: int, args: argparse.Namespace, timed: int)
             batch["position_ids"] = torch.arange(length).unsqueeze(0)
         buffers = list(batch.values())
         with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                                no_restore_buffers=set(buffers)):
+                                                no_restore_buffers=set(buffers)), mode:
             accelerator.backward(model(**batch).loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     with norm_budget(setting):
         step(256)  # warm-up: optimizer state and one-time allocations exist before the measured step
+        if where:
+            live = _PeakOp()
+            for name, module in model.named_modules():
+                if name.rsplit(".", 1)[-1] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+                    module.register_full_backward_pre_hook(live.hook(name))
+            step(seq, live)
+            accelerator.end_training()
+            return {"live": live.peak, "at": live.at}
         peak, seconds = _peak_of(lambda: step(seq))
         times = [_peak_of(lambda: step(seq))[1] for _ in range(timed)]
     accelerator.end_training()
     return {"peak": peak, "time": statistics.median(times) if times else seconds}
 
 
-def train(setting: Setting, seq: int, args: argparse.Namespace, timed: int = 0) -> dict:
-    ranks = run_ranks(_train_run, 2, setting, seq, args, timed, timeout=7200)
+def train(setting: Setting, seq: int, args: argparse.Namespace, timed: int = 0, where: bool = False) -> dict:
+    ranks = run_ranks(_train_run, 2, setting, seq, args, timed, where, timeout=7200)
+    if where:
+        return max(ranks, key=lambda r: r["live"])
     return {"peak": max(r["peak"] for r in ranks), "time": max(r["time"] for r in ranks)}
 
 
@@ -450,12 +492,19 @@ def feature_table(args: argparse.Namespace) -> None:
     chunks = args.heads // 2
     print(f"\n7. Part 2's model (hidden {args.hidden}, {args.layers} layers, {args.heads} / {args.kv_heads} heads of "
           f"{args.head_dim}, MLP {4 * args.hidden}, vocabulary {args.vocab}) as Llama and as Qwen2, Ulysses sp 2 on 2 "
-          "ranks (FSDP2 sharding over them), full activation checkpointing, the chunked loss, tiled MLPs and fused "
-          f"RMSNorms, fp32; head chunks: {chunks} (one query head per chunk on each rank); norm chunks: the fused "
+          "ranks (FSDP2 sharding over them), full activation checkpointing, the chunked loss, tiled MLPs (tiles of "
+          f"{FEATURE_BASE['mlp_tile_size']} tokens) and fused RMSNorms, fp32; head chunks: {chunks} (one query head "
+          "per chunk on each rank); norm chunks: the fused "
           f"norm's backward within {NORM_CHUNK_BYTES:,} B a chunk (rms_norm.CHUNK_BYTES, set in the ranks and the "
           f"planner alike). The step's peak per rank at {args.seq} tokens, and the longest sequence within "
           f"{args.cap_mib:g} MiB per rank (multiples of {args.step}), measured and predicted by the planner\n")
     settings = feature_settings(chunks)
+    if args.peak_op:
+        print(f"{'setting':<38} {'alive at the peak':>18}  where")
+        for name, setting in settings.items():
+            r = train(setting, args.seq, args, where=True)
+            print(f"{name:<38} {r['live'] / MiB:>14.2f} MiB  {r['at']}", flush=True)
+        return
     longest = against_planner(settings, args, guess=True)
     print("\nthe planner's largest backward buffer of a rebuilt layer, at the measured longest sequence:")
     for name, setting in settings.items():
@@ -485,6 +534,8 @@ def main() -> None:
     p.add_argument("--norm-only", action="store_true", help="part 6 only (the fused RMSNorm)")
     p.add_argument("--features-only", action="store_true", help="part 7 only (head chunks, the chunked block, the "
                    "norm's chunked backward, under Ulysses sp 2)")
+    p.add_argument("--peak-op", action="store_true", help="part 7: instead of the table, the tensors alive at each "
+                   "setting's peak at --seq (LiveBytes) and the op that reached it")
     p.add_argument("--step", type=int, default=128, help="part 6: the longest sequence is a multiple of this")
     p.add_argument("--gpu", action="store_true", help="the GPU rows (scripts/gpu_check.sh)")
     args = p.parse_args()
