@@ -97,9 +97,9 @@ NORM_SETTINGS = {  # part 6: the fused RMSNorm on top of the chunked loss and ti
     "chunked loss + tiled MLP": Setting({"tiled_mlp": True}),
     "+ fused RMSNorm": Setting({"tiled_mlp": True, "fused_rms_norm": True}),
 }
-# Part 7: Ulysses sp 2, the chunked loss, tiled MLPs, fused norms and checkpointing as the base. Head chunks: an
-# explicit count (`--head-chunks`, filled in by `feature_settings`); the chunked block engages for Llama only
-# (`Family.chunked_attention`), so Qwen2 (the same shapes, q/k/v biases) measures the attention-only chunks. The
+# Part 7: Ulysses sp 2, the chunked loss, tiled MLPs, fused norms and checkpointing as the base. Head chunks: the
+# most, one query head per chunk on each rank (filled in by `feature_settings`); the chunked block engages for Llama
+# only (`Family.chunked_attention`), so Qwen2 (the same shapes, q/k/v biases) measures the attention-only chunks. The
 # norm's chunked backward: `rms_norm.CHUNK_BYTES` set to NORM_CHUNK_BYTES in the ranks and the planner alike (the
 # library has no option for it; at the 128 MiB default these sizes never chunk).
 NORM_CHUNK_BYTES = 2**20
