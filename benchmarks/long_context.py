@@ -1,5 +1,5 @@
 """Long sequences in less memory, side by side on the CPU: the chunked loss, tiled MLPs, activation offloading, fused
-RMSNorms.
+RMSNorms, head-chunked Ulysses attention.
 
     python benchmarks/long_context.py [--hidden 256 --layers 2 --vocab 32000 --seq 4096 --cap-mib 512]
     python benchmarks/long_context.py --loss-only          # part 1 only
@@ -36,7 +36,9 @@ RMSNorms.
    planner: the library has no option for it, and at the 128 MiB default these sizes never chunk). Each growth of the
    longest sequence (`FEATURE_STEPS`) measured against the planner's, within 15% or not. The planner models "auto"
    head chunks only: it is asked with no budget, which takes the most chunks, and a count other than the ranks'
-   raises (`as_the_ranks`). The measured search starts from the planner's longest (fewer forked runs).
+   raises (`as_the_ranks`). The measured search starts from the planner's longest (fewer forked runs). With
+   --peak-op, instead: each setting's step at --seq under `LiveBytes`, the tensors alive at its peak and the op (and
+   module whose backward it ran in) that reached it.
 
 How memory is measured: each measurement runs in freshly forked processes (`run_ranks`), glibc told to serve
 large blocks from mmap so that freed memory leaves the resident set, the peak resident set size (Linux VmHWM, reset
