@@ -12,7 +12,7 @@ README's does), tensor by tensor:
   two RMSNorms 2 h (4 + 2c) (an fp32 copy of the input, the normalised value and the output; 2 h 2c fused:
   the input instead of its fp32 copy, ``MemoryKwargs(fused_rms_norm=True)``, so every norm term loses its 4);
   attention q_width / t x (2c: query and output; 3c with sp, whose attention returns the output head-major and
-  o_proj takes a copy; 2c + 4 with cp, whose all-gather kernel keeps its output in fp32) + 2 kv_width c / t, plus
+  o_proj takes a copy; so does cp's, whose kernels keep their output in the inputs' dtype) + 2 kv_width c / t, plus
   the log-sum-exp (heads / t x 4); MLP 4 I c / t (gate, up, their activation and product).
   Outside the layers: the final norm, and (not with the chunked loss) the log-softmax of the (gathered) logits, V x 4.
   With activation checkpointing only each layer's input is kept (h x c per token), and one layer's activations
@@ -213,9 +213,9 @@ def layer_activations(model: ModelSpec, layout: Layout, recipe: Recipe, sparse: 
         how = f"attention (head chunks: sequence-sharded q/k/v, o_proj's output) ({qw}+{ow}+{kw}+{vw})x{c}"
     else:
         # Bytes per element of the query and the attention output: one each (the model's SDPA); a copy of the
-        # output for o_proj once cp/sp attention returns it head-major; the all-gather CP kernel keeps its output
-        # in fp32.
-        o_bytes = (FP32 + c) if layout.cp > 1 else (2 * c if layout.sp > 1 else c)
+        # output for o_proj once cp/sp attention returns it head-major (the cp kernels keep their output in the
+        # inputs' dtype, `allgather` / `ring`).
+        o_bytes = 2 * c if layout.seq_split > 1 else c
         attention = qw * c + ow * o_bytes + (kw + vw) * c + model.heads // t * FP32
         how = f"attention {qw}x{c} + {ow}x{o_bytes} + ({kw}+{vw})x{c} + lse {model.heads // t}x4"
     f = recipe.norm_copy_bytes  # a norm's fp32 copy of its input (none when fused)
