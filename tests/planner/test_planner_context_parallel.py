@@ -7,6 +7,7 @@ forward + backward on the CPU (`LiveBytes`), on cp 2 ranks."""
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
@@ -244,3 +245,24 @@ def test_plan_takes_head_chunks_where_they_make_a_layout_fit(capsys):
     assert rows["auto"]["sp=8"].fits and not rows["auto"]["sp=8"].recipe.head_chunks
     with pytest.raises(ValueError, match="head_chunks 'sometimes'"):
         Request(model, hardware, 1, 8, 4096, 4096, head_chunks="sometimes")
+
+
+def test_head_chunks_on_and_off(capsys):
+    """--ulysses-head-chunks on keeps the option wherever sequences are sharded, where "auto" picks one chunk too
+    (the library then runs all heads at once: the same bytes); off never takes it; --max-seq with on has no "without
+    H" to show."""
+    from ndparallel.cli import main
+    from ndparallel.planner import Request, get_hardware, load_model, plan
+
+    model, hardware = load_model("llama-3.1-8b"), get_hardware("h100")
+    for setting in ("on", "off"):
+        rows = plan(Request(model, hardware, 1, 8, 8192, 8192 * 8, head_chunks=setting)).rows
+        sharded = [row for row in rows if row.layout.seq_split > 1]
+        assert sharded and all(row.recipe.head_chunks == (setting == "on") for row in sharded)
+        assert not any(row.recipe.head_chunks for row in rows if row.layout.seq_split == 1)
+    args = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--gpus-per-node", "8", "--max-seq", "--top", "2"]
+    assert main(args + ["--ulysses-head-chunks", "on", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["cp=8"]["head_chunks"] and rows["cp=8"]["tokens_without_head_chunks"] is None
+    assert main(args + ["--ulysses-head-chunks", "on"]) == 0
+    assert 'ulysses_head_chunks="auto"), 32 at that length);' in capsys.readouterr().out

@@ -111,7 +111,7 @@ def longest_all(layout: Layout, request: Request) -> tuple[int, Memory | None, b
     best = max(found, key=lambda k: (found[k][0], not k[0], not k[1]))
     params, chunks = best
     without = found[(False, chunks)][0] if (False, chunks) in found else None
-    unchunked = found[(params, False)][0] if layout.seq_split > 1 else None
+    unchunked = found[(params, False)][0] if layout.seq_split > 1 and (params, False) in found else None
     return *found[best], params, without, chunks, unchunked
 
 
@@ -164,7 +164,8 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
                   + (f"; without it {best.without_offload:,}" if best.offload_params and best.without_offload
                      is not None else "")
                   + (f"; head chunks: MemoryKwargs(ulysses_head_chunks=\"auto\"), {best_chunks(best, request)} at "
-                     f"that length, without them {best.without_chunks:,}" if best.head_chunks else "")
+                     "that length" + (f", without them {best.without_chunks:,}" if best.without_chunks is not None
+                                      else "") if best.head_chunks else "")
                   + f"); without them (plain FSDP2 + AC): {best_plain.tokens['plain']:,} ({best_plain.layout.name})"
                   + (f"; plain FSDP2 over all {request.world} GPUs: {fsdp.tokens['plain']:,}" if fsdp else "")]
         if request.expandable_segments:

@@ -231,7 +231,7 @@ def best_row(request: Request, layout: Layout) -> Row:
             recipe = Recipe(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
                             request.optimizer, sync, loss, tiled, offload, offload_params=params,
                             fused_norms=norms, head_chunks=chunks)
-            if chunks and head_chunks(request.model, layout, recipe) == 1:
+            if chunks and len(chunk_options) > 1 and head_chunks(request.model, layout, recipe) == 1:
                 continue  # "auto" runs all heads at once at this length: the setting without chunks
             row = evaluate(request, layout, recipe)
             if row.fits:
