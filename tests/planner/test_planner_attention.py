@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from harness import run_ranks
 from ndparallel.cli import main
-from ndparallel.parallel.sequence import SequenceShards, block, sequence_parallel_attention, ulysses
+from ndparallel.parallel.sequence import SequenceShards, allgather, block, sequence_parallel_attention, ulysses
 from ndparallel.planner import Layout, Recipe
 from ndparallel.planner.footprint import attention_backward, head_chunks, layer_activations
 from ndparallel.planner.model import spec_from_config
@@ -107,10 +107,11 @@ def test_max_seq_takes_head_chunks_where_they_lengthen_the_sequence_and_prints_t
     # sp 8: with Llama's chunked block (the projections' backward in each chunk) taken too, though one query head
     # per chunk leaves the attention function's chunk buffers as large as its unchunked gradients
     assert sp8["head_chunks"] and sp8["tokens"]["all"] > sp8["tokens_without_head_chunks"] > 0
-    assert not cp8["head_chunks"] and cp8["tokens_without_head_chunks"] is None  # sp 1: not modelled
+    # cp alone: the same option runs the all-gather over groups of heads (test_planner_context_parallel.py)
+    assert cp8["head_chunks"] and cp8["tokens"]["all"] > cp8["tokens_without_head_chunks"] > 0
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert 'MemoryKwargs(ulysses_head_chunks="auto"), 16 at that length' in out
+    assert 'MemoryKwargs(ulysses_head_chunks="auto"), 32 at that length' in out  # the best row: cp=8
     assert "the projections' backward in each (the chunked block)" in out
 
 
@@ -133,7 +134,11 @@ def test_chunked_block_terms():
     n, c, chunks = 4_521_984 // 8, 2, 16
     shape = (32, 8, 2, chunks, 4_521_984 // 4, n, 1, 128)
     lse = 4_521_984 // 4 * 32 // (2 * chunks) * 4
-    assert held == max(block.forward_bytes(*shape, c), block.backward_bytes(*shape, 4096, c) + lse)
+    # and under cp the all-gather's whole-sequence key/value of one chunk: 1 query head and 1 key/value head per rank
+    # (8 key/value heads repeated to 32 for sp x chunks)
+    gather = allgather.forward_bytes(1, 4_521_984, 1, 128, c, 4)
+    gathered = allgather.backward_bytes(1, 1, 4_521_984, 1, 128, c, 4)
+    assert held == max(block.forward_bytes(*shape, c) + gather, block.backward_bytes(*shape, 4096, c) + lse + gathered)
     assert other_saved - saved == n * (4096 + 4096 + 1024 + 1024) * c  # q/k/v and o_proj's input not kept
     assert other_held - held > 0
     tp_saved, tp_held = _chunked_block_terms("llama", tp=2)

@@ -53,6 +53,10 @@ def add_parsers(sub: Any) -> None:
                        ("tiled-mlp", "decoder MLPs over tiles of the sequence (auto: where it makes a layout fit)"),
                        ("fused-rms-norm", "RMSNorms that keep no fp32 copy of their input, "
                                           "MemoryKwargs(fused_rms_norm=True) (auto: where it makes a layout fit)"),
+                       ("ulysses-head-chunks", "attention over groups of heads under cp or sp, as many as the "
+                                               "library's \"auto\" picks, MemoryKwargs(ulysses_head_chunks=\"auto\") "
+                                               "(auto: where it makes a layout, or a larger micro-batch, fit; with "
+                                               "--max-seq where it makes the sequence longer)"),
                        ("offload", "checkpointed layers' inputs in host memory (auto: where it makes a layout fit)"),
                        ("offload-params", "FSDP2's CPU offload, FullyShardedDataParallelPlugin(cpu_offload=True): "
                                           "parameters, gradients and optimizer state in host memory, the optimizer "
@@ -118,7 +122,7 @@ def add_parsers(sub: Any) -> None:
     memory.add_argument("--offload", action="store_true", help="checkpointed layers' inputs in host memory")
     memory.add_argument(*spellings("ulysses-head-chunks"), dest="ulysses_head_chunks", action="store_true",
                         help="Ulysses attention over head chunks, as many as the library's \"auto\" picks "
-                             "(MemoryKwargs(ulysses_head_chunks=\"auto\"); sp > 1)")
+                             "(MemoryKwargs(ulysses_head_chunks=\"auto\"); cp or sp > 1)")
     memory.add_argument(*spellings("offload-params"), dest="offload_params", action="store_true",
                         help="FSDP2's CPU offload (cpu_offload=True): parameters, gradients, optimizer state in host "
                              "memory")
@@ -144,7 +148,8 @@ def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
                    mixed_precision=args.mixed_precision, checkpointing=args.activation_checkpointing,
                    optimizer=args.optimizer, allow_cross_node_tp=args.allow_cross_node_tp,
                    sync_each_batch=args.sync_each_batch, chunked_loss=args.chunked_loss, tiled_mlp=args.tiled_mlp,
-                   fused_rms_norm=args.fused_rms_norm, offload=args.offload, offload_params=args.offload_params,
+                   fused_rms_norm=args.fused_rms_norm, head_chunks=args.ulysses_head_chunks, offload=args.offload,
+                   offload_params=args.offload_params,
                    host_memory_gib=args.host_memory_gib, ep_size=args.ep_size,
                    expandable_segments=args.expandable_segments)
 

@@ -12,7 +12,7 @@ README's does), tensor by tensor:
   two RMSNorms 2 h (4 + 2c) (an fp32 copy of the input, the normalised value and the output; 2 h 2c fused:
   the input instead of its fp32 copy, ``MemoryKwargs(fused_rms_norm=True)``, so every norm term loses its 4);
   attention q_width / t x (2c: query and output; 3c with sp, whose attention returns the output head-major and
-  o_proj takes a copy; 2c + 4 with cp, whose all-gather kernel keeps its output in fp32) + 2 kv_width c / t, plus
+  o_proj takes a copy; so does cp's, whose kernels keep their output in the inputs' dtype) + 2 kv_width c / t, plus
   the log-sum-exp (heads / t x 4); MLP 4 I c / t (gate, up, their activation and product).
   Outside the layers: the final norm, and (not with the chunked loss) the log-softmax of the (gathered) logits, V x 4.
   With activation checkpointing only each layer's input is kept (h x c per token), and one layer's activations
@@ -25,12 +25,14 @@ README's does), tensor by tensor:
   states' gradient, and saves no log-softmax.
 - **a layer's backward buffers** (`backward_transient`): the largest of what one op of the layer allocates in its
   backward beyond the saved activations -- a tiled MLP's rebuilt tile, the attention's gradients (over head chunks,
-  one chunk's rebuilt q/k/v/o and gradients with the shard's gradient buffers: `attention_backward`), an RMSNorm's
+  one chunk's rebuilt q/k/v/o and gradients with the shard's gradient buffers: `attention_backward`; under cp the
+  all-gather kernel's whole-sequence key/value, their fp32 gradients and the reduce-scatter's parts, for all the
+  rank's heads or one chunk's: `gathered_kv`, the kernel's own counts), an RMSNorm's
   working set (`norm_backward`; a fused norm's over chunks of tokens, beside its input gradient) -- added to the
   rebuilt layer (AC) or alone (no AC), in the ``recompute`` term.
-- **head-chunked Ulysses attention** (``MemoryKwargs(ulysses_head_chunks="auto")``, sp > 1): the attention keeps the
+- **head-chunked attention** (``MemoryKwargs(ulysses_head_chunks="auto")``, cp or sp > 1): the attention keeps the
   sequence-sharded q/k/v and o_proj's copy of the output instead of the full-sequence heads, chunks as the library's
-  "auto" picks them (`head_chunks`). For Llama without tp the library runs the projections' backward inside each
+  "auto" picks them (`head_chunks`; under cp alone the all-gather runs over the chunks, no all-to-all). For Llama without tp the library runs the projections' backward inside each
   chunk too (`chunked_block`, `parallel.sequence.block`): the attention keeps nothing beyond the norm's output, and
   its buffers are the larger of the block's forward (the shard's q/k/v and output while it runs) and its backward
   (the hidden states' gradient and one chunk's buffers), the library's `block.forward_bytes` / `backward_bytes`.
@@ -65,8 +67,8 @@ from ..parallel.memory.host_pool import aligned
 from ..parallel.memory.rms_norm import OWN_BACKWARD_BYTES  # the library's own counts, not copies
 from ..parallel.memory.rms_norm import backward_bytes as norm_backward_bytes, chunk_tokens as norm_chunk_tokens
 from ..parallel.memory.rms_norm import token_bytes as norm_token_bytes
-from ..parallel.sequence import block
-from ..parallel.sequence.ulysses import auto_head_chunks, chunk_bytes
+from ..parallel.sequence import allgather, block
+from ..parallel.sequence.ulysses import chunk_bytes, kv_repeats, resolve_chunks
 from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
 from .offload import host_states, staging
@@ -211,9 +213,9 @@ def layer_activations(model: ModelSpec, layout: Layout, recipe: Recipe, sparse: 
         how = f"attention (head chunks: sequence-sharded q/k/v, o_proj's output) ({qw}+{ow}+{kw}+{vw})x{c}"
     else:
         # Bytes per element of the query and the attention output: one each (the model's SDPA); a copy of the
-        # output for o_proj once cp/sp attention returns it head-major; the all-gather CP kernel keeps its output
-        # in fp32.
-        o_bytes = (FP32 + c) if layout.cp > 1 else (2 * c if layout.sp > 1 else c)
+        # output for o_proj once cp/sp attention returns it head-major (the cp kernels keep their output in the
+        # inputs' dtype, `allgather` / `ring`).
+        o_bytes = 2 * c if layout.seq_split > 1 else c
         attention = qw * c + ow * o_bytes + (kw + vw) * c + model.heads // t * FP32
         how = f"attention {qw}x{c} + {ow}x{o_bytes} + ({kw}+{vw})x{c} + lse {model.heads // t}x4"
     f = recipe.norm_copy_bytes  # a norm's fp32 copy of its input (none when fused)
@@ -245,15 +247,17 @@ def attention_widths(model: ModelSpec, layout: Layout, repeated: bool = True) ->
 
 
 def head_chunks(model: ModelSpec, layout: Layout, recipe: Recipe) -> int:
-    """The groups of heads Ulysses attention runs over for `recipe` (1: all at once): with ``recipe.head_chunks``
-    under sp > 1, the count the library's "auto" picks for these shapes (`ulysses.auto_head_chunks`, the fewest
-    whose q/k/v/o fit in 128 MiB). Not modelled for sp 1 (context parallelism alone runs the same option, but the
-    planner does not count the all-gather's whole-sequence key/value that it divides) nor for latent attention."""
+    """The groups of heads sharded attention runs over for `recipe` (1: all at once): with ``recipe.head_chunks``
+    under sp > 1 or cp > 1, the count the library's "auto" picks for these shapes (`ulysses.resolve_chunks`, the fewest
+    whose q/k/v/o fit in 128 MiB): Ulysses' at the cp rank's length (`ulysses_attention`), context parallelism
+    alone's at the whole sequence's (`head_chunked_attention`). Not modelled for latent attention."""
     heads, kv_heads = model.heads // layout.tp, model.kv_heads // layout.tp
-    if not recipe.head_chunks or layout.sp == 1 or model.mla is not None or not kv_heads or heads % layout.sp:
+    if (not recipe.head_chunks or layout.seq_split == 1 or model.mla is not None or not kv_heads
+            or heads % layout.sp):
         return 1  # (head counts Ulysses cannot split are refused by the layout checks; nothing to chunk then)
-    return auto_head_chunks(heads, kv_heads, layout.sp, recipe.seq_len // layout.cp, recipe.micro_batch,
-                            model.head_dim, recipe.compute_bytes)
+    full = recipe.seq_len // layout.cp if layout.sp > 1 else recipe.seq_len
+    return resolve_chunks("auto", heads, kv_heads, layout.sp, full, recipe.micro_batch, model.head_dim,
+                          recipe.compute_bytes)
 
 
 def chunked_block(model: ModelSpec, layout: Layout, recipe: Recipe) -> bool:
@@ -263,6 +267,27 @@ def chunked_block(model: ModelSpec, layout: Layout, recipe: Recipe) -> bool:
             and not model.qk_norm and model.mla is None and model.sliding_window is None)
 
 
+def gathered_kv(model: ModelSpec, layout: Layout, recipe: Recipe, chunks: int = 1) -> tuple[int, int, str]:
+    """(forward, backward) bytes of the all-gather context-parallel attention's whole-sequence key/value buffers on
+    one rank for one call -- all heads the rank attends with, or one head chunk's -- the library's counts
+    (`allgather.forward_bytes` / `backward_bytes`): 0 without cp. The key/value heads of a call: as Ulysses repeats
+    them for sp (`kv_width_local`), or for sp x chunks (`ulysses.chunk_plan`)."""
+    if layout.cp == 1:
+        return 0, 0, ""
+    kw, vw = attention_widths(model, layout)[2:]
+    d, heads, kv_heads = model.head_dim, model.heads // layout.tp, model.kv_heads // layout.tp
+    calls = layout.sp * chunks  # the query heads of the rank's heads are split over sp, then over the chunks
+    kv = kw // d // layout.sp if chunks == 1 else kv_heads * kv_repeats(heads, kv_heads, calls) // calls
+    v_dim = vw * d // kw if kw else d
+    seq, batch, c = recipe.seq_len, recipe.micro_batch, recipe.compute_bytes
+    forward = allgather.forward_bytes(kv, seq, batch, d, c, layout.cp, value_head_dim=v_dim)
+    backward = allgather.backward_bytes(heads // calls, kv, seq, batch, d, c, layout.cp, value_head_dim=v_dim)
+    return forward, backward, (f"the cp all-gather's whole-sequence key/value ({kv} key/value heads x {seq} tokens"
+                               f"{' of one chunk' if chunks > 1 else ''}: {forward:,} B at the gather, {backward:,} B "
+                               "in its backward with their fp32 gradients and one block's, or the reduce-scatter's "
+                               "parts)")
+
+
 def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """What one layer's attention holds in its backward beyond what the layer saved (`layer_activations`).
 
@@ -270,33 +295,39 @@ def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tupl
     full-sequence heads under sp, key/value repeated), in the compute dtype. Over head chunks
     (`ulysses._HeadChunked.backward`): one chunk's full-sequence q/k/v/o rebuilt and their gradients (2 x
     `ulysses.chunk_bytes`), its log-sum-exp, the whole shard's q/k/v gradients filled chunk by chunk, and the output's
-    sequence-sharded gradient, held until the last chunk. Not counted: a kernel's own workspace, and under cp the
-    all-gather kernel's whole-sequence key/value and their fp32 gradients."""
+    sequence-sharded gradient, held until the last chunk. Under cp the all-gather kernel's whole-sequence key/value
+    and their gradients come on top, for all the rank's heads or for one chunk's (`gathered_kv`). Not counted: a
+    kernel's own workspace."""
     n, c = recipe.tokens(layout), recipe.compute_bytes
     qw, ow, kw, vw = attention_widths(model, layout)
     chunks = head_chunks(model, layout, recipe)
+    gathered_fwd, gathered, gathered_how = gathered_kv(model, layout, recipe, chunks)
+    plus = f" + {gathered_how}" if gathered else ""
     if chunks == 1:
-        return n * (qw + ow + kw + vw) * c, (f"{n} tokens x ({qw}+{ow}+{kw}+{vw}) x {c} B (the gradients of o, q, k, "
-                                             "v, all heads of all the rank's tokens at once)")
+        return n * (qw + ow + kw + vw) * c + gathered, (f"{n} tokens x ({qw}+{ow}+{kw}+{vw}) x {c} B (the gradients "
+                                                        "of o, q, k, v, all heads of all the rank's tokens at once)"
+                                                        + plus)
     heads, kv, full = model.heads // layout.tp, model.kv_heads // layout.tp, recipe.seq_len // layout.cp
     chunk = chunk_bytes(heads, kv, layout.sp, chunks, full, recipe.micro_batch, model.head_dim, c)
     lse = recipe.micro_batch * full * heads // (layout.sp * chunks) * FP32
     if chunked_block(model, layout, recipe):
         shape = (heads, kv, layout.sp, chunks, full, full // layout.sp, recipe.micro_batch, model.head_dim)
-        forward = block.forward_bytes(*shape, c)
-        backward = block.backward_bytes(*shape, model.hidden, c) + lse
+        forward = block.forward_bytes(*shape, c) + gathered_fwd
+        backward = block.backward_bytes(*shape, model.hidden, c) + lse + gathered
         return max(forward, backward), (
             f"{chunks} head chunks, the projections' backward in each (the chunked block): the larger of its "
             f"forward's {forward:,} B (the shard's q/k/v and attention output, {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B, "
-            f"and one chunk's full-sequence q/k/v/o with their send buffers, 2 x {chunk:,} B) and its backward's "
-            f"{backward:,} B (the hidden states' gradient {n} x {model.hidden} x {c} B, one chunk's full-sequence "
-            f"q/k/v/o and their gradients 2 x {chunk:,} B, its sequence-sharded ones and theirs, its lse {lse:,} B)")
+            f"and one chunk's full-sequence q/k/v/o with their send buffers, 2 x {chunk:,} B"
+            + (f", and the cp all-gather's {gathered_fwd:,} B" if gathered_fwd else "")
+            + f") and its backward's {backward:,} B (the hidden states' gradient {n} x {model.hidden} x {c} B, one "
+            f"chunk's full-sequence q/k/v/o and their gradients 2 x {chunk:,} B, its sequence-sharded ones and theirs, "
+            f"its lse {lse:,} B{plus})")
     kw, vw = attention_widths(model, layout, repeated=False)[2:]
     shard = n * (qw + kw + vw + ow) * c
-    return 2 * chunk + lse + shard, (f"{chunks} head chunks: one chunk's full-sequence q/k/v/o and their gradients "
-                                     f"2 x {chunk:,} B + its lse {lse:,} B + the shard's q/k/v gradients and the "
-                                     f"output's {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B (all heads of the shard at "
-                                     "once: the projections' backward takes them whole)")
+    return 2 * chunk + lse + shard + gathered, (
+        f"{chunks} head chunks: one chunk's full-sequence q/k/v/o and their gradients 2 x {chunk:,} B + its lse "
+        f"{lse:,} B + the shard's q/k/v gradients and the output's {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B (all heads of "
+        f"the shard at once: the projections' backward takes them whole){plus}")
 
 
 def norm_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:

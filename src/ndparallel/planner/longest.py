@@ -6,8 +6,8 @@ the longest sequence -- a multiple of ``QUANTUM`` tokens that the layout can spl
 (`memory.estimate`, the allocator's fragmentation included) fits the budget, and whose host memory (offloaded layer
 inputs and states, `offload.host_bytes`) fits each GPU's share of the node's, found by bisection (memory grows with
 the length). Two settings side by side: every memory feature on (activation checkpointing with offloading, the
-chunked loss, tiled MLPs, fused RMSNorms; under sp > 1 head-chunked Ulysses attention where it makes the sequence
-longer, as many chunks as the library's "auto" picks at that length; and FSDP2's CPU offload of the parameters,
+chunked loss, tiled MLPs, fused RMSNorms; under cp or sp head-chunked attention (``--ulysses-head-chunks auto``) where
+it makes the sequence longer, as many chunks as the library's "auto" picks at that length; and FSDP2's CPU offload of the parameters,
 gradients and optimizer state as ``--offload-params`` allows it: with ``auto`` the longer of with and without, and the
 row says whether it needs it)
 and plain FSDP2 with activation checkpointing (the model's own loss). Memory only: at these lengths the step time is
@@ -49,7 +49,7 @@ class Longest:
     offload_params: bool = False  # whether "all" keeps the states in host memory (FSDP2's cpu_offload) for it
     without_offload: int | None = None  # "all" without that offload (None: not tried, --offload-params on)
     head_chunks: bool = False  # whether "all" runs Ulysses attention over head chunks ("auto"'s count) for it
-    without_chunks: int | None = None  # "all" without head chunks (None: not tried, sp 1)
+    without_chunks: int | None = None  # "all" without head chunks (None: not tried, no cp or sp)
 
 
 def _setting(name: str, seq: int, precision: str, optimizer: str, params: bool = False,
@@ -103,15 +103,15 @@ def longest_for(layout: Layout, name: str, request: Request, params: bool = Fals
 def longest_all(layout: Layout, request: Request) -> tuple[int, Memory | None, bool, int | None, bool, int | None]:
     """(tokens, memory, whether with FSDP2's CPU offload, tokens without it, whether with head chunks, tokens without
     them) of every feature on, the offload as ``--offload-params`` allows ("auto" takes it only where it makes the
-    sequence longer) and head chunks under sp > 1 only where they make it longer (they can hold more than they free:
+    sequence longer) and head chunks under cp or sp only where they make it longer (they can hold more than they free:
     `footprint.attention_backward`)."""
-    chunk_options = (False, True) if layout.sp > 1 else (False,)
+    chunk_options = OPTIONS[request.head_chunks] if layout.seq_split > 1 else (False,)
     found = {(params, chunks): longest_for(layout, "all", request, params, chunks)
              for params in OPTIONS[request.offload_params] for chunks in chunk_options}
     best = max(found, key=lambda k: (found[k][0], not k[0], not k[1]))
     params, chunks = best
     without = found[(False, chunks)][0] if (False, chunks) in found else None
-    unchunked = found[(params, False)][0] if layout.sp > 1 else None
+    unchunked = found[(params, False)][0] if layout.seq_split > 1 and (params, False) in found else None
     return *found[best], params, without, chunks, unchunked
 
 
@@ -164,7 +164,8 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
                   + (f"; without it {best.without_offload:,}" if best.offload_params and best.without_offload
                      is not None else "")
                   + (f"; head chunks: MemoryKwargs(ulysses_head_chunks=\"auto\"), {best_chunks(best, request)} at "
-                     f"that length, without them {best.without_chunks:,}" if best.head_chunks else "")
+                     "that length" + (f", without them {best.without_chunks:,}" if best.without_chunks is not None
+                                      else "") if best.head_chunks else "")
                   + f"); without them (plain FSDP2 + AC): {best_plain.tokens['plain']:,} ({best_plain.layout.name})"
                   + (f"; plain FSDP2 over all {request.world} GPUs: {fsdp.tokens['plain']:,}" if fsdp else "")]
         if request.expandable_segments:

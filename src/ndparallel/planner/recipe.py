@@ -34,8 +34,8 @@ class Recipe:
     # optimizer's state in host memory and steps the optimizer there (`planner.offload`)
     offload_params: bool = False
     fused_norms: bool = False  # MemoryKwargs(fused_rms_norm=True): RMSNorms keep no fp32 copy of their input
-    # MemoryKwargs(ulysses_head_chunks="auto"): under Ulysses (sp > 1) attention over groups of heads, as many as the
-    # library's "auto" picks for the length (`footprint.head_chunks`); nothing under sp 1
+    # MemoryKwargs(ulysses_head_chunks="auto"): under cp or sp attention over groups of heads, as many as the
+    # library's "auto" picks for the length (`footprint.head_chunks`); nothing without sharded sequences
     head_chunks: bool = False
 
     def __post_init__(self) -> None:

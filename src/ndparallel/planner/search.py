@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from .comm import Transfer, transfers
 from .hardware import GiB, Hardware
 from .layouts import Constraints, Layout, explain_no_layout, reasons, valid_layouts
-from .footprint import Memory, estimate
+from .footprint import Memory, estimate, head_chunks
 from .offload import host_bytes
 from .model import ModelSpec
 from .recipe import Recipe, human_bytes
@@ -47,6 +47,7 @@ class Request:
     chunked_loss: str = "auto"
     tiled_mlp: str = "auto"
     fused_rms_norm: str = "auto"
+    head_chunks: str = "auto"  # MemoryKwargs(ulysses_head_chunks="auto") under cp or sp (`footprint.head_chunks`)
     offload: str = "auto"
     offload_params: str = "auto"  # FSDP2's cpu_offload: parameters, gradients, optimizer state in host memory
     host_memory_gib: float | None = None  # per node; None: the profile's
@@ -64,8 +65,8 @@ class Request:
             raise ValueError(f"--global-batch-tokens {self.global_batch_tokens} is not a multiple of --seq-len "
                              f"{self.seq_len}: a step holds whole sequences (e.g. "
                              f"{max(1, self.global_batch_tokens // self.seq_len) * self.seq_len})")
-        for name in ("checkpointing", "sync_each_batch", "chunked_loss", "tiled_mlp", "fused_rms_norm", "offload",
-                     "offload_params"):
+        for name in ("checkpointing", "sync_each_batch", "chunked_loss", "tiled_mlp", "fused_rms_norm", "head_chunks",
+                     "offload", "offload_params"):
             if getattr(self, name) not in CHECKPOINTING:
                 raise ValueError(f"{name} {getattr(self, name)!r}: use one of {list(CHECKPOINTING)}")
         if self.memory_gib is not None and self.memory_gib <= self.hardware.memory_reserve_gib:
@@ -210,22 +211,28 @@ def memory_options(request: Request) -> list[tuple[bool, bool, bool, bool, bool,
 
 
 def best_row(request: Request, layout: Layout) -> Row:
-    """The fastest setting of `layout` that fits, else the one with the smallest peak."""
+    """The fastest setting of `layout` that fits, else the one with the smallest peak. Head chunks
+    (``MemoryKwargs(ulysses_head_chunks="auto")``) only where sequences are sharded (cp or sp); they cost each
+    chunk's attention forward again (`timing`), so "auto" takes them where they make a layout fit or a larger
+    micro-batch fit."""
     per_rank = request.samples // layout.batch
     fitting: list[Row] = []
     smallest: Row | None = None
     # Reduce-scattering every micro-step only changes anything with accumulation over a sharded group.
     syncs = OPTIONS[request.sync_each_batch] if layout.fsdp > 1 and per_rank > 1 else (False,)
-    for (checkpointing, loss, tiled, offload, params, norms), sync in itertools.product(memory_options(request),
-                                                                                          syncs):
+    chunk_options = OPTIONS[request.head_chunks] if layout.seq_split > 1 else (False,)
+    for (checkpointing, loss, tiled, offload, params, norms), sync, chunks in itertools.product(
+            memory_options(request), syncs, chunk_options):
         for micro in _divisors_desc(per_rank):
             if micro % layout.pp:  # pipeline stages cut each micro-step into pp micro-batches
                 continue
             if sync and micro == per_rank and len(syncs) > 1:
                 continue  # no accumulation: the same as without sync_each_batch
             recipe = Recipe(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
-                              request.optimizer, sync, loss, tiled, offload, offload_params=params,
-                              fused_norms=norms)
+                            request.optimizer, sync, loss, tiled, offload, offload_params=params,
+                            fused_norms=norms, head_chunks=chunks)
+            if chunks and len(chunk_options) > 1 and head_chunks(request.model, layout, recipe) == 1:
+                continue  # "auto" runs all heads at once at this length: the setting without chunks
             row = evaluate(request, layout, recipe)
             if row.fits:
                 fitting.append(row)

@@ -5,7 +5,10 @@ how much of the communication hides behind the compute.
   performs them (`ndparallel.training.flops`): 6 N_matmul + 6 L (q_width + v_width) K, with K the keys a query attends
   to on average -- S/2 under the causal mask (the MFU convention counts the whole score matrix, K = S), w - w^2/2S under
   a sliding window w < S -- plus one forward of the layers again (2 N_layers + 2 L (q_width + v_width) K) with
-  activation checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint).
+  activation checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint), and with
+  head chunks (`footprint.head_chunks` > 1) one forward of the attention again (each chunk's, in its backward), with
+  the q/k/v projections' in Llama's chunked block (`footprint.chunked_block`); the chunks' collectives run again
+  too (Ulysses' q/k/v all-to-alls, cp's K/V gather), which the communication terms do not count.
 - mixtures of experts (`moe`): N_matmul counts the k routed experts a token goes to (not all E), the shared
   experts and the router; weights tensor parallelism leaves whole (the experts, the router) are multiplied on every
   tp rank, so a GPU performs 6 (N_split + t N_whole) per token of its tp group's. MLA attends with queries and keys
@@ -36,7 +39,7 @@ from .comm import Transfer
 from .hardware import Hardware
 from ..distributed.layout import Layout
 from .expert_costs import expert_elements
-from .footprint import stage_root, state_elements
+from .footprint import chunked_block, head_chunks, stage_root, state_elements
 from .model import ModelSpec
 from .offload import host_traffic
 from .recipe import FP32, OPTIMIZER_STATES, Recipe, local_shape, shard_numel
@@ -69,18 +72,21 @@ def attended_keys(model: ModelSpec, seq_len: int) -> float:
     return (model.window_layers * windowed + (model.layers - model.window_layers) * seq_len / 2) / model.layers
 
 
-def hardware_flops_per_token(model: ModelSpec, recipe: Recipe, tp: int = 1) -> float:
+def hardware_flops_per_token(model: ModelSpec, recipe: Recipe, layout: Layout) -> float:
     """FLOPs the GPUs perform per token of training (module docstring; `ndparallel.training.flops`), per GPU of a tp
-    group of `tp` for weights tensor parallelism leaves whole (a mixture's experts and routers)."""
+    group of ``layout.tp`` for weights tensor parallelism leaves whole (a mixture's experts and routers)."""
     split, whole = model.matmul_parameters()
     head = model.hidden * model.vocab
-    layer_matmul = split - head + tp * whole
+    layer_matmul = split - head + layout.tp * whole
     width, keys = model.q_width + model.o_width, attended_keys(model, recipe.seq_len)
     flops = training_flops(layer_matmul + head, model.layers, width, keys)
     if recipe.checkpointing:  # each layer's forward once more in backward
         flops += forward_flops(layer_matmul, model.layers, width, keys)
     if recipe.tiled_mlp:  # each tile's checkpoint runs the (dense) MLP's forward once more in backward
         flops += forward_flops(model.dense_layers * (3 if model.gated else 2) * model.hidden * model.intermediate)
+    if head_chunks(model, layout, recipe) > 1:  # each chunk's attention forward again in its backward
+        qkv = model.hidden * (model.q_width + 2 * model.kv_heads * model.head_dim) * model.layers
+        flops += forward_flops(qkv if chunked_block(model, layout, recipe) else 0, model.layers, width, keys)
     return flops
 
 
@@ -94,7 +100,7 @@ def step_time(model: ModelSpec, layout: Layout, recipe: Recipe, items: list[Tran
               global_tokens: int) -> Timing:
     world = layout.world
     peak = hw.peak_flops(recipe.mixed_precision)
-    hw_fpt = hardware_flops_per_token(model, recipe, layout.tp)
+    hw_fpt = hardware_flops_per_token(model, recipe, layout)
     flops = global_tokens * hw_fpt / world
     busy = flops / (peak * hw.compute_efficiency)
     micro = layout.pp  # the default schedule: one micro-batch per stage

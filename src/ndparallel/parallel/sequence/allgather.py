@@ -4,6 +4,13 @@ Each local query chunk ``[start, end)`` attends to the keys it may see: under a 
 chunk in full and the chunk itself causally; otherwise the whole sequence. The partial results are merged by
 log-sum-exp (`kernels.accumulate`). K/V are gathered again in backward rather than kept, so a layer saves only this
 rank's shard; the full K/V exist transiently, once per layer and pass.
+
+What that costs in memory, beyond the inputs, the output and what is saved (`forward_bytes`, `backward_bytes`: the
+planner counts them, `ndparallel.planner.footprint.attention_backward`): in forward the gather -- this rank's K and V
+concatenated, every rank's received, and those put in global order (two copies of the whole sequence's K/V for a
+moment); in backward the whole sequence's K/V gathered again, their gradients in fp32 over the whole sequence and one
+block's gradients, then, the gathered K/V let go, the reduce-scatter's copy of the gradients cut into one contiguous
+part per rank. The ring (`ring`) holds one circulating block instead.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class _AllGatherAttention(torch.autograd.Function):
                     dk[:, :, s:e][rows, :, ks] += g[1]
                     dv[:, :, s:e][rows, :, ks] += g[2]
                     del g  # before the next block's: one block's gradients at a time
+        del full_k, full_v  # before the reduce-scatter, whose parts take their place
         dk, dv = reduce_scatter_pair(dk, dv, chunking, ctx.group)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None, None
 
@@ -106,3 +114,38 @@ def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     (`masking.DocumentMask`).
     """
     return _AllGatherAttention.apply(query, key, value, chunking, group, bool(is_causal), float(scale), doc)
+
+
+def kv_elements(kv_heads: int, seq_len: int, batch: int, head_dim: int, value_head_dim: int | None = None) -> int:
+    """Elements of the whole sequence's key and value for `kv_heads` heads (``batch x seq_len`` positions)."""
+    return batch * kv_heads * seq_len * (head_dim + (value_head_dim or head_dim))
+
+
+def forward_bytes(kv_heads: int, seq_len: int, batch: int, head_dim: int, element_size: int, cp_size: int,
+                  value_head_dim: int | None = None) -> int:
+    """Bytes `_AllGatherAttention.forward`'s gather allocates at its peak on one rank (`gather_pair`): this rank's K
+    and V concatenated (1/cp of the whole sequence's), every rank's received and the whole sequence's in global order
+    (``kv_heads`` key/value heads of `seq_len` positions, `element_size` bytes). Not counted: the output (the
+    caller's) and one query chunk's merge buffers, which are query-sized."""
+    whole = kv_elements(kv_heads, seq_len, batch, head_dim, value_head_dim) * element_size
+    return 2 * whole + whole // cp_size
+
+
+def backward_bytes(heads: int, kv_heads: int, seq_len: int, batch: int, head_dim: int, element_size: int,
+                   cp_size: int, value_head_dim: int | None = None, fused: bool = True) -> int:
+    """Bytes `_AllGatherAttention.backward` allocates at its peak on one rank beyond what forward saved and the
+    gradients it returns (the query's, and this rank's share of the key's and value's, which are the caller's), for
+    `heads` query heads under a causal mask in the load-balanced layout, the larger of its two phases:
+
+    - the blocks: the whole sequence's K and V gathered again (`element_size`), their gradients (fp32:
+      `kernels.acc_dtype`), and one block's gradients -- the longest key block's K and V (the keys before the last of
+      the 2 x cp chunks, on the rank that holds it) and its query chunk's -- in the inputs' dtype from a fused kernel
+      (`fused`, `kernels.fused_gradients`), else fp32;
+    - the reduce-scatter (`reduce_scatter_pair`), once the gathered K/V are let go: the gradients and their copy cut
+      into one contiguous part per rank."""
+    acc = max(element_size, 4)  # `acc_dtype`: fp32, or the inputs' own when wider
+    whole = kv_elements(kv_heads, seq_len, batch, head_dim, value_head_dim)
+    chunks = 2 * cp_size
+    block = whole * (chunks - 1) // chunks + batch * heads * (seq_len // chunks) * head_dim
+    blocks = whole * (element_size + acc) + block * (element_size if fused else acc)
+    return max(blocks, 2 * whole * acc)

@@ -32,7 +32,28 @@ def gather_sequence(x: torch.Tensor, chunking: SequenceChunking, group: dist.Pro
 
 def reduce_scatter_sequence(x: torch.Tensor, chunking: SequenceChunking, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum of every rank's full-sequence `x`, each rank receiving its own shard of the sum."""
-    parts = [chunking.shard(x, SEQ_DIM, rank=r).contiguous() for r in range(chunking.size)]
+    return _reduce_scatter_parts([x], chunking, group)
+
+
+def _rank_part(tensors: list[torch.Tensor], chunking: SequenceChunking, rank: int) -> torch.Tensor:
+    """`rank`'s shard of each of `tensors` (full-sequence, the same but for dim 1), concatenated along dim 1, written
+    chunk by chunk into one new tensor: the values of ``torch.cat([chunking.shard(t, 2, rank) for t in tensors], 1)``
+    without a copy in between."""
+    first, n = tensors[0], chunking.chunk_len
+    out = first.new_empty(first.shape[0], sum(t.shape[1] for t in tensors), chunking.local_len, *first.shape[3:])
+    head = 0
+    for t in tensors:
+        for j, (start, _) in enumerate(chunking.chunks(rank)):
+            out[:, head:head + t.shape[1], j * n:(j + 1) * n].copy_(t.narrow(SEQ_DIM, start, n))
+        head += t.shape[1]
+    return out
+
+
+def _reduce_scatter_parts(tensors: list[torch.Tensor], chunking: SequenceChunking,
+                          group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ranks of `tensors` concatenated along dim 1, this rank receiving its shard; every rank's part
+    built straight from `tensors` (`_rank_part`: one copy of them in all, no whole-sequence concatenation first)."""
+    parts = [_rank_part(tensors, chunking, r) for r in range(chunking.size)]
     out = torch.empty_like(parts[chunking.rank])
     dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
     return out
@@ -57,7 +78,7 @@ def reduce_scatter_pair(a: torch.Tensor, b: torch.Tensor, chunking: SequenceChun
         return a, b
     if a.shape != b.shape or a.dtype != b.dtype:
         return reduce_scatter_sequence(a, chunking, group), reduce_scatter_sequence(b, chunking, group)
-    return reduce_scatter_sequence(torch.cat([a, b], dim=1), chunking, group).chunk(2, dim=1)
+    return _reduce_scatter_parts([a, b], chunking, group).chunk(2, dim=1)
 
 
 # ---- the ring ------------------------------------------------------------------------------------------------------
