@@ -210,7 +210,8 @@ def gpu_rows(argv: list[str] | None = None) -> dict:
     p.add_argument("--allocators", nargs="+", choices=list(ALLOCATORS), default=["default"],
                    help="expandable: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the measuring process")
     p.add_argument("--issue50", action="store_true",
-                   help="(c): " + ", ".join(f"{k} {' '.join(map(str, v))}" for k, v in ISSUE50.items()) +
+                   help="(c): " + ", ".join(f"{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                            for k, v in ISSUE50.items()) +
                         "; no longest-sequence search")
     args = p.parse_args(argv)
     if args.issue50:
