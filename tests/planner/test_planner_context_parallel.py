@@ -215,12 +215,19 @@ def test_the_planners_chunked_block_under_cp_is_what_the_block_allocates():
     test asks under sp (measured: forward 0.81-0.91 of it, the all-to-all-free chunks' send copies let go early;
     backward 0.86-0.97). Without the all-gather's terms both would be under what is measured."""
     params = (2 * B_HEADS + 2 * B_KV) * B_DIM * B_HIDDEN * 4  # the four weights' gradients, fp32
+    # gloo's worker thread lets go of a collective's tensors when it is done with them, which can be after the caller's
+    # wait() returned: on a loaded machine (or with a 20 ms sleep after each reduce-scatter) the backward's peak here
+    # held one chunk's whole-sequence key/value (one key/value head, 512 KiB) more than on an idle one, where it is
+    # the same in every run (how NCCL's work objects release theirs on a GPU is not measured here). So the backward is
+    # bounded by the planner's count plus that one late buffer.
+    late = 2 * B_SEQ * B_DIM * 4
     for report in run_ranks(_block_memory, CP, timeout=300):
         for chunks in B_BUDGETS:
             got, terms = report[chunks], _block_terms(chunks)
             assert terms["held"] == max(terms["forward"], terms["backward"])
             for phase, measured in (("forward", got["forward"]), ("backward", got["backward"] - params)):
-                assert 0.8 * terms[phase] <= measured <= terms[phase], (chunks, phase, measured, terms)
+                bound = terms[phase] + (late if phase == "backward" else 0)
+                assert 0.8 * terms[phase] <= measured <= bound, (chunks, phase, measured, terms)
                 assert terms[phase] - terms[f"gathered_{phase}"] < measured, (chunks, phase, measured, terms)
 
 

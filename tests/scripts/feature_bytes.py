@@ -25,17 +25,12 @@ from harness import run_ranks  # noqa: E402
 
 def fused_norm() -> None:
     """test_rms_norm.py::test_what_a_fused_norm_keeps: a bf16 norm of 256 tokens x 64, and the tiny bf16 Llama."""
-    from test_rms_norm import apply_fused_rms_norm, build_model, kept_bytes, nn, training_step_kept_bytes
+    from test_rms_norm import apply_fused_rms_norm, build_model, kept_bytes, one_norm, training_step_kept_bytes
 
     from ndparallel.test_utils.memory import LiveBytes
 
-    torch.manual_seed(0)
     tokens, hidden = 256, 64
-    norm = next(m for m in build_model("llama", hidden_size=hidden).modules() if type(m).__name__.endswith("RMSNorm"))
-    norm = norm.to(torch.bfloat16)
-    fused = copy.deepcopy(norm)
-    apply_fused_rms_norm(nn.Sequential(fused))
-    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    norm, fused, x = one_norm(tokens, hidden)
     print(f"fused norm, one norm kept: {kept_bytes(lambda: norm(x), norm.parameters()):,} B without, "
           f"{kept_bytes(lambda: fused(x), fused.parameters()):,} B with")
     model = build_model("llama", hidden_size=hidden).to(torch.bfloat16)

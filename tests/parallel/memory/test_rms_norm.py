@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ndparallel.parallel.memory.rms_norm import (CHUNK_BYTES, OWN_BACKWARD_BYTES, apply_fused_rms_norm, backward_bytes,
-                                                 chunk_tokens, fused_rms_norm_status, fused_rms_norms, rms_norm,
+                                                 chunk_tokens, fused_rms_norm_status, rms_norm,
                                                  token_bytes)
 from ndparallel.test_utils.memory import LiveBytes, kept_bytes, training_step_kept_bytes
 from step_costs import StepCosts
@@ -76,19 +76,25 @@ def test_in_bf16_the_gradients_are_as_close_to_fp64_as_the_models_own(name):
         assert error <= 1.25 * error_own, (error, error_own)
 
 
+def one_norm(tokens: int, hidden: int) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """The tiny Llama's first RMSNorm in bf16 (hidden `hidden`), a fused copy of it, and an input of `tokens` tokens
+    (tests/scripts/feature_bytes.py prints what they keep)."""
+    torch.manual_seed(0)
+    norm = next(m for m in build_model("llama", hidden_size=hidden).modules() if type(m).__name__.endswith("RMSNorm"))
+    norm = norm.to(torch.bfloat16)
+    fused = copy.deepcopy(norm)
+    apply_fused_rms_norm(nn.Sequential(fused))
+    return norm, fused, torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+
+
 def test_what_a_fused_norm_keeps():
     """A bf16 norm of T tokens x h keeps its input (2 h bytes per token) and 1/rms (4 bytes per token); the model's own
     keeps an fp32 copy of the input (4 h), 1/rms and the bf16 normalised value (2 h, which the next projection keeps
     anyway). In a model: 4 h bytes per token less for each of its norms (2 per layer and the final one), and so much
     less held at the peak of forward + backward (ndparallel.test_utils.memory.LiveBytes; to the byte here since the fused backward
     computes in place, 12,416 B less before; the bound leaves 5% to the backward's own buffers)."""
-    torch.manual_seed(0)
     tokens, hidden = 256, 64
-    norm = next(m for m in build_model("llama", hidden_size=hidden).modules() if type(m).__name__.endswith("RMSNorm"))
-    norm = norm.to(torch.bfloat16)
-    fused = copy.deepcopy(norm)
-    apply_fused_rms_norm(nn.Sequential(fused))
-    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    norm, fused, x = one_norm(tokens, hidden)
     assert kept_bytes(lambda: fused(x), fused.parameters()) == tokens * (2 * hidden + 4)
     assert kept_bytes(lambda: norm(x), norm.parameters()) == tokens * (4 * hidden + 4 + 2 * hidden)
 
