@@ -12,7 +12,7 @@ back with the rank that owns the block. Saved between forward and backward: the 
 log-sum-exp -- 1/cp of the sequence, nothing of size seq x seq.
 
 What that costs in memory on one rank, beyond the inputs (`forward_bytes`, `backward_bytes`: the planner counts them,
-`ndparallel.planner.footprint.cp_attention_bytes`): at most two K/V blocks of 1/cp of the sequence (the one attended
+`ndparallel.planner.footprint.ring_kv`): at most two K/V blocks of 1/cp of the sequence (the one attended
 and the one arriving), never the whole sequence's as the all-gather (`allgather`) holds; in forward every local
 query chunk's merge buffer (accumulator dtype) for all the hops; in backward the query's gradient in the accumulator
 dtype and the travelling key/value gradient accumulators, two of them while one pair is passed on.
