@@ -12,7 +12,8 @@ tiled MLPs and loss, checkpointed layer inputs offloaded to the host, Liger-Kern
 for Llama-3-8B on one 8xH100 node, chunking Ulysses attention head by head (the planner takes Llama-3.1-8B's config:
 the same layers and widths). For each published row: the planner's longest sequence on the same GPUs and host memory
 (every feature the library has -- head-chunked Ulysses attention where it lengthens the sequence, with the count the
-library's "auto" picks -- and FSDP2's CPU offload where it helps), and at the published
+library's "auto" picks, and under cp the all-gather or the ring attention (``cp_comm_strategy``), whichever lengthens
+it -- and FSDP2's CPU offload where it helps), and at the published
 length, for the planner's best layout, the predicted peak, how far over the budget it is, and the GPU terms the
 library has no feature for (`planner.longest.missing_features`). Predictions only: no GPU ran them.
 """
@@ -49,10 +50,12 @@ def compare(name: str, nodes: int, gpus: int, published: int, host_gib: float) -
     step = QUANTUM * layout.sequence_divisor
     at = -(-published // step) * step  # ALST's length, rounded up to what the layout splits
     mem = estimate(request.model, layout, _setting("all", at, request.mixed_precision, request.optimizer,
-                                                   best.offload_params, best.head_chunks), request.hardware.fragmentation)
+                                                   best.offload_params, best.head_chunks, best.cp_strategy),
+                   request.hardware.fragmentation)
     return {"name": name, "gpus": nodes * gpus, "published": published, "predicted": best.tokens["all"],
             "layout": layout.name, "offload_params": best.offload_params, "without": best.without_offload,
             "chunks": best_chunks(best, request) if best.head_chunks else 1,
+            "ring": layout.cp > 1 and best.cp_strategy == "ring", "other": best.other_strategy,
             "at": at, "peak": mem.peak / GiB, "over": (mem.peak - request.budget_bytes) / GiB,
             "host": host_bytes(mem) / GiB, "host_budget": request.host_budget_bytes / GiB,
             "gathered": mem["unsharded_params"] / GiB, "fragmentation": mem["fragmentation"] / GiB}
@@ -69,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         r = compare(name, nodes, gpus, published, args.host_memory_gib)
         chunks = f", {r['chunks']} head chunks" if r["chunks"] > 1 else ""
         print(f"| {r['name']}, {r['gpus']} | {r['published']:,} ({who}) | {r['predicted']:,} ({r['layout']}"
-              f"{', cpu_offload' if r['offload_params'] else ''}{chunks}) | {r['predicted'] / published:.2f} | "
+              f"{', cpu_offload' if r['offload_params'] else ''}{chunks}"
+              f"{', ring; all-gather ' + format(r['other'] or 0, ',') if r['ring'] else ''}) | "
+              f"{r['predicted'] / published:.2f} | "
               f"{r['without'] or 0:,} | {r['peak']:.1f} ({r['over']:+.1f}) | {r['host']:.1f} ({r['host_budget']:.1f}) "
               f"| {r['gathered']:.1f} | {r['fragmentation']:.1f} |")
 

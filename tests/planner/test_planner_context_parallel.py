@@ -17,7 +17,7 @@ from harness import run_ranks
 from ndparallel.parallel.sequence import SequenceShards, allgather, block, sequence_parallel_attention, ulysses
 from ndparallel.parallel.sequence.sharding import SequenceSharding
 from ndparallel.planner import Layout, Recipe
-from ndparallel.planner.footprint import attention_backward, gathered_kv, head_chunks, layer_activations
+from ndparallel.planner.footprint import attention_backward, cp_kv, gathered_kv, head_chunks, layer_activations
 from ndparallel.planner.model import spec_from_config
 from ndparallel.test_utils.memory import LiveBytes
 
@@ -86,9 +86,10 @@ def test_the_kernels_counts_are_what_it_allocates():
 
 
 # ---- the planner's layer, the attention function (a family the chunked block does not run) ----------------------------
-def _peaks() -> dict[int, int]:
+def _peaks(strategy: str = "allgather") -> dict[int, int]:
     """On each cp rank: q/k/v made inside the counted region (as the projections make them), attention with "auto"
-    head chunks under each budget, the output copied as o_proj takes it, backward with a given output gradient."""
+    head chunks under each budget (cp attention: `strategy`), the output copied as o_proj takes it, backward with a
+    given output gradient."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -105,7 +106,8 @@ def _peaks() -> dict[int, int]:
             leaves = [t.clone().requires_grad_() for t in inputs]
             with LiveBytes() as live:
                 q, k, v = (t * 1.0 for t in leaves)
-                out = sequence_parallel_attention(q, k, v, shards, cp_group=dist.group.WORLD, head_chunks="auto")
+                out = sequence_parallel_attention(q, k, v, shards, cp_group=dist.group.WORLD, head_chunks="auto",
+                                                  strategy=strategy)
                 del q, k, v
                 copy = out.transpose(1, 2).reshape(1, n, HIDDEN)
                 del out
@@ -121,18 +123,18 @@ SPEC = spec_from_config({"model_type": "mistral", "hidden_size": HIDDEN, "num_hi
                          "vocab_size": 64}, "test")
 
 
-def _predicted(chunks: int, spec=SPEC) -> tuple[int, int]:
-    """(the planner's attention on one rank, its all-gather term): what the layer saves for it (`layer_activations`
+def _predicted(chunks: int, spec=SPEC, strategy: str = "allgather") -> tuple[int, int]:
+    """(the planner's attention on one rank, its cp strategy's term): what the layer saves for it (`layer_activations`
     less its norms and MLP) and what its backward holds beyond that (`attention_backward`), with "auto" under the
     budget that picks `chunks`; less the output's gradient, which the planner counts (o_proj's backward makes it)
     and the test hands in (made before the counted region; under cp alone the attention takes a view of it)."""
-    layout, recipe = Layout(cp=CP), Recipe(SEQ, 1, 1, "fp32", False, head_chunks=True)
+    layout, recipe = Layout(cp=CP), Recipe(SEQ, 1, 1, "fp32", False, head_chunks=True, cp_strategy=strategy)
     previous, ulysses.HEAD_CHUNK_BYTES = ulysses.HEAD_CHUNK_BYTES, BUDGETS[chunks]
     try:
         assert head_chunks(spec, layout, recipe) == chunks
         saved = layer_activations(spec, layout, recipe)[0]
         held = attention_backward(spec, layout, recipe)[0]
-        gathered = gathered_kv(spec, layout, recipe, chunks)[1]
+        gathered = cp_kv(spec, layout, recipe, chunks)[1]
     finally:
         ulysses.HEAD_CHUNK_BYTES = previous
     n = SEQ // CP
@@ -162,7 +164,7 @@ B_SEQ, B_HIDDEN, B_HEADS, B_KV, B_DIM = 2048, 256, 8, 2, 32  # fp32, cp 2: 1,024
 B_BUDGETS = {4: 3 * MiB // 2, 8: MiB}  # "auto" at the whole sequence: one chunk's q/k/v/o 1.5 MiB at 4 chunks, 1 at 8
 
 
-def _block_memory() -> dict:
+def _block_memory(strategy: str = "allgather") -> dict:
     from test_chunked_block import _module, _step
 
     dist.init_process_group("gloo")
@@ -172,7 +174,7 @@ def _block_memory() -> dict:
     x, dout = (torch.randn(1, B_SEQ, B_HIDDEN, generator=g) for _ in range(2))
     report = {}
     for chunks in B_BUDGETS:
-        sharding = SequenceSharding(CP, rank, 1, 0, True, "allgather", dist.group.WORLD, None, False, chunks)
+        sharding = SequenceSharding(CP, rank, 1, 0, True, strategy, dist.group.WORLD, None, False, chunks)
         runs = []
         # 3 runs: the forward's least peak (as `_kernel`), the backward's median -- a difference of two readings, which
         # a stray half MiB in either can move either way
@@ -186,16 +188,16 @@ def _block_memory() -> dict:
     return report
 
 
-def _block_terms(chunks: int) -> dict[str, int]:
+def _block_terms(chunks: int, strategy: str = "allgather") -> dict[str, int]:
     spec = spec_from_config({"model_type": "llama", "hidden_size": B_HIDDEN, "num_hidden_layers": 1,
                              "num_attention_heads": B_HEADS, "num_key_value_heads": B_KV, "head_dim": B_DIM,
                              "intermediate_size": 64, "vocab_size": 64}, "test")
-    layout, recipe = Layout(cp=CP), Recipe(B_SEQ, 1, 1, "fp32", True, head_chunks=True)
+    layout, recipe = Layout(cp=CP), Recipe(B_SEQ, 1, 1, "fp32", True, head_chunks=True, cp_strategy=strategy)
     previous, ulysses.HEAD_CHUNK_BYTES = ulysses.HEAD_CHUNK_BYTES, B_BUDGETS[chunks]
     try:
         assert head_chunks(spec, layout, recipe) == chunks
         held = attention_backward(spec, layout, recipe)[0]
-        forward, backward = gathered_kv(spec, layout, recipe, chunks)[:2]
+        forward, backward = cp_kv(spec, layout, recipe, chunks)[:2]
     finally:
         ulysses.HEAD_CHUNK_BYTES = previous
     n = B_SEQ // CP
@@ -234,14 +236,16 @@ def test_plan_takes_head_chunks_where_they_make_a_layout_fit(capsys):
     """Llama-3.1-8B, one sequence of 3,145,728 tokens on 8 H100s: cp=4,sp=2 and cp=8 fit only over head chunks (with
     them their rows carry H and the script passes ulysses_head_chunks="auto"; --ulysses-head-chunks off leaves them
     over the budget), and the chunks cost each chunk's attention forward again in backward, so the step is slower
-    than the same layout's without them. sp=8 fits without them and does not take them."""
+    than the same layout's without them. sp=8 fits without them and does not take them. With the all-gather (cp's
+    default): the ring fits these cp rows without head chunks (test_planner_ring.py)."""
     from ndparallel.planner import Request, get_hardware, load_model, plan
     from ndparallel.planner.report import script_settings
 
     model, hardware = load_model("llama-3.1-8b"), get_hardware("h100")
     rows = {}
     for chunks in ("auto", "off"):
-        result = plan(Request(model, hardware, 1, 8, 3_145_728, 3_145_728, head_chunks=chunks))
+        result = plan(Request(model, hardware, 1, 8, 3_145_728, 3_145_728, head_chunks=chunks,
+                              cp_strategy="allgather"))
         rows[chunks] = {row.layout.name: row for row in result.rows}
     for name in ("cp=4,sp=2", "cp=8"):
         chunked, plain = rows["auto"][name], rows["off"][name]
@@ -272,4 +276,4 @@ def test_head_chunks_on_and_off(capsys):
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["cp=8"]["head_chunks"] and rows["cp=8"]["tokens_without_head_chunks"] is None
     assert main(args + ["--ulysses-head-chunks", "on"]) == 0
-    assert 'ulysses_head_chunks="auto"), 32 at that length);' in capsys.readouterr().out
+    assert 'ulysses_head_chunks="auto"), 32 at that length; the ring attention:' in capsys.readouterr().out

@@ -115,21 +115,24 @@ def test_the_max_seq_curves_are_the_planners_estimates(plot, capsys, tmp_path):
     request = Request(load_model("llama-3.1-8b"), get_hardware("h100"), 1, 8, 1024, 1024)
     row = longest(request)[0]
     assert row.offload_params and row.head_chunks and row.tokens["all"] > row.tokens["plain"] > 0  # every curve below
+    assert row.cp_strategy == "ring"  # cp=8: the ring's curve, and the all-gather's beside it
     step = QUANTUM * 2 * row.layout.cp * row.layout.sp
     lengths = [step, 8 * step, row.tokens["plain"], row.tokens["all"], row.tokens["all"] + step]
     gpu, host = plot.max_seq_figure(row, request, lengths).axes
     lines = {line.get_label(): line for line in gpu.get_lines()}
 
-    def recipe(seq: int, plain: bool = False, **off: bool) -> Recipe:  # SETTINGS by hand
+    def recipe(seq: int, plain: bool = False, **off: bool | str) -> Recipe:  # SETTINGS by hand
         on = {"chunked_loss": False} if plain else {"chunked_loss": True, "tiled_mlp": True, "offload": True,
-                                                     "fused_norms": True, "offload_params": True, "head_chunks": True}
+                                                     "fused_norms": True, "offload_params": True, "head_chunks": True,
+                                                     "cp_strategy": "ring"}
         return Recipe(seq, 1, 1, "bf16", True, "adamw", False, **{**on, **off})
 
     curves = {"every feature": {}, "without chunked loss (C)": {"chunked_loss": False},
               "without tiled MLP (T)": {"tiled_mlp": False}, "without fused RMSNorm (N)": {"fused_norms": False},
               "without head-chunked Ulysses (H)": {"head_chunks": False},
               "without activation offload (O)": {"offload": False},
-              "without FSDP2's CPU offload (P)": {"offload_params": False}, "plain FSDP2 + AC": None}
+              "without FSDP2's CPU offload (P)": {"offload_params": False},
+              "with the all-gather cp attention": {"cp_strategy": "allgather"}, "plain FSDP2 + AC": None}
     for label, off in curves.items():
         memories = [estimate(request.model, row.layout, recipe(seq, off is None, **(off or {})),
                              request.hardware.fragmentation)

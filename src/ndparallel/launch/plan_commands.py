@@ -63,6 +63,11 @@ def add_parsers(sub: Any) -> None:
                                           "step on the host (auto: where it makes a layout fit or run faster)")):
         plan.add_argument(f"--{name}", dest=name.replace("-", "_"), choices=("auto", "on", "off"), default="auto",
                           help=what)
+    plan.add_argument(*spellings("cp-comm-strategy"), dest="cp_comm_strategy", choices=("auto", "allgather", "ring"),
+                      default="auto",
+                      help="the context-parallel attention, TorchContextParallelConfig(cp_comm_strategy=...): the "
+                           "all-gather (the library's default) or the ring (auto: both, where cp > 1; the ring where "
+                           "it makes a layout, a larger micro-batch or, with --max-seq, a longer sequence fit)")
     plan.add_argument(*spellings("expandable-segments"), dest="expandable_segments", action="store_true",
                       help="the recipe sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the allocator's reserve "
                            "under it is unmeasured, so the profile's fragmentation is kept")
@@ -123,6 +128,10 @@ def add_parsers(sub: Any) -> None:
     memory.add_argument(*spellings("ulysses-head-chunks"), dest="ulysses_head_chunks", action="store_true",
                         help="Ulysses attention over head chunks, as many as the library's \"auto\" picks "
                              "(MemoryKwargs(ulysses_head_chunks=\"auto\"); cp or sp > 1)")
+    memory.add_argument(*spellings("cp-comm-strategy"), dest="cp_comm_strategy", choices=("allgather", "ring"),
+                        default="allgather", help="the context-parallel attention under cp > 1, "
+                                                  "TorchContextParallelConfig(cp_comm_strategy=...) (default: the "
+                                                  "library's, allgather)")
     memory.add_argument(*spellings("offload-params"), dest="offload_params", action="store_true",
                         help="FSDP2's CPU offload (cpu_offload=True): parameters, gradients, optimizer state in host "
                              "memory")
@@ -149,6 +158,7 @@ def _plan_request(args: argparse.Namespace, hardware: Any, model: Any) -> Any:
                    optimizer=args.optimizer, allow_cross_node_tp=args.allow_cross_node_tp,
                    sync_each_batch=args.sync_each_batch, chunked_loss=args.chunked_loss, tiled_mlp=args.tiled_mlp,
                    fused_rms_norm=args.fused_rms_norm, head_chunks=args.ulysses_head_chunks, offload=args.offload,
+                   cp_strategy=args.cp_comm_strategy,
                    offload_params=args.offload_params,
                    host_memory_gib=args.host_memory_gib, ep_size=args.ep_size,
                    expandable_segments=args.expandable_segments)
@@ -244,6 +254,8 @@ def _plan_max_seq(args: argparse.Namespace) -> int:
         print(json.dumps([{"layout": r.layout.sizes(), "name": r.layout.name, "tokens": r.tokens,
                            "offload_params": r.offload_params, "tokens_without_offload_params": r.without_offload,
                            "head_chunks": r.head_chunks, "tokens_without_head_chunks": r.without_chunks,
+                           "cp_comm_strategy": r.cp_strategy if r.layout.cp > 1 else None,
+                           "tokens_with_other_cp_strategy": r.other_strategy,
                            "peak_bytes": {n: (m.peak if m else None) for n, m in r.memory.items()},
                            "host_bytes": {n: (host_bytes(m) if m else None) for n, m in r.memory.items()}}
                           for r in rows], indent=1))
@@ -301,7 +313,8 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
         recipe = Recipe(args.seq_len, args.micro_batch_size, args.gradient_accumulation_steps, args.mixed_precision,
                           args.activation_checkpointing == "on", args.optimizer, args.sync_each_batch,
                           args.chunked_loss == "on", args.tiled_mlp, args.offload, offload_params=args.offload_params,
-                          fused_norms=args.fused_rms_norm, head_chunks=args.ulysses_head_chunks)
+                          fused_norms=args.fused_rms_norm, head_chunks=args.ulysses_head_chunks,
+                          cp_strategy=args.cp_comm_strategy)
         experts = _expert_figures(args, layout, recipe)  # a mixture of experts: expert parallelism's figures
         model = load_model(args.model)
         samples = args.micro_batch_size * args.gradient_accumulation_steps * layout.batch

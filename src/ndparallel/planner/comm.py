@@ -18,9 +18,14 @@ n tokens per rank per micro-step, L layers:
 - CP, all-gather strategy (cp ranks): K and V gathered forward and gathered again in backward (the library keeps
   only its own share), all-gather 2 L (cp-1) x 2 n kv_width c; their gradients, accumulated in fp32,
   reduce-scattered: L (cp-1) x 2 n kv_width x 4.
+- CP, ring strategy (``cp_comm_strategy="ring"``, `parallel.sequence.ring`): point to point to the next rank, each
+  hop one rank's K/V block (n tokens): forward cp-1 hops, 2 L (cp-1) x 2 n kv_width c with the backward's; the
+  gradient accumulators travel cp hops in backward (back to the block's owner), L cp x 2 n kv_width x 4. The sends
+  overlap the block's attention in the library, but are counted on the critical path as the all-gather's are.
 - Activation checkpointing reruns each layer's forward in backward, with its collectives, up to the last tensor
   backward needs (torch's non-reentrant checkpoint stops there): TP 5 L + 1 all-reduces instead of 4 L + 1 (the
-  MLP output's is not repeated), Ulysses 3 L instead of 2 L all-to-all rounds, CP 3 L K/V gathers instead of 2 L.
+  MLP output's is not repeated), Ulysses 3 L instead of 2 L all-to-all rounds, CP 3 L K/V gathers (or ring
+  passes) instead of 2 L.
   FSDP2's traffic does not change (the layer is gathered for backward anyway).
 - The loss normalisation's token count: all-reduce of 8 bytes over the ``batch`` view once per step.
 - Mixtures of experts (`moe`): without ep the routed experts are part of each sparse layer's FSDP2 unit (P_s
@@ -162,7 +167,17 @@ def transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: i
         add("Ulysses all-to-all", "all_to_all", "sp",
             steps * Product(passes, f"{passes} passes") * Product(L, f"{L} layers") * ring(layout.sp) * tokens
             * Product(width, f"{width} wide") * dtype, m * 4 * passes * L, False)
-    if layout.cp > 1:
+    if layout.cp > 1 and recipe.cp_strategy == "ring":
+        cp = layout.cp
+        kv = Product(kw + vw, f"({kw}+{vw})")
+        passes = 1 + forwards  # forward (and its rerun), and backward: the blocks travel cp - 1 hops each time
+        add("CP ring K/V blocks (forward + backward)", "send_recv", "cp",
+            steps * Product(passes, f"{passes} passes") * Product(L, f"{L} layers") * Product(cp - 1, f"({cp}-1) hops")
+            * tokens * kv * dtype, m * passes * L * (cp - 1), False)
+        add("CP ring K/V gradient accumulators", "send_recv", "cp",
+            steps * Product(L, f"{L} layers") * Product(cp, f"{cp} hops") * tokens * kv * Product(FP32, "4 B"),
+            m * L * cp, False, " (fp32, back to their owner)")
+    elif layout.cp > 1:
         cp = layout.cp
         kv = Product(kw + vw, f"({kw}+{vw})")
         gathers = 1 + forwards  # forward (and its rerun), and again in backward

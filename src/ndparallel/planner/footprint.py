@@ -26,8 +26,10 @@ README's does), tensor by tensor:
 - **a layer's backward buffers** (`backward_transient`): the largest of what one op of the layer allocates in its
   backward beyond the saved activations -- a tiled MLP's rebuilt tile, the attention's gradients (over head chunks,
   one chunk's rebuilt q/k/v/o and gradients with the shard's gradient buffers: `attention_backward`; under cp the
-  all-gather kernel's whole-sequence key/value, their fp32 gradients and the reduce-scatter's parts, for all the
-  rank's heads or one chunk's: `gathered_kv`, the kernel's own counts), an RMSNorm's
+  all-gather kernel's whole-sequence key/value, their fp32 gradients and the reduce-scatter's parts, or under
+  ``cp_comm_strategy="ring"`` (`Recipe.cp_strategy`) the ring's K/V blocks in flight (1/cp of the sequence), its
+  fp32 query gradient and key/value accumulators, for all the rank's heads or one chunk's: `cp_kv`, the kernels' own
+  counts), an RMSNorm's
   working set (`norm_backward`; a fused norm's over chunks of tokens, beside its input gradient) -- added to the
   rebuilt layer (AC) or alone (no AC), in the ``recompute`` term.
 - **head-chunked attention** (``MemoryKwargs(ulysses_head_chunks="auto")``, cp or sp > 1): the attention keeps the
@@ -67,7 +69,7 @@ from ..parallel.memory.host_pool import aligned
 from ..parallel.memory.rms_norm import OWN_BACKWARD_BYTES  # the library's own counts, not copies
 from ..parallel.memory.rms_norm import backward_bytes as norm_backward_bytes, chunk_tokens as norm_chunk_tokens
 from ..parallel.memory.rms_norm import token_bytes as norm_token_bytes
-from ..parallel.sequence import allgather, block
+from ..parallel.sequence import allgather, block, ring
 from ..parallel.sequence.ulysses import chunk_bytes, kv_repeats, resolve_chunks
 from .expert_costs import block_activations, expert_elements, gathered_expert_elements
 from .model import LayerGroup, ModelSpec
@@ -288,6 +290,34 @@ def gathered_kv(model: ModelSpec, layout: Layout, recipe: Recipe, chunks: int = 
                                "parts)")
 
 
+def ring_kv(model: ModelSpec, layout: Layout, recipe: Recipe, chunks: int = 1) -> tuple[int, int, str]:
+    """(forward, backward) bytes of the ring context-parallel attention's buffers on one rank for one call -- all
+    heads the rank attends with, or one head chunk's -- the library's counts (`ring.forward_bytes` /
+    `backward_bytes`): the K/V blocks in flight (1/cp of the sequence each), the query chunks' fp32 merge buffers in
+    forward, the query's fp32 gradient and the travelling fp32 key/value gradient accumulators in backward; 0 without
+    cp. Heads per call as `gathered_kv`'s."""
+    if layout.cp == 1:
+        return 0, 0, ""
+    kw, vw = attention_widths(model, layout)[2:]
+    d, heads, kv_heads = model.head_dim, model.heads // layout.tp, model.kv_heads // layout.tp
+    calls = layout.sp * chunks
+    kv = kw // d // layout.sp if chunks == 1 else kv_heads * kv_repeats(heads, kv_heads, calls) // calls
+    v_dim = vw * d // kw if kw else d
+    seq, batch, c = recipe.seq_len, recipe.micro_batch, recipe.compute_bytes
+    forward = ring.forward_bytes(heads // calls, kv, seq, batch, d, c, layout.cp, value_head_dim=v_dim)
+    backward = ring.backward_bytes(heads // calls, kv, seq, batch, d, c, layout.cp, value_head_dim=v_dim)
+    return forward, backward, (f"the cp ring's buffers ({kv} key/value heads x {seq // layout.cp} tokens per block"
+                               f"{' of one chunk' if chunks > 1 else ''}: {forward:,} B in forward with the blocks in "
+                               f"flight and the merge buffers, {backward:,} B in its backward with the fp32 query "
+                               "gradient and key/value accumulators)")
+
+
+def cp_kv(model: ModelSpec, layout: Layout, recipe: Recipe, chunks: int = 1) -> tuple[int, int, str]:
+    """The context-parallel attention's own buffers for the recipe's strategy (``cp_comm_strategy``): the
+    all-gather's (`gathered_kv`) or the ring's (`ring_kv`)."""
+    return (ring_kv if recipe.cp_strategy == "ring" else gathered_kv)(model, layout, recipe, chunks)
+
+
 def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tuple[float, str]:
     """What one layer's attention holds in its backward beyond what the layer saved (`layer_activations`).
 
@@ -295,13 +325,13 @@ def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tupl
     full-sequence heads under sp, key/value repeated), in the compute dtype. Over head chunks
     (`ulysses._HeadChunked.backward`): one chunk's full-sequence q/k/v/o rebuilt and their gradients (2 x
     `ulysses.chunk_bytes`), its log-sum-exp, the whole shard's q/k/v gradients filled chunk by chunk, and the output's
-    sequence-sharded gradient, held until the last chunk. Under cp the all-gather kernel's whole-sequence key/value
-    and their gradients come on top, for all the rank's heads or for one chunk's (`gathered_kv`). Not counted: a
-    kernel's own workspace."""
+    sequence-sharded gradient, held until the last chunk. Under cp the strategy's own buffers come on top, for all the
+    rank's heads or for one chunk's (`cp_kv`): the all-gather kernel's whole-sequence key/value and their gradients,
+    or the ring's blocks in flight and fp32 accumulators. Not counted: a kernel's own workspace."""
     n, c = recipe.tokens(layout), recipe.compute_bytes
     qw, ow, kw, vw = attention_widths(model, layout)
     chunks = head_chunks(model, layout, recipe)
-    gathered_fwd, gathered, gathered_how = gathered_kv(model, layout, recipe, chunks)
+    gathered_fwd, gathered, gathered_how = cp_kv(model, layout, recipe, chunks)
     plus = f" + {gathered_how}" if gathered else ""
     if chunks == 1:
         return n * (qw + ow + kw + vw) * c + gathered, (f"{n} tokens x ({qw}+{ow}+{kw}+{vw}) x {c} B (the gradients "
@@ -318,7 +348,8 @@ def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tupl
             f"{chunks} head chunks, the projections' backward in each (the chunked block): the larger of its "
             f"forward's {forward:,} B (the shard's q/k/v and attention output, {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B, "
             f"and one chunk's full-sequence q/k/v/o with their send buffers, 2 x {chunk:,} B"
-            + (f", and the cp all-gather's {gathered_fwd:,} B" if gathered_fwd else "")
+            + (f", and the cp {'ring' if recipe.cp_strategy == 'ring' else 'all-gather'}'s {gathered_fwd:,} B"
+               if gathered_fwd else "")
             + f") and its backward's {backward:,} B (the hidden states' gradient {n} x {model.hidden} x {c} B, one "
             f"chunk's full-sequence q/k/v/o and their gradients 2 x {chunk:,} B, its sequence-sharded ones and theirs, "
             f"its lse {lse:,} B{plus})")

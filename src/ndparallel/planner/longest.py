@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from .layouts import Constraints, Layout, all_layouts, expert_layouts, reasons
 from .footprint import Memory, backward_transient, estimate, head_chunks
 from .offload import host_bytes
-from .search import OPTIONS, Request
+from .search import OPTIONS, Request, cp_strategies
 from .recipe import Recipe
+from .report import config_line
 
 QUANTUM = 1024
+STRATEGY_CELL = {"allgather": "ag", "ring": "ring"}  # the table's cp column
 LIMIT = 2**25  # 32 M tokens: searched no further
 SETTINGS = {  # name -> (checkpointing, chunked loss, tiled MLP, offload, fused RMSNorm)
     "all": (True, True, True, True, True),
@@ -50,13 +52,15 @@ class Longest:
     without_offload: int | None = None  # "all" without that offload (None: not tried, --offload-params on)
     head_chunks: bool = False  # whether "all" runs Ulysses attention over head chunks ("auto"'s count) for it
     without_chunks: int | None = None  # "all" without head chunks (None: not tried, no cp or sp)
+    cp_strategy: str = "allgather"  # the cp attention "all" runs for it (TorchContextParallelConfig(cp_comm_strategy))
+    other_strategy: int | None = None  # "all" with the other cp strategy (None: not tried, no cp)
 
 
 def _setting(name: str, seq: int, precision: str, optimizer: str, params: bool = False,
-             chunks: bool = False) -> Recipe:
+             chunks: bool = False, strategy: str = "allgather") -> Recipe:
     ac, loss, tiled, offload, norms = SETTINGS[name]
     return Recipe(seq, 1, 1, precision, ac, optimizer, False, loss, tiled, offload, offload_params=params,
-                  fused_norms=norms, head_chunks=chunks)
+                  fused_norms=norms, head_chunks=chunks, cp_strategy=strategy)
 
 
 def _constraints(layout: Layout, seq: int, request: Request) -> Constraints:
@@ -69,20 +73,21 @@ def _accepts(layout: Layout, seq: int, request: Request) -> bool:
 
 
 def _fits(layout: Layout, seq: int, name: str, request: Request, params: bool = False,
-          chunks: bool = False) -> Memory | None:
+          chunks: bool = False, strategy: str = "allgather") -> Memory | None:
     memory = estimate(request.model, layout, _setting(name, seq, request.mixed_precision, request.optimizer, params,
-                                                      chunks), request.hardware.fragmentation)
+                                                      chunks, strategy), request.hardware.fragmentation)
     return memory if request.fits(memory) else None
 
 
 def longest_for(layout: Layout, name: str, request: Request, params: bool = False,
-                chunks: bool = False) -> tuple[int, Memory | None]:
+                chunks: bool = False, strategy: str = "allgather") -> tuple[int, Memory | None]:
     """The longest multiple of the layout's step (QUANTUM x `Layout.sequence_divisor`) that fits, and its memory;
-    `params`: with FSDP2's CPU offload; `chunks`: with head-chunked Ulysses attention ("auto")."""
+    `params`: with FSDP2's CPU offload; `chunks`: with head-chunked Ulysses attention ("auto"); `strategy`: the cp
+    attention's (``cp_comm_strategy``)."""
     step = QUANTUM * layout.sequence_divisor
 
     def fits(k: int) -> Memory | None:
-        return _fits(layout, k * step, name, request, params, chunks)
+        return _fits(layout, k * step, name, request, params, chunks, strategy)
 
     if not _accepts(layout, step, request) or fits(1) is None:
         return 0, None
@@ -100,19 +105,23 @@ def longest_for(layout: Layout, name: str, request: Request, params: bool = Fals
     return lo * step, fits(lo)
 
 
-def longest_all(layout: Layout, request: Request) -> tuple[int, Memory | None, bool, int | None, bool, int | None]:
-    """(tokens, memory, whether with FSDP2's CPU offload, tokens without it, whether with head chunks, tokens without
-    them) of every feature on, the offload as ``--offload-params`` allows ("auto" takes it only where it makes the
-    sequence longer) and head chunks under cp or sp only where they make it longer (they can hold more than they free:
-    `footprint.attention_backward`)."""
+def longest_all(layout: Layout, request: Request) -> Longest:
+    """Every feature on (`Longest`'s "all" fields; "plain" left for the caller): the offload as ``--offload-params``
+    allows ("auto" takes it only where it makes the sequence longer), head chunks under cp or sp only where they make
+    it longer (they can hold more than they free: `footprint.attention_backward`), and under cp the strategy
+    (``cp_comm_strategy``, `search.cp_strategies`) that makes it longer, the all-gather where they tie."""
     chunk_options = OPTIONS[request.head_chunks] if layout.seq_split > 1 else (False,)
-    found = {(params, chunks): longest_for(layout, "all", request, params, chunks)
-             for params in OPTIONS[request.offload_params] for chunks in chunk_options}
-    best = max(found, key=lambda k: (found[k][0], not k[0], not k[1]))
-    params, chunks = best
-    without = found[(False, chunks)][0] if (False, chunks) in found else None
-    unchunked = found[(params, False)][0] if layout.seq_split > 1 and (params, False) in found else None
-    return *found[best], params, without, chunks, unchunked
+    strategies = cp_strategies(request, layout)
+    found = {(params, chunks, strategy): longest_for(layout, "all", request, params, chunks, strategy)
+             for params in OPTIONS[request.offload_params] for chunks in chunk_options for strategy in strategies}
+    best = max(found, key=lambda k: (found[k][0], not k[0], not k[1], k[2] == "allgather"))
+    params, chunks, strategy = best
+    without = found[(False, chunks, strategy)][0] if (False, chunks, strategy) in found else None
+    unchunked = found[(params, False, strategy)][0] if layout.seq_split > 1 and (params, False, strategy) in found \
+        else None
+    other = next((found[(params, chunks, s)][0] for s in strategies if s != strategy), None)
+    tokens, memory = found[best]
+    return Longest(layout, {"all": tokens}, {"all": memory}, params, without, chunks, unchunked, strategy, other)
 
 
 def longest(request: Request) -> list[Longest]:
@@ -122,10 +131,10 @@ def longest(request: Request) -> list[Longest]:
     for layout in (x for mesh in meshes for x in expert_layouts(mesh, _constraints(mesh, QUANTUM, request))):
         if not _accepts(layout, QUANTUM * layout.sequence_divisor, request):
             continue
-        tokens, memory, params, without, chunks, unchunked = longest_all(layout, request)
+        row = longest_all(layout, request)
         plain = longest_for(layout, "plain", request)
-        out.append(Longest(layout, {"all": tokens, "plain": plain[0]}, {"all": memory, "plain": plain[1]}, params,
-                           without, chunks, unchunked))
+        out.append(dataclasses.replace(row, tokens={**row.tokens, "plain": plain[0]},
+                                       memory={**row.memory, "plain": plain[1]}))
     out.sort(key=lambda row: (-row.tokens["all"], -row.tokens["plain"], row.layout.name))
     return out
 
@@ -139,9 +148,10 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
              "data-parallel rank",
              "all: activation checkpointing with offloading, chunked loss, tiled MLP, fused RMSNorm (H: and "
              "head-chunked Ulysses attention; P: and FSDP2's CPU offload of parameters, gradients and optimizer "
-             "state); plain: FSDP2 with activation checkpointing and the model's own loss", ""]
+             "state; cp: the context-parallel attention, ag the all-gather or ring, cp_comm_strategy=\"ring\", and "
+             "the other's tokens); plain: FSDP2 with activation checkpointing and the model's own loss", ""]
     header = f"{'#':>3}  {'layout':<34} {'all: tokens':>12} {'H':>2} {'without H':>10} {'P':>2} {'without P':>10} " \
-             f"{'peak GiB':>9} {'host GiB':>9} {'plain: tokens':>14} {'ratio':>7}"
+             f"{'cp':>4} {'other cp':>10} {'peak GiB':>9} {'host GiB':>9} {'plain: tokens':>14} {'ratio':>7}"
     lines += [header, "-" * len(header)]
     for i, row in enumerate(rows[:top]):
         mem = row.memory["all"]
@@ -151,13 +161,17 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
         lines.append(f"{i + 1:>3}  {row.layout.name:<34} {row.tokens['all']:>12,} {'H' if row.head_chunks else '-':>2} "
                      f"{'-' if row.without_chunks is None else f'{row.without_chunks:,}':>10} "
                      f"{'P' if row.offload_params else '-':>2} "
-                     f"{'-' if row.without_offload is None else f'{row.without_offload:,}':>10} {peak:>9} {host_gib:>9} {row.tokens['plain']:>14,} {ratio:>7}")
+                     f"{'-' if row.without_offload is None else f'{row.without_offload:,}':>10} "
+                     f"{STRATEGY_CELL[row.cp_strategy] if row.layout.cp > 1 else '-':>4} "
+                     f"{'-' if row.other_strategy is None else f'{row.other_strategy:,}':>10} "
+                     f"{peak:>9} {host_gib:>9} {row.tokens['plain']:>14,} {ratio:>7}")
     if len(rows) > top:
         lines.append(f"... {len(rows) - top} more (--top N)")
     fsdp = next((r for r in rows if r.layout == Layout(dp_shard=request.world)), None)
     best_plain = max(rows, key=lambda r: r.tokens["plain"]) if rows else None
     if rows:
         best = rows[0]
+        ring = _setting("all", QUANTUM, request.mixed_precision, request.optimizer, strategy="ring")
         lines += ["", f"longest with every feature: {best.tokens['all']:,} tokens ({best.layout.name}"
                   + (", with FSDP2's CPU offload: FullyShardedDataParallelPlugin(cpu_offload=True)" if best.offload_params
                      else "")
@@ -166,6 +180,9 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
                   + (f"; head chunks: MemoryKwargs(ulysses_head_chunks=\"auto\"), {best_chunks(best, request)} at "
                      "that length" + (f", without them {best.without_chunks:,}" if best.without_chunks is not None
                                       else "") if best.head_chunks else "")
+                  + (f"; the ring attention: {config_line(best.layout, ring)}"
+                     + (f", with the all-gather {best.other_strategy:,}" if best.other_strategy is not None else "")
+                     if best.cp_strategy == "ring" else "")
                   + f"); without them (plain FSDP2 + AC): {best_plain.tokens['plain']:,} ({best_plain.layout.name})"
                   + (f"; plain FSDP2 over all {request.world} GPUs: {fsdp.tokens['plain']:,}" if fsdp else "")]
         if request.expandable_segments:
@@ -179,7 +196,8 @@ def longest_text(rows: list[Longest], request: Request, top: int) -> str:
 def best_chunks(row: Longest, request: Request) -> int:
     """The head chunks `row`'s setting runs with at its longest sequence (the library's "auto" count)."""
     return head_chunks(request.model, row.layout, _setting("all", row.tokens["all"], request.mixed_precision,
-                                                           request.optimizer, row.offload_params, row.head_chunks))
+                                                           request.optimizer, row.offload_params, row.head_chunks,
+                                                           row.cp_strategy))
 
 
 def missing_features(row: Longest, request: Request) -> list[str]:
@@ -191,7 +209,7 @@ def missing_features(row: Longest, request: Request) -> list[str]:
     gib, out = 2**30, []
     step = QUANTUM * row.layout.sequence_divisor
     recipe = _setting("all", row.tokens["all"] + step, request.mixed_precision, request.optimizer, row.offload_params,
-                      row.head_chunks)
+                      row.head_chunks, row.cp_strategy)
     longer = estimate(model, row.layout, recipe, request.hardware.fragmentation)
     if longer.peak <= request.budget_bytes and row.tokens["all"] + step <= LIMIT:
         rounding = host_bytes(longer) - host_bytes(estimate(model, row.layout, recipe, pin=False))
@@ -205,7 +223,8 @@ def missing_features(row: Longest, request: Request) -> list[str]:
                    "a one-rank shard group keeps them from forward to backward (parallel/gathered.py, "
                    "reshards_after_forward); resharding would free them for a cast per layer in backward")
     held, how = backward_transient(model, row.layout, _setting("all", row.tokens["all"], request.mixed_precision,
-                                                                request.optimizer, row.offload_params, row.head_chunks))
+                                                                request.optimizer, row.offload_params, row.head_chunks,
+                                                                row.cp_strategy))
     out.append(f"  - {held / gib:.1f} GiB: the largest buffer the rebuilt layer allocates (in its backward, or its forward again), {how}")
     if mem["fragmentation"]:
         out.append(f"  - {mem['fragmentation'] / gib:.1f} GiB of the caching allocator's reserve (the profile's "
@@ -230,15 +249,20 @@ def curve_lengths(row: Longest, points: int = 25) -> list[int]:
 
 def curves(row: Longest, request: Request, lengths: list[int]) -> dict[str, list[Memory]]:
     """`estimate` of `row`'s layout at each of `lengths`, by curve: the setting --max-seq found for it ("every
-    feature": `SETTINGS["all"]`, with FSDP2's CPU offload where the row takes it), that setting without each of its
-    features in turn (`FEATURES`), and plain FSDP2 + AC (`SETTINGS["plain"]`)."""
+    feature": `SETTINGS["all"]`, with FSDP2's CPU offload where the row takes it and the row's cp strategy), that
+    setting without each of its features in turn (`FEATURES`) and, where it runs the ring, with the all-gather, and
+    plain FSDP2 + AC (`SETTINGS["plain"]`, the library's default all-gather)."""
     def found(seq: int) -> Recipe:
-        return _setting("all", seq, request.mixed_precision, request.optimizer, row.offload_params, row.head_chunks)
+        return _setting("all", seq, request.mixed_precision, request.optimizer, row.offload_params, row.head_chunks,
+                        row.cp_strategy)
 
     recipes = {"every feature": found}
     for letter in found(QUANTUM).features:
         name, flag = FEATURES[letter]
         recipes[f"without {name} ({letter})"] = lambda seq, flag=flag: dataclasses.replace(found(seq), **{flag: False})
+    if row.layout.cp > 1 and row.cp_strategy == "ring":
+        recipes["with the all-gather cp attention"] = lambda seq: dataclasses.replace(found(seq),
+                                                                                      cp_strategy="allgather")
     recipes["plain FSDP2 + AC"] = lambda seq: _setting("plain", seq, request.mixed_precision, request.optimizer)
     return {label: [estimate(request.model, row.layout, recipe(seq), request.hardware.fragmentation)
                     for seq in lengths] for label, recipe in recipes.items()}

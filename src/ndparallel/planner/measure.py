@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from ..configuration.handlers import CP_STRATEGY_ENV
 from ..configuration.parallelism import SIZE_FIELDS
 from ..training.run_metrics import METRICS_ENV, read_rank_files
 from .search import Row
@@ -54,6 +55,8 @@ def measure(rows: list[Row], gpus_per_node: int, script: list[str], mixed_precis
             progress(f"measuring {i}/{len(rows)}: {row.layout.name} ...")
             prefix = os.path.join(tmp, f"layout{i}")
             env = {**os.environ, METRICS_ENV: prefix}
+            if row.layout.cp > 1:  # the cp attention the row was predicted with, for a script that leaves it unset
+                env[CP_STRATEGY_ENV] = row.recipe.cp_strategy
             result: dict[str, Any] = {"layout": row.layout.name, "row": row}
             try:
                 done = subprocess.run(launch_command(row, gpus_per_node, script, mixed_precision), env=env,

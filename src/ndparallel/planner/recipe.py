@@ -11,6 +11,8 @@ from ..parallel.memory.cross_entropy import chunk_rows as loss_chunk_rows  # the
 from ..parallel.memory.tiled_mlp import default_tile
 
 MIXED_PRECISIONS = ("bf16", "fp32")
+# the library's cp_comm_strategy values the planner models ("alltoall" is the library's other name for the ring)
+CP_STRATEGIES = ("allgather", "ring")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors the optimizer keeps per parameter
 FP32 = 4
 
@@ -37,8 +39,13 @@ class Recipe:
     # MemoryKwargs(ulysses_head_chunks="auto"): under cp or sp attention over groups of heads, as many as the
     # library's "auto" picks for the length (`footprint.head_chunks`); nothing without sharded sequences
     head_chunks: bool = False
+    # TorchContextParallelConfig(cp_comm_strategy=...) under cp: "allgather" (the library's default: K/V all-gathered,
+    # their gradients reduce-scattered) or "ring" (K/V blocks passed around the ring point to point; `CP_STRATEGIES`)
+    cp_strategy: str = "allgather"
 
     def __post_init__(self) -> None:
+        if self.cp_strategy not in CP_STRATEGIES:
+            raise ValueError(f"cp strategy {self.cp_strategy!r}: the planner models {list(CP_STRATEGIES)}")
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(f"mixed precision {self.mixed_precision!r}: use one of {list(MIXED_PRECISIONS)}")
         if self.optimizer not in OPTIMIZER_STATES:

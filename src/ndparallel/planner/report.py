@@ -25,10 +25,29 @@ def _fits(row: Row) -> str:
     return "yes" if row.fits else f"no (+{row.miss / GiB:.1f})"
 
 
+def ring(layout: Layout, recipe: Recipe) -> bool:
+    """Whether the row runs the ring context-parallel attention (``cp_comm_strategy="ring"``; only under cp)."""
+    return layout.cp > 1 and recipe.cp_strategy == "ring"
+
+
+def layout_cell(layout: Layout, recipe: Recipe) -> str:
+    """The layout's name, and "(ring)" where its cp attention is the ring (the default all-gather unnamed)."""
+    return layout.name + (" (ring)" if ring(layout, recipe) else "")
+
+
+def config_line(layout: Layout, recipe: Recipe) -> str:
+    """The ``ParallelismConfig(...)`` the script builds, with the ring's handler where the row runs the ring."""
+    line = layout.config_line()
+    if not ring(layout, recipe):
+        return line
+    return line[:-1] + ', cp_handler=TorchContextParallelConfig(cp_comm_strategy="ring"))'
+
+
 def row_cells(index: int, row: Row) -> list[str]:
     s, t = row.recipe, row.timing
     links = by_link(row.transfers)
-    return [str(index), row.layout.name, f"{s.micro_batch} x {s.accumulation}", "on" if s.checkpointing else "off",
+    return [str(index), layout_cell(row.layout, s), f"{s.micro_batch} x {s.accumulation}",
+            "on" if s.checkpointing else "off",
             s.features, f"{row.memory.peak / GiB:.1f}", _fits(row), f"{t.step_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}",
             f"{t.mfu:.1%}", f"{links['intra'] / 1e9:.1f} / {links['inter'] / 1e9:.1f}", f"{t.exposed_s * 1e3:.0f}"]
 
@@ -51,7 +70,10 @@ def header(plan: Plan) -> str:
             f"tokens ({r.samples} samples) per step, {r.mixed_precision}, {r.optimizer}, budget "
             f"{r.budget_bytes / GiB:.1f} GiB per GPU\n{len(plan.rows)} layouts accepted ({len(plan.refused)} refused), "
             f"{fitting} fit; evaluated in {plan.seconds * 1e3:.0f} ms; mem: C chunked loss, T tiled MLP, N fused "
-            "RMSNorm, H head-chunked Ulysses, O activation offload, P parameters, gradients and optimizer state in host memory (cpu_offload); peak: predicted "
+            "RMSNorm, H head-chunked Ulysses, O activation offload, P parameters, gradients and optimizer state in "
+            "host memory (cpu_offload); "
+            '(ring): cp attention TorchContextParallelConfig(cp_comm_strategy="ring"), else the all-gather; peak: '
+            "predicted "
             "torch.cuda.max_memory_reserved; host memory per GPU "
             + (f"{r.host_budget_bytes / GiB:.1f} GiB" if r.host_budget_bytes is not None else "not checked"))
 
@@ -116,7 +138,8 @@ def recommendation(row: Row, yaml_text: str, expandable_segments: bool = False) 
     if s.sync_each_batch:
         script.append("GradientAccumulationPlugin(sync_each_batch=True)")
     environment = f"{EXPANDABLE_SEGMENTS}\n\n" if expandable_segments else ""
-    return (f"best: {row.layout.name}\n\n{row.layout.config_line()}\n\nin the script: {', '.join(script)}\n\n"
+    return (f"best: {layout_cell(row.layout, s)}\n\n{config_line(row.layout, s)}\n\n"
+            f"in the script: {', '.join(script)}\n\n"
             f"{environment}# ndparallel launch --config-file plan.yaml SCRIPT\n{yaml_text.rstrip()}")
 
 
@@ -129,7 +152,7 @@ def memory_text(layout: Layout, recipe: Recipe, memory: Memory, budget: float | 
     lines = [f"{layout.name}: micro-batch {recipe.micro_batch} x {recipe.seq_len} tokens, {recipe.mixed_precision}, "
              f"activation checkpointing {'on' if recipe.checkpointing else 'off'}, memory features "
              f"{recipe.features} (C chunked loss, T tiled MLP, N fused RMSNorm, H head-chunked Ulysses, O activation "
-             "offload, P cpu_offload)"]
+             "offload, P cpu_offload)" + (f", cp_comm_strategy={recipe.cp_strategy!r}" if layout.cp > 1 else "")]
     lines += [f"  {name:<26} {value / GiB:9.2f} GiB" for name, value, _ in memory_terms(memory) if name != "peak"]
     lines.append(f"  {'(activations AC off / on)':<26} {memory.activations_without_checkpointing / GiB:9.2f} / "
                  f"{memory.activations_with_checkpointing / GiB:.2f} GiB")
@@ -142,7 +165,8 @@ def memory_text(layout: Layout, recipe: Recipe, memory: Memory, budget: float | 
 
 def explain_text(row: Row, request: Request) -> str:
     t, s = row.timing, row.recipe
-    lines = [f"layout {row.layout.name} ({row.layout.config_line()}) on {request.world} x {request.hardware.name}",
+    lines = [f"layout {layout_cell(row.layout, s)} ({config_line(row.layout, s)}) on {request.world} x "
+             f"{request.hardware.name}",
              f"  micro-batch {s.micro_batch} samples x {s.accumulation} accumulation steps per data-parallel rank; "
              f"{s.tokens(row.layout):,} tokens per rank per micro-step", "", "memory per GPU"]
     lines += [f"  {name:<18} {value / GiB:9.3f} GiB   {how}" for name, value, how in memory_terms(row.memory)]
@@ -180,10 +204,12 @@ def row_json(row: Row, model: ModelSpec | None = None) -> dict[str, Any]:
     experts = {"experts": vars(figures(model, row.layout, s))} if model is not None and model.moe else {}
     return {**experts,
         "layout": row.layout.sizes(), "ep": row.layout.ep, "name": row.layout.name,
-        "parallelism_config": row.layout.config_line(),
+        "parallelism_config": config_line(row.layout, s),
         "micro_batch": s.micro_batch, "gradient_accumulation_steps": s.accumulation,
         "activation_checkpointing": s.checkpointing, "chunked_loss": s.chunked_loss, "tiled_mlp": s.tiled_mlp,
-        "fused_rms_norm": s.fused_norms, "head_chunks": s.head_chunks, "offload": s.offload, "offload_params": s.offload_params, "fits": row.fits,
+        "fused_rms_norm": s.fused_norms, "head_chunks": s.head_chunks,
+        "cp_comm_strategy": s.cp_strategy if row.layout.cp > 1 else None, "offload": s.offload,
+        "offload_params": s.offload_params, "fits": row.fits,
         "miss_bytes": row.miss,
         "host_bytes": host_bytes(row.memory), "host_budget_bytes": row.host_budget,
         "memory_bytes": {name: term.bytes for name, term in row.memory.terms.items()},
@@ -210,6 +236,7 @@ def plan_json(plan: Plan, top: int, config_file: dict[str, Any] | None) -> dict[
         "rows": [row_json(row, r.model) for row in plan.rows[:top]],
         "accepted": len(plan.rows), "refused": {layout.name: why for layout, why in plan.refused.items()},
         "best": None if plan.best is None else {"name": plan.best.layout.name,
-                                                "parallelism_config": plan.best.layout.config_line(),
+                                                "parallelism_config": config_line(plan.best.layout,
+                                                                                  plan.best.recipe),
                                                 "config_file": config_file},
     }

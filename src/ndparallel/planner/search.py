@@ -22,7 +22,7 @@ from .layouts import Constraints, Layout, explain_no_layout, reasons, valid_layo
 from .footprint import Memory, estimate, head_chunks
 from .offload import host_bytes
 from .model import ModelSpec
-from .recipe import Recipe, human_bytes
+from .recipe import CP_STRATEGIES, Recipe, human_bytes
 from .timing import Timing, step_time
 
 CHECKPOINTING = ("auto", "on", "off")
@@ -48,6 +48,9 @@ class Request:
     tiled_mlp: str = "auto"
     fused_rms_norm: str = "auto"
     head_chunks: str = "auto"  # MemoryKwargs(ulysses_head_chunks="auto") under cp or sp (`footprint.head_chunks`)
+    # TorchContextParallelConfig(cp_comm_strategy=...) under cp: "auto" tries the all-gather and the ring and keeps
+    # what fits, the fastest of those (`Recipe.cp_strategy`)
+    cp_strategy: str = "auto"
     offload: str = "auto"
     offload_params: str = "auto"  # FSDP2's cpu_offload: parameters, gradients, optimizer state in host memory
     host_memory_gib: float | None = None  # per node; None: the profile's
@@ -81,6 +84,8 @@ class Request:
                              f"{min(self.gpus_per_node, self.world)} processes' reserve of "
                              f"{self.hardware.host_reserve_gib} GiB is set aside: raise --host-memory-gib (0: not "
                              "checked)")
+        if self.cp_strategy not in CP_OPTIONS:
+            raise ValueError(f"cp_strategy {self.cp_strategy!r}: use one of {list(CP_OPTIONS)}")
         Recipe(self.seq_len, 1, mixed_precision=self.mixed_precision, optimizer=self.optimizer)  # checks both
         ep, moe = self.ep_size, self.model.moe
         if ep is not None:
@@ -191,6 +196,13 @@ def _divisors_desc(n: int) -> list[int]:
 
 
 OPTIONS = {"auto": (False, True), "on": (True,), "off": (False,)}
+CP_OPTIONS = {"auto": CP_STRATEGIES, **{name: (name,) for name in CP_STRATEGIES}}
+
+
+def cp_strategies(request: Request, layout: Layout) -> tuple[str, ...]:
+    """The cp strategies to try for `layout`: the request's under cp, the default alone without it (nothing
+    differs)."""
+    return CP_OPTIONS[request.cp_strategy] if layout.cp > 1 else ("allgather",)
 
 
 def memory_options(request: Request) -> list[tuple[bool, bool, bool, bool, bool, bool]]:
@@ -214,15 +226,17 @@ def best_row(request: Request, layout: Layout) -> Row:
     """The fastest setting of `layout` that fits, else the one with the smallest peak. Head chunks
     (``MemoryKwargs(ulysses_head_chunks="auto")``) only where sequences are sharded (cp or sp); they cost each
     chunk's attention forward again (`timing`), so "auto" takes them where they make a layout fit or a larger
-    micro-batch fit."""
+    micro-batch fit. Under cp both strategies (``cp_comm_strategy``, `cp_strategies`): the ring's point-to-point
+    traffic is a little more than the all-gather's (its gradients travel cp hops in fp32), so it is taken where it
+    makes a layout or a larger micro-batch fit."""
     per_rank = request.samples // layout.batch
     fitting: list[Row] = []
     smallest: Row | None = None
     # Reduce-scattering every micro-step only changes anything with accumulation over a sharded group.
     syncs = OPTIONS[request.sync_each_batch] if layout.fsdp > 1 and per_rank > 1 else (False,)
     chunk_options = OPTIONS[request.head_chunks] if layout.seq_split > 1 else (False,)
-    for (checkpointing, loss, tiled, offload, params, norms), sync, chunks in itertools.product(
-            memory_options(request), syncs, chunk_options):
+    for (checkpointing, loss, tiled, offload, params, norms), sync, chunks, strategy in itertools.product(
+            memory_options(request), syncs, chunk_options, cp_strategies(request, layout)):
         for micro in _divisors_desc(per_rank):
             if micro % layout.pp:  # pipeline stages cut each micro-step into pp micro-batches
                 continue
@@ -230,7 +244,7 @@ def best_row(request: Request, layout: Layout) -> Row:
                 continue  # no accumulation: the same as without sync_each_batch
             recipe = Recipe(request.seq_len, micro, per_rank // micro, request.mixed_precision, checkpointing,
                             request.optimizer, sync, loss, tiled, offload, offload_params=params,
-                            fused_norms=norms, head_chunks=chunks)
+                            fused_norms=norms, head_chunks=chunks, cp_strategy=strategy)
             if chunks and len(chunk_options) > 1 and head_chunks(request.model, layout, recipe) == 1:
                 continue  # "auto" runs all heads at once at this length: the setting without chunks
             row = evaluate(request, layout, recipe)

@@ -8,7 +8,7 @@ how much of the communication hides behind the compute.
   activation checkpointing, and one forward of the MLPs again with tiled MLPs (each tile's own checkpoint), and with
   head chunks (`footprint.head_chunks` > 1) one forward of the attention again (each chunk's, in its backward), with
   the q/k/v projections' in Llama's chunked block (`footprint.chunked_block`); the chunks' collectives run again
-  too (Ulysses' q/k/v all-to-alls, cp's K/V gather), which the communication terms do not count.
+  too (Ulysses' q/k/v all-to-alls, cp's K/V gather or ring hops), which the communication terms do not count.
 - mixtures of experts (`moe`): N_matmul counts the k routed experts a token goes to (not all E), the shared
   experts and the router; weights tensor parallelism leaves whole (the experts, the router) are multiplied on every
   tp rank, so a GPU performs 6 (N_split + t N_whole) per token of its tp group's. MLA attends with queries and keys

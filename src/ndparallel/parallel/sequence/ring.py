@@ -10,6 +10,12 @@ Backward: the K/V blocks travel the ring again together with their gradient accu
 queries' share (from the final output and log-sum-exp saved by forward); after `size` hops every accumulator is
 back with the rank that owns the block. Saved between forward and backward: the local q, k, v, output and
 log-sum-exp -- 1/cp of the sequence, nothing of size seq x seq.
+
+What that costs in memory on one rank, beyond the inputs (`forward_bytes`, `backward_bytes`: the planner counts them,
+`ndparallel.planner.footprint.ring_kv`): at most two K/V blocks of 1/cp of the sequence (the one attended
+and the one arriving), never the whole sequence's as the all-gather (`allgather`) holds; in forward every local
+query chunk's merge buffer (accumulator dtype) for all the hops; in backward the query's gradient in the accumulator
+dtype and the travelling key/value gradient accumulators, two of them while one pair is passed on.
 """
 
 from __future__ import annotations
@@ -64,8 +70,11 @@ class _RingAttention(torch.autograd.Function):
                 for rows, qs, ks, diagonal, mask in pieces:
                     o, l = block_forward(qj[rows, :, qs], ki[rows, :, ks], vi[rows, :, ks], scale, diagonal, mask)
                     out[j] = accumulate(out[j], rows, qs, o, l, (*qj.shape[:3], value.shape[-1]))
+                    del o, l  # a block's output lives on in its chunk's merge buffer or not at all
+            k = v = ki = vi = None  # this block (and views of it) goes when the next one arrives, not one hop later
             if pending is not None:
                 block, owner = Ring.finish(pending), (owner - 1) % chunking.size
+        del block  # the last block received, before the output's buffer
         # A chunk whose queries saw no key at all (padding only) gets output 0, lse -inf. Each chunk is written
         # into the one output buffer (rounded to the inputs' dtype there) and let go.
         result = query.new_empty((*query.shape[:3], value.shape[-1]))
@@ -108,12 +117,14 @@ class _RingAttention(torch.autograd.Function):
                     _chunk(dk, i, n)[rows, :, ks] += g[1]
                     _chunk(dv, i, n)[rows, :, ks] += g[2]
                     del g  # before the next block's: one block's gradients at a time
+            del k, v, dk, dv  # the block and the accumulators go when their successors arrive, not one hop later
             # The accumulators follow their block: after `size` hops they are back with the block's owner (on a
             # one-rank group, where they never left).
             if ring is not None:
                 grads = Ring.finish(ring.start(grads, _GRAD_TAG))
             if pending is not None:
                 block, owner = Ring.finish(pending), (owner - 1) % chunking.size
+        del block  # the last block received, before the gradients are cast
         return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None, None, None
 
 
@@ -127,3 +138,53 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     (`masking.DocumentMask`). `group` may be None on a one-rank layout.
     """
     return _RingAttention.apply(query, key, value, chunking, group, bool(is_causal), float(scale), doc)
+
+
+def _block_elements(kv_heads: int, seq_len: int, batch: int, head_dim: int, value_head_dim: int | None,
+                    cp_size: int) -> int:
+    """Elements of one rank's key and value block (``seq_len / cp_size`` positions of `kv_heads` heads)."""
+    return batch * kv_heads * (seq_len // cp_size) * (head_dim + (value_head_dim or head_dim))
+
+
+def forward_bytes(heads: int, kv_heads: int, seq_len: int, batch: int, head_dim: int, element_size: int,
+                  cp_size: int, value_head_dim: int | None = None) -> int:
+    """Bytes `_RingAttention.forward` allocates at its peak on the busiest rank (cp > 1), for `heads` query heads
+    under a causal mask in the load-balanced layout (2 x cp chunks, two per rank), `element_size` the inputs': the
+    K/V blocks in flight (the one attended, received, and the next arriving: one on cp 2, two from cp 3), every
+    local query chunk's merge buffer -- output and log-sum-exp in the accumulator dtype (`kernels.acc_dtype`) -- and,
+    as a chunk's first block output is copied into its buffer to merge the second (`kernels.accumulate`), that
+    output, the new block's output and log-sum-exp, and merge's four log-sum-exp-sized temporaries
+    (`kernels.merge_into`). The output itself is allocated after the hops, beside the merge buffers: not counted
+    (the caller's); the busiest rank's hops hold more than that phase."""
+    acc = max(element_size, 4)  # `acc_dtype`: fp32, or the inputs' own when wider
+    v_dim = value_head_dim or head_dim
+    block = _block_elements(kv_heads, seq_len, batch, head_dim, value_head_dim, cp_size) * element_size
+    local, chunk = seq_len // cp_size, seq_len // (2 * cp_size)
+    merge = batch * heads * local * (v_dim + 1) * acc  # every chunk's output and log-sum-exp
+    outputs = 2 * batch * heads * chunk * v_dim * element_size  # a chunk's first block output, the new block's
+    lses = 5 * batch * heads * chunk * acc  # the new block's log-sum-exp and merge's temporaries
+    return min(2, cp_size - 1) * block + merge + outputs + lses
+
+
+def backward_bytes(heads: int, kv_heads: int, seq_len: int, batch: int, head_dim: int, element_size: int,
+                   cp_size: int, value_head_dim: int | None = None, fused: bool = True) -> int:
+    """Bytes `_RingAttention.backward` allocates at its peak on one rank (cp > 1) beyond what forward saved and the
+    gradients it returns (the query's, and this rank's key's and value's, in the inputs' dtype: the caller's), under
+    a causal mask in the load-balanced layout, the larger of two phases:
+
+    - the hops: the query's gradient in the accumulator dtype (fp32: `kernels.acc_dtype`) less the returned one, the
+      K/V blocks in flight (one on cp 2, two from cp 3), the key/value gradient accumulators (fp32) and either one
+      block's gradients -- a query chunk's and a key chunk's, in the inputs' dtype from a fused kernel (`fused`,
+      `kernels.fused_gradients`), else fp32 -- or, while the accumulators are passed on, the ones arriving;
+    - the end, where the accumulators are cast to the inputs' dtype (none where that is fp32): the query's gradient
+      and the key/value accumulators in fp32."""
+    acc = max(element_size, 4)
+    kv = _block_elements(kv_heads, seq_len, batch, head_dim, value_head_dim, cp_size)
+    local, chunk = seq_len // cp_size, seq_len // (2 * cp_size)
+    grads = kv * acc
+    one_block = batch * chunk * (heads * head_dim + kv_heads * (head_dim + (value_head_dim or head_dim)))
+    one_block *= element_size if fused else acc
+    dq = batch * heads * local * head_dim
+    hops = dq * (acc - element_size) + min(2, cp_size - 1) * kv * element_size + grads + max(one_block, grads)
+    end = dq * acc + grads if acc != element_size else 0
+    return max(hops, end)
