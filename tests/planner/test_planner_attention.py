@@ -36,24 +36,34 @@ def _peaks() -> dict[int, int]:
     g = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(1, h, n, HEAD_DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)]
     grad = torch.randn(1, n, HIDDEN, generator=g)
-    peaks = {}
-    for chunks, budget in BUDGETS.items():
+    peaks = least_peaks(inputs, grad, BUDGETS, lambda q, k, v: sequence_parallel_attention(
+        q, k, v, layout, sp_group=dist.group.WORLD, head_chunks="auto"))
+    dist.destroy_process_group()
+    return peaks
+
+
+def least_peaks(inputs: list[torch.Tensor], grad: torch.Tensor, budgets: dict[int, int], attend) -> dict[int, int]:
+    """For each head-chunk budget (`ulysses.HEAD_CHUNK_BYTES`, so that "auto" picks the key's chunk count): the least
+    of 3 peaks (`LiveBytes`) of q/k/v made from `inputs` inside the counted region, `attend(q, k, v)`, its output
+    copied as o_proj takes it and backward with `grad`. The least of 3: in the full planner suite one run in a few
+    measured 2 MiB more at the unchunked peak (cause not found: LiveBytes releases a storage when its Python object
+    dies; gloo's worker thread can let go of a collective's tensors after wait() returns)."""
+    n, hidden = grad.shape[1], grad.shape[2]
+    peaks: dict[int, int] = {}
+    for chunks, budget in budgets.items():
         ulysses.HEAD_CHUNK_BYTES = budget
-        # the least of 3: in the full planner suite one run in a few measured 2 MiB more at the unchunked peak
-        # (cause not found: LiveBytes releases a storage when its Python object dies)
         for _ in range(3):
             gc.collect()
             leaves = [t.clone().requires_grad_() for t in inputs]
             with LiveBytes() as live:
                 q, k, v = (t * 1.0 for t in leaves)
-                out = sequence_parallel_attention(q, k, v, layout, sp_group=dist.group.WORLD, head_chunks="auto")
+                out = attend(q, k, v)
                 del q, k, v
-                copy = out.transpose(1, 2).reshape(1, n, HIDDEN)
+                copy = out.transpose(1, 2).reshape(1, n, hidden)
                 del out
                 copy.backward(grad)
                 del copy
             peaks[chunks] = min(peaks.get(chunks, live.peak), live.peak)
-    dist.destroy_process_group()
     return peaks
 
 

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
+from test_planner_attention import least_peaks
 from ndparallel.parallel.sequence import SequenceShards, allgather, block, sequence_parallel_attention, ulysses
 from ndparallel.parallel.sequence.sharding import SequenceSharding
 from ndparallel.planner import Layout, Recipe
-from ndparallel.planner.footprint import attention_backward, cp_kv, gathered_kv, head_chunks, layer_activations
+from ndparallel.planner.footprint import attention_backward, cp_kv, head_chunks, layer_activations
 from ndparallel.planner.model import spec_from_config
 from ndparallel.test_utils.memory import LiveBytes
 
@@ -98,22 +99,8 @@ def _peaks(strategy: str = "allgather") -> dict[int, int]:
     g = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(1, h, n, HEAD_DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)]
     grad = torch.randn(1, n, HIDDEN, generator=g)
-    peaks: dict[int, int] = {}
-    for chunks, budget in BUDGETS.items():
-        ulysses.HEAD_CHUNK_BYTES = budget
-        for _ in range(3):  # the least of 3 (as `_kernel`)
-            gc.collect()
-            leaves = [t.clone().requires_grad_() for t in inputs]
-            with LiveBytes() as live:
-                q, k, v = (t * 1.0 for t in leaves)
-                out = sequence_parallel_attention(q, k, v, shards, cp_group=dist.group.WORLD, head_chunks="auto",
-                                                  strategy=strategy)
-                del q, k, v
-                copy = out.transpose(1, 2).reshape(1, n, HIDDEN)
-                del out
-                copy.backward(grad)
-                del copy
-            peaks[chunks] = min(peaks.get(chunks, live.peak), live.peak)
+    peaks = least_peaks(inputs, grad, BUDGETS, lambda q, k, v: sequence_parallel_attention(
+        q, k, v, shards, cp_group=dist.group.WORLD, head_chunks="auto", strategy=strategy))
     dist.destroy_process_group()
     return peaks
 
