@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...distributed.layout import load_balanced_chunks
 from .communication import gather_pair, reduce_scatter_pair
 from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish, fused_gradients
 from .positions import SequenceChunking
@@ -145,7 +146,7 @@ def backward_bytes(heads: int, kv_heads: int, seq_len: int, batch: int, head_dim
       into one contiguous part per rank."""
     acc = max(element_size, 4)  # `acc_dtype`: fp32, or the inputs' own when wider
     whole = kv_elements(kv_heads, seq_len, batch, head_dim, value_head_dim)
-    chunks = 2 * cp_size
+    chunks = load_balanced_chunks(cp_size)
     block = whole * (chunks - 1) // chunks + batch * heads * (seq_len // chunks) * head_dim
     blocks = whole * (element_size + acc) + block * (element_size if fused else acc)
     return max(blocks, 2 * whole * acc)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...distributed.layout import load_balanced_chunks
 from .communication import Ring
 from .kernels import accumulate, acc_dtype, block_backward, block_forward, finish, fused_gradients
 from .positions import SequenceChunking
@@ -159,7 +160,7 @@ def forward_bytes(heads: int, kv_heads: int, seq_len: int, batch: int, head_dim:
     acc = max(element_size, 4)  # `acc_dtype`: fp32, or the inputs' own when wider
     v_dim = value_head_dim or head_dim
     block = _block_elements(kv_heads, seq_len, batch, head_dim, value_head_dim, cp_size) * element_size
-    local, chunk = seq_len // cp_size, seq_len // (2 * cp_size)
+    local, chunk = seq_len // cp_size, seq_len // load_balanced_chunks(cp_size)
     merge = batch * heads * local * (v_dim + 1) * acc  # every chunk's output and log-sum-exp
     outputs = 2 * batch * heads * chunk * v_dim * element_size  # a chunk's first block output, the new block's
     lses = 5 * batch * heads * chunk * acc  # the new block's log-sum-exp and merge's temporaries
@@ -180,7 +181,7 @@ def backward_bytes(heads: int, kv_heads: int, seq_len: int, batch: int, head_dim
       and the key/value accumulators in fp32."""
     acc = max(element_size, 4)
     kv = _block_elements(kv_heads, seq_len, batch, head_dim, value_head_dim, cp_size)
-    local, chunk = seq_len // cp_size, seq_len // (2 * cp_size)
+    local, chunk = seq_len // cp_size, seq_len // load_balanced_chunks(cp_size)
     grads = kv * acc
     one_block = batch * chunk * (heads * head_dim + kv_heads * (head_dim + (value_head_dim or head_dim)))
     one_block *= element_size if fused else acc
