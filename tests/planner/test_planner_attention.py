@@ -46,8 +46,8 @@ def least_peaks(inputs: list[torch.Tensor], grad: torch.Tensor, budgets: dict[in
     """For each head-chunk budget (`ulysses.HEAD_CHUNK_BYTES`, so that "auto" picks the key's chunk count): the least
     of 3 peaks (`LiveBytes`) of q/k/v made from `inputs` inside the counted region, `attend(q, k, v)`, its output
     copied as o_proj takes it and backward with `grad`. The least of 3: in the full planner suite one run in a few
-    measured 2 MiB more at the unchunked peak (cause not found: LiveBytes releases a storage when its Python object
-    dies; gloo's worker thread can let go of a collective's tensors after wait() returns)."""
+    measured 2 MiB more at the unchunked peak (gloo's worker thread can let go of a collective's tensors after wait()
+    returns; LiveBytes releases a storage when its Python object dies)."""
     n, hidden = grad.shape[1], grad.shape[2]
     peaks: dict[int, int] = {}
     for chunks, budget in budgets.items():
@@ -96,12 +96,16 @@ def peaks() -> list[dict[int, int]]:
 
 
 def test_the_planners_attention_is_what_the_library_holds(peaks):
-    """All heads at once, to the byte: the full-sequence q/k/v/o, the log-sum-exp and o_proj's copy saved, and the
-    gradients of q/k/v/o. Over 2, 4 and 8 chunks within 4% (the all-to-alls' send buffers of a chunk are not
+    """All heads at once, to the byte (or one late all-to-all buffer, below): the full-sequence q/k/v/o, the
+    log-sum-exp and o_proj's copy saved, and the gradients of q/k/v/o. Over 2, 4 and 8 chunks within 4% (the all-to-alls' send buffers of a chunk are not
     counted: 1 MiB at 2 chunks). Without the chunk terms the planner would predict the unchunked figure for each:
     11% under the measured peak at 2 chunks, 21% over it at 8."""
+    # gloo's worker thread can let go of a collective's tensors after wait() returned (test_planner_context_parallel's
+    # chunked-block test reproduced it with a sleep after each collective): in CI one run in a few held one key/value
+    # all-to-all's buffer (2 MiB here) at the unchunked peak in all 3 of its repeats; exactly that or nothing
+    late = 2 * KV_HEADS * (SEQ // SP) * HEAD_DIM * 4
     for report in peaks:
-        assert report[1] == _predicted(1)
+        assert report[1] - _predicted(1) in (0, late), (report[1], _predicted(1))
         for chunks in (2, 4, 8):
             assert report[chunks] == pytest.approx(_predicted(chunks), rel=0.04), chunks
         # what the planner says the chunks change, measured: more held at 2 chunks, less at 8

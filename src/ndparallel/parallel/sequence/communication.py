@@ -36,23 +36,18 @@ def reduce_scatter_sequence(x: torch.Tensor, chunking: SequenceChunking, group: 
 
 
 def _rank_part(tensors: list[torch.Tensor], chunking: SequenceChunking, rank: int) -> torch.Tensor:
-    """`rank`'s shard of each of `tensors` (full-sequence, the same but for dim 1), concatenated along dim 1, written
-    chunk by chunk into one new tensor: the values of ``torch.cat([chunking.shard(t, 2, rank) for t in tensors], 1)``
-    without a copy in between."""
-    first, n = tensors[0], chunking.chunk_len
-    out = first.new_empty(first.shape[0], sum(t.shape[1] for t in tensors), chunking.local_len, *first.shape[3:])
-    head = 0
-    for t in tensors:
-        for j, (start, _) in enumerate(chunking.chunks(rank)):
-            out[:, head:head + t.shape[1], j * n:(j + 1) * n].copy_(t.narrow(SEQ_DIM, start, n))
-        head += t.shape[1]
-    return out
+    """`rank`'s shard of each of `tensors` (full-sequence, the same shape), one after the other along the sequence
+    dimension: its chunks of the first tensor, then of the second... One new tensor of the part's size, made by one
+    ``cat`` of views (no copy in between, and few ops: the default cp step's op count is tested)."""
+    n = chunking.chunk_len
+    return torch.cat([t.narrow(SEQ_DIM, start, n) for t in tensors for start, _ in chunking.chunks(rank)], SEQ_DIM)
 
 
 def _reduce_scatter_parts(tensors: list[torch.Tensor], chunking: SequenceChunking,
                           group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum over ranks of `tensors` concatenated along dim 1, this rank receiving its shard; every rank's part
-    built straight from `tensors` (`_rank_part`: one copy of them in all, no whole-sequence concatenation first)."""
+    """The sum over ranks of `tensors`' shards, this rank receiving its own: its shard of each, one after the other
+    along the sequence dimension (`_rank_part`); every rank's part built straight from `tensors` (one copy of them in
+    all, no whole-sequence concatenation first)."""
     parts = [_rank_part(tensors, chunking, r) for r in range(chunking.size)]
     out = torch.empty_like(parts[chunking.rank])
     dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
@@ -78,7 +73,7 @@ def reduce_scatter_pair(a: torch.Tensor, b: torch.Tensor, chunking: SequenceChun
         return a, b
     if a.shape != b.shape or a.dtype != b.dtype:
         return reduce_scatter_sequence(a, chunking, group), reduce_scatter_sequence(b, chunking, group)
-    return _reduce_scatter_parts([a, b], chunking, group).chunk(2, dim=1)
+    return _reduce_scatter_parts([a, b], chunking, group).split(chunking.local_len, dim=SEQ_DIM)
 
 
 # ---- the ring ------------------------------------------------------------------------------------------------------
