@@ -4,7 +4,6 @@ and what ``--max-seq`` does with them."""
 
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
@@ -17,7 +16,7 @@ from ndparallel.parallel.sequence import SequenceShards, allgather, block, seque
 from ndparallel.planner import Layout, Recipe
 from ndparallel.planner.footprint import attention_backward, head_chunks, layer_activations
 from ndparallel.planner.model import spec_from_config
-from ndparallel.test_utils.memory import LiveBytes
+from ndparallel.test_utils.memory import LiveBytes, least_of
 
 SEQ, HEADS, KV_HEADS, HEAD_DIM, SP = 4096, 16, 4, 32, 2
 HIDDEN = HEADS * HEAD_DIM
@@ -49,21 +48,23 @@ def least_peaks(inputs: list[torch.Tensor], grad: torch.Tensor, budgets: dict[in
     measured 2 MiB more at the unchunked peak (gloo's worker thread can let go of a collective's tensors after wait()
     returns; LiveBytes releases a storage when its Python object dies)."""
     n, hidden = grad.shape[1], grad.shape[2]
+
+    def measure() -> dict[str, int]:
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with LiveBytes() as live:
+            q, k, v = (t * 1.0 for t in leaves)
+            out = attend(q, k, v)
+            del q, k, v
+            copy = out.transpose(1, 2).reshape(1, n, hidden)
+            del out
+            copy.backward(grad)
+            del copy
+        return {"peak": live.peak}
+
     peaks: dict[int, int] = {}
     for chunks, budget in budgets.items():
         ulysses.HEAD_CHUNK_BYTES = budget
-        for _ in range(3):
-            gc.collect()
-            leaves = [t.clone().requires_grad_() for t in inputs]
-            with LiveBytes() as live:
-                q, k, v = (t * 1.0 for t in leaves)
-                out = attend(q, k, v)
-                del q, k, v
-                copy = out.transpose(1, 2).reshape(1, n, hidden)
-                del out
-                copy.backward(grad)
-                del copy
-            peaks[chunks] = min(peaks.get(chunks, live.peak), live.peak)
+        peaks[chunks] = least_of(measure)["peak"]
     return peaks
 
 

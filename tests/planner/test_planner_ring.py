@@ -5,7 +5,6 @@ cp 2 (fp32 and bf16) and cp 4 (fp32): to the byte on the busiest rank."""
 from __future__ import annotations
 
 import functools
-import gc
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch.distributed as dist
 
 from harness import run_ranks
 from ndparallel.parallel.sequence import SequenceShards, ring, sequence_parallel_attention
-from ndparallel.test_utils.memory import LiveBytes
+from ndparallel.test_utils.memory import LiveBytes, least_of
 
 SEQ, HEADS, KV_HEADS, HEAD_DIM = 4096, 16, 4, 32
 
@@ -29,9 +28,8 @@ def _kernel(cp: int, dtype: torch.dtype) -> dict:
     n = shards.local_len
     inputs = [torch.randn(1, h, n, HEAD_DIM, generator=g).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS)]
     grad = torch.randn(1, HEADS, n, HEAD_DIM, generator=g).to(dtype)
-    report: dict[str, int] = {}
-    for _ in range(3):
-        gc.collect()
+
+    def measure() -> dict[str, int]:
         leaves = [t.clone().requires_grad_() for t in inputs]
         with LiveBytes() as live:
             out = sequence_parallel_attention(*leaves, shards, cp_group=dist.group.WORLD, strategy="ring")
@@ -40,8 +38,9 @@ def _kernel(cp: int, dtype: torch.dtype) -> dict:
             out.backward(grad)
             backward_peak = live.peak
             del out
-        got = {"forward": forward_peak, "backward": backward_peak - forward_live}
-        report = {k: min(report.get(k, v), v) for k, v in got.items()}
+        return {"forward": forward_peak, "backward": backward_peak - forward_live}
+
+    report = least_of(measure)
     dist.destroy_process_group()
     return report
 

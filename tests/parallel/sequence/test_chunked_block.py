@@ -28,7 +28,7 @@ import torch.distributed as dist
 from harness import run_ranks
 from ndparallel.parallel.sequence import block, hooks
 from ndparallel.parallel.sequence.sharding import SequenceSharding
-from ndparallel.test_utils.memory import LiveBytes
+from ndparallel.test_utils.memory import LiveBytes, least_of
 from step_costs import StepCosts
 from test_ulysses_head_chunks import LAYOUTS, _groups
 
@@ -121,10 +121,20 @@ def _memory() -> dict:
     sharding = SequenceSharding(1, 0, 2, rank, True, "allgather", None, dist.group.WORLD, False, CHUNKS)
     g = torch.Generator().manual_seed(0)
     x, dout = (torch.randn(1, SEQ, HIDDEN, generator=g) for _ in range(2))
-    report = {name: _step(m, rotary, sharding, x, dout) for name, m in (("module", module), ("block", chunked))}
+    report = {}
+    for name, m in (("module", module), ("block", chunked)):
+        runs = []  # each run's host syncs and whether the chunked block ran: the same in every run
+
+        def measure() -> dict[str, int]:
+            got = _step(m, rotary, sharding, x, dout)
+            runs.append((got["syncs"], got["chunked"]))
+            return {k: got[k] for k in ("forward_peak", "backward_peak", "forward_live")}
+
+        report[name] = least_of(measure)  # the least of 3 runs: under gloo a reading can come out a buffer high
+        assert all(r == runs[0] for r in runs), runs
+        report[name].update(syncs=runs[0][0], chunked=runs[0][1])
     dist.destroy_process_group()
-    return {name: {k: r[k] for k in ("forward_peak", "backward_peak", "forward_live", "syncs", "chunked")}
-            for name, r in report.items()}
+    return report
 
 
 @pytest.fixture(scope="module")
