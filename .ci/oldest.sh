@@ -32,11 +32,11 @@ PYEOF
 if [ -n "${NDPARALLEL_OLDEST_ALL:-}" ]; then
   exec "$VENV/bin/python" -m pytest tests/integrations -m "not slow" -p no:cacheprovider
 fi
-t=tests/integrations/test_trainer.py
+t=tests/integrations
 "$VENV/bin/python" -m pytest -p no:cacheprovider -q \
-  "$t::test_older_transformers_are_refused_newer_ones_warned_about" \
-  "$t::test_a_trainer_subclass_that_bypasses_a_hook_is_refused_by_name" \
-  "$t::test_the_trainer_trains_as_one_process[tp 2--]" \
-  "$t::test_sft_trainer_trains_as_one_process[tp 2-padded; LoRA on every projection (\`peft_config\`)]" \
-  "$t::test_checkpoints_resume_exactly_into_another_layout" \
+  "$t/test_trainer_support.py::test_older_transformers_are_refused_newer_ones_warned_about" \
+  "$t/test_trainer_support.py::test_a_trainer_subclass_that_bypasses_a_hook_is_refused_by_name" \
+  "$t/test_trainer.py::test_the_trainer_trains_as_one_process[tp 2--]" \
+  "$t/test_trainer.py::test_sft_trainer_trains_as_one_process[tp 2-padded; LoRA on every projection (\`peft_config\`)]" \
+  "$t/test_trainer_checkpoints.py::test_checkpoints_resume_exactly_into_another_layout" \
   tests/integrations/test_axolotl.py

@@ -58,7 +58,7 @@ def job(options: dict, ndparallel: bool) -> dict:
 def run(options: dict, ndparallel: bool) -> float:
     env = {"NDPARALLEL_DP_REPLICATE_SIZE": str(options["world"])} if ndparallel else {}
     results = run_ranks(job, options["world"], options, ndparallel, env=env, timeout=1800)
-    expected = "ndparallel.integrations.trainer" if ndparallel else "accelerate.accelerator"
+    expected = "ndparallel.integrations.trainer_accelerator" if ndparallel else "accelerate.accelerator"
     assert all(r["accelerator"] == expected for r in results), results
     return max(r["median"] for r in results)  # the step ends when the slowest rank's does
 

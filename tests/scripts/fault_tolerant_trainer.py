@@ -1,4 +1,4 @@
-"""A Hugging Face Trainer run as a user writes it, launched by tests/fault_tolerance/test_trainer.py with ``ndparallel
+"""A Hugging Face Trainer run as a user writes it, launched by tests/fault_tolerance/test_trainer_groups.py with ``ndparallel
 launch [--fault-tolerant] --dp-replicate-size 2``. Nothing in it is about faults except the kill it is told to do.
 
     python fault_tolerant_trainer.py OUT --steps N [--kill-at STEP] [--step-seconds S] [--save-steps K]
