@@ -206,11 +206,11 @@ def test_the_planners_cp_attention_with_the_ring_is_what_the_library_holds():
 
 def test_the_planners_chunked_block_with_the_ring_is_what_the_block_allocates():
     """Llama's chunked block under cp 2 alone with the ring, 4 and 8 head chunks (test_planner_context_parallel.py's
-    all-gather check): the planner's forward and backward (the block's counts with `ring_kv`'s) are upper bounds of
-    what the block allocates, within 22% (measured: forward 0.79-0.84 of it -- the ring's merge buffers live while
-    the block's own output does not yet, and both are counted --, backward 0.87-0.90). Without the ring's backward
-    terms the backward would be under what is measured (0.89-0.97 of it); the forward would not (1.03-1.06: the
-    block's own count holds enough there)."""
+    all-gather check): the planner's forward and backward (the block's counts with `ring_kv`'s) are what the block
+    allocates on every rank, to the byte. They were 16-21% over in forward and 10-13% in backward while the block's
+    counts took a chunk's q/k/v/o twice in forward (a send buffer and an arrival, which cp alone does not have) and
+    four times in backward; the backward also kept one chunk's value projection and its gradient into the next
+    chunk (loop names, now let go)."""
     from test_planner_context_parallel import B_BUDGETS, B_DIM, B_HEADS, B_HIDDEN, B_KV, _block_memory, _block_terms
 
     params = (2 * B_HEADS + 2 * B_KV) * B_DIM * B_HIDDEN * 4  # the four weights' gradients, fp32
@@ -219,5 +219,4 @@ def test_the_planners_chunked_block_with_the_ring_is_what_the_block_allocates():
             got, terms = report[chunks], _block_terms(chunks, "ring")
             assert terms["held"] == max(terms["forward"], terms["backward"])
             for phase, measured in (("forward", got["forward"]), ("backward", got["backward"] - params)):
-                assert 0.78 * terms[phase] <= measured <= terms[phase], (chunks, phase, measured, terms)
-            assert terms["backward"] - terms["gathered_backward"] < got["backward"] - params, (chunks, terms)
+                assert measured == terms[phase], (chunks, phase, measured, terms)
