@@ -12,12 +12,13 @@ on a group of n ranks:
     broadcast       bytes (an upper bound; the root sends it once in a tree)
     send_recv       the bytes sent; a receive adds none (its sender counts them)
 
-Point to point (``dist.send``/``isend``, `P2POp` lists given to ``batch_isend_irecv``: ring context parallelism, pipeline
-stages) reaches the dispatcher as one ``c10d.send`` op per tensor sent and one ``c10d.recv_`` per tensor received --
-under gloo, which does not coalesce, and under NCCL, whose coalescing batches the same ops into one launch. Kind
-``send_recv`` counts the sends alone, one call per tensor sent (a message): K and V passed in one
-``batch_isend_irecv`` are two calls. ``recv_`` and ``recv_any_source_`` are not counted, so that a pair of ranks
-exchanging blocks counts each byte once, on the rank that sends it, as the collectives above do.
+Point to point (``dist.send``/``isend``, `P2POp` lists given to ``batch_isend_irecv``: ring context parallelism,
+pipeline stages) reaches the dispatcher as one ``c10d.send`` op per tensor sent and one ``c10d.recv_`` per tensor
+received (measured under gloo, which does not coalesce; torch's ``ProcessGroup::send`` dispatches the same op for every
+backend, and NCCL's coalescing batches such ops into one launch). Kind ``send_recv`` counts the sends alone, one call
+per tensor sent (a message): K and V passed in one ``batch_isend_irecv`` are two calls. ``recv_`` and
+``recv_any_source_`` are not counted, so that a pair of ranks exchanging blocks counts each byte once, on the rank that
+sends it, as the collectives above do.
 
 The same formulas give the analytic minimum in docs/benchmarks.md, so the comparison is of tensors, not of
 algorithms: excess means bigger tensors (padding) or extra collectives.
