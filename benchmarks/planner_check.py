@@ -116,9 +116,10 @@ CASES = ([(name, "no", 1, False) for name in LAYOUTS]
 
 # The same with context parallelism's ring strategy (``cp_comm_strategy="ring"``: K/V blocks and their gradients sent
 # point to point): cp 2 in fp32, cp 4 in bf16 with two micro-steps and every layer checkpointed (the rerun forward
-# passes the blocks again). Layouts by name: benchmarks/run.py's and `cp4`.
+# passes the blocks again), cp 2 x sp 2 in bf16 with two micro-steps (the ring inside Ulysses). Layouts by name:
+# benchmarks/run.py's and `cp4`.
 CASE_LAYOUTS = {**LAYOUTS, "cp4": Layout(cp=4)}
-RING_CASES = [("cp", "no", 1, False), ("cp4", "bf16", 2, True)]
+RING_CASES = [("cp", "no", 1, False), ("cp4", "bf16", 2, True), ("cp_sp", "bf16", 2, False)]
 
 
 def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int, checkpointing: bool,

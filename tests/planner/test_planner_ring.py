@@ -148,14 +148,14 @@ def test_the_rings_traffic_is_point_to_point():
 @pytest.mark.parametrize("case", RING_CASES, ids=lambda c: f"{c[0]}-{c[1]}-x{c[2]}{'-ac' if c[3] else ''}")
 def test_the_rings_traffic_is_what_the_library_sends(case):
     """benchmarks/planner_check.py's ring cases (the tiny Llama with ``cp_comm_strategy="ring"``: cp 2 in fp32; cp 4
-    in bf16, two micro-steps, every layer checkpointed) on forked gloo ranks, one counted optimizer step: every rank
-    sends the K/V blocks and their fp32 gradient accumulators the planner predicts, to the byte, in as many messages
-    (measured: 65,536 B in 16 messages on cp 2; 139,264 B in 104 on cp 4 -- 73,728 B of bf16 blocks over 3 passes x
-    3 hops, 65,536 B of fp32 accumulators over 4 hops); FSDP2's collectives as test_planner.py checks them (within 2%,
-    calls exact), and no K/V all-gather."""
+    in bf16, two micro-steps, every layer checkpointed; cp 2 x sp 2 in bf16, two micro-steps) on forked gloo ranks, one
+    counted optimizer step: every rank sends the K/V blocks and their fp32 gradient accumulators the planner predicts,
+    to the byte, in as many messages (measured: 65,536 B in 16 messages on cp 2; 139,264 B in 104 on cp 4 -- 73,728 B
+    of bf16 blocks over 3 passes x 3 hops, 65,536 B of fp32 accumulators over 4 hops; 49,152 B in 32 on cp 2 x sp 2);
+    the other collectives as test_planner.py checks them (within 2%, calls exact), and no K/V all-gather."""
     _, items = predict(TINY, *case, cp_strategy="ring")
     predicted = by_kind(items)
-    assert predicted["send_recv"] > 0 and "all_to_all" not in predicted
+    assert predicted["send_recv"] > 0 and not [i for i in items if i.purpose.startswith("CP K/V")]
     for rank in run_case(TINY, case, "ring"):
         assert {kind for kind, value in rank["bytes"].items() if value} == set(predicted), rank["bytes"]
         for kind, value in predicted.items():
@@ -210,13 +210,18 @@ def test_the_planners_chunked_block_with_the_ring_is_what_the_block_allocates():
     allocates on every rank, to the byte. They were 16-21% over in forward and 10-13% in backward while the block's
     counts took a chunk's q/k/v/o twice in forward (a send buffer and an arrival, which cp alone does not have) and
     four times in backward; the backward also kept one chunk's value projection and its gradient into the next
-    chunk (loop names, now let go)."""
-    from test_planner_context_parallel import B_BUDGETS, B_DIM, B_HEADS, B_HIDDEN, B_KV, _block_memory, _block_terms
+    chunk (loop names, now let go). A reading may be one late point-to-point buffer more (gloo's worker thread lets go
+    of what it sent after the wait returned, as the all-gather's test allows): at most one K/V block of a chunk."""
+    from test_planner_context_parallel import (B_BUDGETS, B_DIM, B_HEADS, B_HIDDEN, B_KV, B_SEQ, _block_memory,
+                                               _block_terms)
 
     params = (2 * B_HEADS + 2 * B_KV) * B_DIM * B_HIDDEN * 4  # the four weights' gradients, fp32
-    for report in run_ranks(functools.partial(_block_memory, "ring"), 2, timeout=300):
-        for chunks in B_BUDGETS:
-            got, terms = report[chunks], _block_terms(chunks, "ring")
-            assert terms["held"] == max(terms["forward"], terms["backward"])
-            for phase, measured in (("forward", got["forward"]), ("backward", got["backward"] - params)):
-                assert measured == terms[phase], (chunks, phase, measured, terms)
+    late = 2 * (B_SEQ // 2) * B_DIM * 4  # one chunk's K/V block: one key/value head of a rank's tokens, fp32
+    reports = run_ranks(functools.partial(_block_memory, "ring"), 2, timeout=300)
+    for chunks in B_BUDGETS:
+        terms = _block_terms(chunks, "ring")
+        assert terms["held"] == max(terms["forward"], terms["backward"])
+        for phase in ("forward", "backward"):
+            measured = [r[chunks][phase] - (params if phase == "backward" else 0) for r in reports]
+            assert min(measured) == terms[phase], (chunks, phase, measured, terms)  # every rank holds as much
+            assert max(measured) <= terms[phase] + late, (chunks, phase, measured, terms)

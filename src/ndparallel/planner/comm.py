@@ -25,7 +25,7 @@ n tokens per rank per micro-step, L layers:
   accumulators, are two per hop (one ``batch_isend_irecv``, which NCCL launches at once: the latency term counts
   a hop twice there). The sends overlap the block's attention in the library, but are counted on the critical path
   as the all-gather's are. Measured (benchmarks/planner_check.py's RING_CASES, tests/planner/test_planner_ring.py):
-  bytes and calls exact on cp 2 and cp 4, with and without checkpointing.
+  bytes and calls exact on cp 2, cp 4 and cp 2 x sp 2, with and without checkpointing.
 - Activation checkpointing reruns each layer's forward in backward, with its collectives, up to the last tensor
   backward needs (torch's non-reentrant checkpoint stops there): TP 5 L + 1 all-reduces instead of 4 L + 1 (the
   MLP output's is not repeated), Ulysses 3 L instead of 2 L all-to-all rounds, CP 3 L K/V gathers (or ring
