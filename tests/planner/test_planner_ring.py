@@ -212,12 +212,12 @@ def test_the_planners_chunked_block_with_the_ring_is_what_the_block_allocates():
     four times in backward; the backward also kept one chunk's value projection and its gradient into the next
     chunk (loop names, now let go). A reading may be one late point-to-point buffer more (gloo's worker thread lets go
     of what it sent after the wait returned, as the all-gather's test allows): at most one K/V block of a chunk."""
-    from test_planner_context_parallel import (B_BUDGETS, B_DIM, B_HEADS, B_HIDDEN, B_KV, B_SEQ, _block_memory,
+    from test_planner_context_parallel import (B_BUDGETS, B_DIM, B_HEADS, B_HIDDEN, B_KV, B_SEQ, CP, _block_memory,
                                                _block_terms)
 
     params = (2 * B_HEADS + 2 * B_KV) * B_DIM * B_HIDDEN * 4  # the four weights' gradients, fp32
-    late = 2 * (B_SEQ // 2) * B_DIM * 4  # one chunk's K/V block: one key/value head of a rank's tokens, fp32
-    reports = run_ranks(functools.partial(_block_memory, "ring"), 2, timeout=300)
+    late = 2 * (B_SEQ // CP) * B_DIM * 4  # one chunk's K/V block: one key/value head of a rank's tokens, fp32
+    reports = run_ranks(functools.partial(_block_memory, "ring"), CP, timeout=300)
     for chunks in B_BUDGETS:
         terms = _block_terms(chunks, "ring")
         assert terms["held"] == max(terms["forward"], terms["backward"])
