@@ -64,6 +64,7 @@ from .expert_costs import expert_elements, figures
 from .recipe import FP32, Recipe, loss_chunk_rows
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+KV_TENSORS = 2  # the ring passes K and V (or their gradient accumulators) as two tensors: two messages a hop
 
 
 @dataclass(frozen=True)
@@ -175,13 +176,13 @@ def transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: i
         cp = layout.cp
         kv = Product(kw + vw, f"({kw}+{vw})")
         passes = 1 + forwards  # forward (and its rerun), and backward: the blocks travel cp - 1 hops each time
-        # Two messages a hop: K and V (their gradient accumulators in backward) are sent as two tensors.
+        # K and V (their gradient accumulators in backward) are sent as two tensors: two messages a hop.
         add("CP ring K/V blocks (forward + backward)", "send_recv", "cp",
             steps * Product(passes, f"{passes} passes") * Product(L, f"{L} layers") * Product(cp - 1, f"({cp}-1) hops")
-            * tokens * kv * dtype, m * passes * L * (cp - 1) * 2, False, ", K and V: 2 messages a hop")
+            * tokens * kv * dtype, m * passes * L * (cp - 1) * KV_TENSORS, False, ", K and V: 2 messages a hop")
         add("CP ring K/V gradient accumulators", "send_recv", "cp",
             steps * Product(L, f"{L} layers") * Product(cp, f"{cp} hops") * tokens * kv * Product(FP32, "4 B"),
-            m * L * cp * 2, False, " (fp32, back to their owner; 2 messages a hop)")
+            m * L * cp * KV_TENSORS, False, " (fp32, back to their owner; 2 messages a hop)")
     elif layout.cp > 1:
         cp = layout.cp
         kv = Product(kw + vw, f"({kw}+{vw})")
