@@ -13,6 +13,7 @@ micro-step. The planner predicts the same from the model's config (`ndparallel.p
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,11 +40,12 @@ from ndparallel.test_utils.collectives import CollectiveCounter  # noqa: E402
 
 def measure(layout: Layout, args: SimpleNamespace, precision: str, accumulation: int,
              checkpointing: bool, features: tuple[bool, bool, bool] = (True, False, False), ep: int = 1,
-             build=workload_model) -> dict:
+             build=workload_model, cp_strategy: str = "allgather") -> dict:
     """On every rank: the library with an FSDP2 plugin (as a planned script runs it), one warm-up optimizer step of
     `accumulation` micro-steps, then one step counted: collectives (CollectiveCounter), model states just before
     zero_grad, and the first micro-step's saved activations. `build(args)` makes the model (a Llama by default;
-    benchmarks/planner_check_moe.py passes a mixture of experts and its `ep`)."""
+    benchmarks/planner_check_moe.py passes a mixture of experts and its `ep`); `cp_strategy` is
+    ``TorchContextParallelConfig``'s ``cp_comm_strategy``."""
     from torch.utils.data import DataLoader
 
     from ndparallel import Accelerator, FullyShardedDataParallelPlugin, MemoryKwargs, TorchContextParallelConfig
@@ -53,7 +55,7 @@ def measure(layout: Layout, args: SimpleNamespace, precision: str, accumulation:
 
     pc = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard, cp_size=layout.cp,
                            sp_size=layout.sp, tp_size=layout.tp, ep_size=ep,
-                           cp_handler=TorchContextParallelConfig(cp_comm_strategy="allgather"))
+                           cp_handler=TorchContextParallelConfig(cp_comm_strategy=cp_strategy))
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing={"every": 1, "offload": True}
                                             if offload else checkpointing)
     accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=precision,
@@ -112,15 +114,23 @@ CASES = ([(name, "no", 1, False) for name in LAYOUTS]
          + [(name, "bf16", 2, False) for name in ("hsdp", "fsdp2_tp", "cp_sp")]
          + [("fsdp2_tp", "no", 1, True), ("cp_sp", "bf16", 2, True)])
 
+# The same with context parallelism's ring strategy (``cp_comm_strategy="ring"``: K/V blocks and their gradients sent
+# point to point): cp 2 in fp32, cp 4 in bf16 with two micro-steps and every layer checkpointed (the rerun forward
+# passes the blocks again), cp 2 x sp 2 in bf16 with two micro-steps (the ring inside Ulysses). Layouts by name:
+# benchmarks/run.py's and `cp4`.
+CASE_LAYOUTS = {**LAYOUTS, "cp4": Layout(cp=4)}
+RING_CASES = [("cp", "no", 1, False), ("cp4", "bf16", 2, True), ("cp_sp", "bf16", 2, False)]
+
 
 def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int, checkpointing: bool,
-            features: tuple[bool, bool, bool] = (True, False, False)):
+            features: tuple[bool, bool, bool] = (True, False, False), cp_strategy: str = "allgather"):
     """(memory terms, transfers) the planner predicts for one case on one rank (no allocator fragmentation: the
     CPU has no caching allocator)."""
     spec = spec_from_config(workload_config(args).to_dict(), "tiny")
-    layout = LAYOUTS[name]
+    layout = CASE_LAYOUTS[name]
     recipe = Recipe(args.seq, args.batch, accumulation, "bf16" if precision == "bf16" else "fp32", checkpointing,
-                      chunked_loss=features[0], tiled_mlp=features[1], offload=features[2], mlp_tile=getattr(args, "tile", None))
+                    chunked_loss=features[0], tiled_mlp=features[1], offload=features[2],
+                    mlp_tile=getattr(args, "tile", None), cp_strategy=cp_strategy)
     return estimate(spec, layout, recipe), transfers(spec, layout, recipe, gpus_per_node=8)
 
 
@@ -157,9 +167,9 @@ def peak_case_name(case: tuple) -> str:
     return f"{name} {'bf16' if precision == 'bf16' else 'fp32'} x{accumulation}{' AC' if checkpointing else ''} {features}"
 
 
-def run_case(args: SimpleNamespace, case: tuple) -> list[dict]:
-    layout = LAYOUTS[case[0]]
-    return run_ranks(measure, layout.world, layout, args, *case[1:])
+def run_case(args: SimpleNamespace, case: tuple, cp_strategy: str = "allgather") -> list[dict]:
+    layout = CASE_LAYOUTS[case[0]]
+    return run_ranks(functools.partial(measure, cp_strategy=cp_strategy), layout.world, layout, args, *case[1:])
 
 
 TABLE_HEADER = ("| case | states B, measured / predicted | bytes per collective, measured (mean over the ranks) / "
@@ -198,9 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     args = SimpleNamespace(**{k: v for k, v in vars(parsed).items() if k != "peak"}, warmup=1, steps=1, repeats=1,
                            cpu=True, tile=None)  # workloads' fields
     print(TABLE_HEADER)
-    for case in CASES:
-        name = f"{case[0]} {'bf16' if case[1] == 'bf16' else 'fp32'} x{case[2]}{' AC' if case[3] else ''}"
-        print(table_row(name, run_case(args, case), *predict(args, *case), checkpointed=case[3]), flush=True)
+    for strategy, cases in (("allgather", CASES), ("ring", RING_CASES)):
+        for case in cases:
+            name = (f"{case[0]}{' ring' if strategy == 'ring' else ''} {'bf16' if case[1] == 'bf16' else 'fp32'} "
+                    f"x{case[2]}{' AC' if case[3] else ''}")
+            print(table_row(name, run_case(args, case, strategy), *predict(args, *case, cp_strategy=strategy),
+                            checkpointed=case[3]), flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,15 @@ def _known_collectives():
     x = torch.ones(1000)  # 4000 bytes
     out = {}
     partial = DTensor.from_local(x, mesh, [Partial()])
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    y = torch.ones(250, dtype=torch.float64)  # 2000 bytes
+
+    def exchange():  # as the ring attention passes K and V: two sends and two receives in one batch
+        ops = [dist.P2POp(dist.isend, t, peer) for t in (x, y)]
+        ops += [dist.P2POp(dist.irecv, torch.empty_like(t), peer) for t in (x, y)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
     cases = {
         "c10d all_reduce": lambda: dist.all_reduce(x),
         "c10d all_gather": lambda: dist.all_gather_into_tensor(torch.empty(2000), x),
@@ -35,11 +44,15 @@ def _known_collectives():
         "DTensor Shard->Replicate": lambda: DTensor.from_local(x, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]),
         "DTensor Partial->Replicate": lambda: partial.redistribute(mesh, [Replicate()]),
         "DTensor Partial->Shard": lambda: partial.redistribute(mesh, [Shard(0)]),
+        "batch_isend_irecv": exchange,
+        "send": lambda: dist.send(x, peer) if rank == 0 else dist.recv(torch.empty_like(x), peer),
     }
     for name, fn in cases.items():
         with CollectiveCounter() as counter:
             fn()
         out[name] = dict(counter.bytes)
+        if name in ("batch_isend_irecv", "send"):
+            out[name + " calls"] = dict(counter.calls)
     return out
 
 
@@ -52,7 +65,10 @@ def test_counter_gives_ring_bytes_for_known_collectives():
                 "DTensor Shard->Replicate": {"all_gather": 4000},
                 "DTensor Partial->Replicate": {"all_reduce": 4000},
                 "DTensor Partial->Shard": {"reduce_scatter": 2000}}
-    assert counted == [expected, expected]
+    # Point to point: what a rank sends, one call per tensor; receiving counts nothing.
+    both = {"batch_isend_irecv": {"send_recv": 6000}, "batch_isend_irecv calls": {"send_recv": 2}}
+    assert counted == [{**expected, **both, "send": {"send_recv": 4000}, "send calls": {"send_recv": 1}},
+                       {**expected, **both, "send": {}, "send calls": {}}]
 
 
 @pytest.mark.slow

@@ -20,8 +20,12 @@ n tokens per rank per micro-step, L layers:
   reduce-scattered: L (cp-1) x 2 n kv_width x 4.
 - CP, ring strategy (``cp_comm_strategy="ring"``, `parallel.sequence.ring`): point to point to the next rank, each
   hop one rank's K/V block (n tokens): forward cp-1 hops, 2 L (cp-1) x 2 n kv_width c with the backward's; the
-  gradient accumulators travel cp hops in backward (back to the block's owner), L cp x 2 n kv_width x 4. The sends
-  overlap the block's attention in the library, but are counted on the critical path as the all-gather's are.
+  gradient accumulators travel cp hops in backward (back to the block's owner), L cp x 2 n kv_width x 4. Calls are
+  messages, as `ndparallel.test_utils.collectives` counts them (one per tensor sent): K and V, or their two
+  accumulators, are two per hop (one ``batch_isend_irecv``, which NCCL launches at once: the latency term counts
+  a hop twice there). The sends overlap the block's attention in the library, but are counted on the critical path
+  as the all-gather's are. Measured (benchmarks/planner_check.py's RING_CASES, tests/planner/test_planner_ring.py):
+  bytes and calls exact on cp 2, cp 4 and cp 2 x sp 2, with and without checkpointing.
 - Activation checkpointing reruns each layer's forward in backward, with its collectives, up to the last tensor
   backward needs (torch's non-reentrant checkpoint stops there): TP 5 L + 1 all-reduces instead of 4 L + 1 (the
   MLP output's is not repeated), Ulysses 3 L instead of 2 L all-to-all rounds, CP 3 L K/V gathers (or ring
@@ -60,6 +64,7 @@ from .expert_costs import expert_elements, figures
 from .recipe import FP32, Recipe, loss_chunk_rows
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+KV_TENSORS = 2  # the ring passes K and V (or their gradient accumulators) as two tensors: two messages a hop
 
 
 @dataclass(frozen=True)
@@ -171,12 +176,13 @@ def transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: i
         cp = layout.cp
         kv = Product(kw + vw, f"({kw}+{vw})")
         passes = 1 + forwards  # forward (and its rerun), and backward: the blocks travel cp - 1 hops each time
+        # K and V (their gradient accumulators in backward) are sent as two tensors: two messages a hop.
         add("CP ring K/V blocks (forward + backward)", "send_recv", "cp",
             steps * Product(passes, f"{passes} passes") * Product(L, f"{L} layers") * Product(cp - 1, f"({cp}-1) hops")
-            * tokens * kv * dtype, m * passes * L * (cp - 1), False)
+            * tokens * kv * dtype, m * passes * L * (cp - 1) * KV_TENSORS, False, ", K and V: 2 messages a hop")
         add("CP ring K/V gradient accumulators", "send_recv", "cp",
             steps * Product(L, f"{L} layers") * Product(cp, f"{cp} hops") * tokens * kv * Product(FP32, "4 B"),
-            m * L * cp, False, " (fp32, back to their owner)")
+            m * L * cp * KV_TENSORS, False, " (fp32, back to their owner; 2 messages a hop)")
     elif layout.cp > 1:
         cp = layout.cp
         kv = Product(kw + vw, f"({kw}+{vw})")

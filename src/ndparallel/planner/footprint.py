@@ -344,15 +344,22 @@ def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tupl
         shape = (heads, kv, layout.sp, chunks, full, full // layout.sp, recipe.micro_batch, model.head_dim)
         forward = block.forward_bytes(*shape, c) + gathered_fwd
         backward = block.backward_bytes(*shape, model.hidden, c) + lse + gathered
+        if layout.sp > 1:
+            chunk_fwd = f"one chunk's full-sequence q/k/v/o with their send buffers, 2 x {chunk:,} B"
+            chunk_bwd = (f"one chunk's full-sequence q/k/v/o and their gradients 2 x {chunk:,} B, its "
+                         "sequence-sharded ones and theirs")
+        else:  # cp alone: nothing exchanged (`block.forward_bytes` / `backward_bytes`)
+            chunk_fwd = "one copy of a chunk's q/k/v for its attention"
+            chunk_bwd = ("a chunk's q/k/v projected again, rotary's q and k, the attention's copies of q/k/v, its "
+                         "output, the output's gradient and the query's gradient")
         return max(forward, backward), (
             f"{chunks} head chunks, the projections' backward in each (the chunked block): the larger of its "
             f"forward's {forward:,} B (the shard's q/k/v and attention output, {n} x ({qw}+{kw}+{vw}+{ow}) x {c} B, "
-            f"and one chunk's full-sequence q/k/v/o with their send buffers, 2 x {chunk:,} B"
+            f"and {chunk_fwd}"
             + (f", and the cp {'ring' if recipe.cp_strategy == 'ring' else 'all-gather'}'s {gathered_fwd:,} B"
                if gathered_fwd else "")
-            + f") and its backward's {backward:,} B (the hidden states' gradient {n} x {model.hidden} x {c} B, one "
-            f"chunk's full-sequence q/k/v/o and their gradients 2 x {chunk:,} B, its sequence-sharded ones and theirs, "
-            f"its lse {lse:,} B{plus})")
+            + f") and its backward's {backward:,} B (the hidden states' gradient {n} x {model.hidden} x {c} B, "
+            f"{chunk_bwd}, its lse {lse:,} B{plus})")
     kw, vw = attention_widths(model, layout, repeated=False)[2:]
     shard = n * (qw + kw + vw + ow) * c
     return 2 * chunk + lse + shard + gathered, (

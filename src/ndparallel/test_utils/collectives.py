@@ -10,6 +10,15 @@ on a group of n ranks:
     all-gather      (n - 1) * input bytes          reduce-scatter  (n - 1) * output bytes
     all-reduce      2 * (n - 1) / n * bytes        all-to-all      (n - 1) / n * input bytes
     broadcast       bytes (an upper bound; the root sends it once in a tree)
+    send_recv       the bytes sent; a receive adds none (its sender counts them)
+
+Point to point (``dist.send``/``isend``, `P2POp` lists given to ``batch_isend_irecv``: ring context parallelism,
+pipeline stages) reaches the dispatcher as one ``c10d.send`` op per tensor sent and one ``c10d.recv_`` per tensor
+received (measured under gloo, which does not coalesce; torch's ``ProcessGroup::send`` dispatches the same op for every
+backend, and NCCL's coalescing batches such ops into one launch). Kind ``send_recv`` counts the sends alone, one call
+per tensor sent (a message): K and V passed in one ``batch_isend_irecv`` are two calls. ``recv_`` and
+``recv_any_source_`` are not counted, so that a pair of ranks exchanging blocks counts each byte once, on the rank that
+sends it, as the collectives above do.
 
 The same formulas give the analytic minimum in docs/benchmarks.md, so the comparison is of tensors, not of
 algorithms: excess means bigger tensors (padding) or extra collectives.
@@ -48,7 +57,7 @@ KINDS = {
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
     "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "broadcast_": "broadcast",
-    "broadcast": "broadcast",
+    "broadcast": "broadcast", "send": "send_recv",
 }
 
 
@@ -77,7 +86,7 @@ def sent_bytes(kind: str, op: str, args: tuple, kwargs: dict, n: int) -> int:
         return 2 * (n - 1) * _nbytes(args[0]) // n
     if kind == "all_to_all":
         return (n - 1) * _nbytes(args[1] if op == "alltoall_base_" else args[0]) // n
-    return _nbytes(args[0])
+    return _nbytes(args[0])  # broadcast: the tensors; send_recv: the tensors sent
 
 
 def _caller(skip: tuple[str, ...] = ("/torch/", "/contextlib.py", "ndparallel/test_utils/collectives.py")) -> str:
@@ -91,7 +100,8 @@ def _caller(skip: tuple[str, ...] = ("/torch/", "/contextlib.py", "ndparallel/te
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Inside ``with CollectiveCounter() as c:``, ``c.bytes[kind]`` / ``c.calls[kind]`` add up every collective;
+    """Inside ``with CollectiveCounter() as c:``, ``c.bytes[kind]`` / ``c.calls[kind]`` add up every collective
+    (and every point-to-point send, kind ``send_recv``);
     ``c.by_group["all_reduce/4"]`` counts them by kind and group size. Host syncs -- ``item()``, ``int()``,
     ``float()``, ``bool()`` of a tensor all reach the dispatcher as ``aten._local_scalar_dense`` -- are counted in
     ``c.syncs`` and, by the innermost caller outside torch, in ``c.sync_sites``."""

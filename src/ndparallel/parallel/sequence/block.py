@@ -46,7 +46,8 @@ from torch import nn
 from ...models.families import chunked_attention_types
 from .attention import whole_sequence_attend
 from .sharding import active, context_parallel_attention
-from .ulysses import Runs, _add, _arrive, _leave, _runs, _send, chunk_bytes, chunk_plan, resolve_chunks
+from .ulysses import (Runs, _add, _arrive, _leave, _runs, _send, chunk_bytes, chunk_plan, kv_repeats,
+                      resolve_chunks)
 
 # model type -> the attention class whose forward `ChunkedBlock` reproduces op for op (the families table's); the planner
 # models the chunked block for these types
@@ -170,7 +171,8 @@ class ChunkedBlock(torch.autograd.Function):
                 _add_rows(dws[i], dp2.t() @ x2, s, d)
                 if dbs[i] is not None:
                     _add_rows(dbs[i], dp2.sum(0), s, d)
-            del d_pre, weights
+            # the loops' names too: they would keep this chunk's value projection and its gradient into the next one
+            del d_pre, weights, t, into, dp, dp2
         dbo = g2.sum(0) if bo is not None else None
         return dx.view_as(x), None, None, *dws, *dbs, dbo, None
 
@@ -252,20 +254,39 @@ def forward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len
                   head_dim: int, element_size: int) -> int:
     """Bytes `ChunkedBlock.forward` allocates at its peak on one rank, in the attention: the shard's q/k/v (the
     key/value heads as projected; rotary in place) and its attention output (``batch x local_len x head_dim`` per
-    head), and one chunk's full-sequence q/k/v/o with the buffers sent for them, which the all-to-alls may hold
-    until they complete (2 x `ulysses.chunk_bytes`: an upper bound). The module's own forward holds as much, and a
-    second q and k for rotary."""
+    head), and of one chunk
+    - under sp: its full-sequence q/k/v/o with the buffers sent for them, which the all-to-alls may hold until they
+      complete (2 x `ulysses.chunk_bytes`: an upper bound);
+    - under cp alone (`sp_size` 1): the one copy `ulysses._send` makes of its q/k/v (``_arrive`` hands it on, nothing
+      is exchanged), ``local_len`` long; its output is the attention's result, made after the attention's own peak
+      (the strategy's buffers, the caller's to add: `allgather.forward_bytes`, `ring.forward_bytes`). Exact against
+      the bytes the block allocates with either strategy (tests/planner/test_planner_context_parallel.py,
+      test_planner_ring.py).
+    The module's own forward holds as much, and a second q and k for rotary."""
     shard = batch * local_len * head_dim * element_size * (2 * heads + 2 * kv_heads)
+    if sp_size == 1:
+        kv = kv_heads * kv_repeats(heads, kv_heads, chunks)  # key/value heads as `chunk_plan` spreads them
+        return shard + (heads // chunks + 2 * (kv // chunks)) * batch * local_len * head_dim * element_size
     return shard + 2 * chunk_bytes(heads, kv_heads, sp_size, chunks, full_len, batch, head_dim, element_size)
 
 
 def backward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len: int, local_len: int, batch: int,
                    head_dim: int, hidden: int, element_size: int) -> int:
     """Bytes `ChunkedBlock.backward` allocates on one rank beyond its saved tensors, the incoming gradient and the
-    weights' gradients: the hidden states' gradient (``batch x local_len x hidden``), and of one chunk its
-    full-sequence q/k/v/o and their gradients (2 x `ulysses.chunk_bytes`) and its sequence-sharded q/k/v/o (rotary
-    in place of a second q and k) and their gradients (2 x `ulysses.chunk_bytes` at ``sp_size x local_len``)."""
+    weights' gradients: the hidden states' gradient (``batch x local_len x hidden``), and of one chunk
+    - under sp: its full-sequence q/k/v/o and their gradients (2 x `ulysses.chunk_bytes`) and its sequence-sharded
+      q/k/v/o (rotary in place of a second q and k) and their gradients (2 x `ulysses.chunk_bytes` at
+      ``sp_size x local_len``): an upper bound;
+    - under cp alone (`sp_size` 1), at the attention's backward (its own buffers and log-sum-exp the caller's to add:
+      `allgather.backward_bytes`, `ring.backward_bytes`): its q/k/v projected again, rotary's new q and k, `_send`'s
+      copies of the three that the attention takes, its output and the output's gradient, and the query's gradient
+      the attention returns -- 6 query-head and 5 key/value-head tensors of ``local_len`` tokens (key/value heads as
+      `ulysses.chunk_plan` spreads them). Exact, on the busiest rank, against the bytes the block allocates with either
+      strategy (tests/planner/test_planner_context_parallel.py, test_planner_ring.py)."""
     grad = batch * local_len * hidden * element_size
+    if sp_size == 1:
+        kv = kv_heads * kv_repeats(heads, kv_heads, chunks)
+        return grad + (6 * (heads // chunks) + 5 * (kv // chunks)) * batch * local_len * head_dim * element_size
     full = chunk_bytes(heads, kv_heads, sp_size, chunks, full_len, batch, head_dim, element_size)
     sharded = chunk_bytes(heads, kv_heads, sp_size, chunks, sp_size * local_len, batch, head_dim, element_size)
     return grad + 2 * full + 2 * sharded
