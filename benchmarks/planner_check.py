@@ -8,6 +8,9 @@ warm-up optimizer step, then one counted step -- the bytes and calls of every co
 CollectiveCounter), the model states per rank just before zero_grad, and the bytes saved for backward in the first
 micro-step. The planner predicts the same from the model's config (`ndparallel.planner.footprint.estimate`,
 `ndparallel.planner.comm.transfers`); the table shows both and their ratio. tests/planner/test_planner.py asserts them.
+`RING_CASES` (context parallelism's ring) and `PP_CASES` (pipeline stages) follow, asserted by
+tests/planner/test_planner_ring.py and test_planner_pipeline_traffic.py. Point-to-point bytes (``send_recv``) are the
+busiest rank's, as the planner predicts them (pp 3's middle stage sends twice what an end stage does).
 """
 
 from __future__ import annotations
@@ -54,10 +57,12 @@ def measure(layout: Layout, args: SimpleNamespace, precision: str, accumulation:
     chunked, tiled, offload = features
 
     pc = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard, cp_size=layout.cp,
-                           sp_size=layout.sp, tp_size=layout.tp, ep_size=ep,
+                           sp_size=layout.sp, tp_size=layout.tp, ep_size=ep, pp_size=layout.pp,
                            cp_handler=TorchContextParallelConfig(cp_comm_strategy=cp_strategy))
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing={"every": 1, "offload": True}
                                             if offload else checkpointing)
+    # Under pipeline stages only the last holds the head: "auto" puts the chunked loss there (True refuses the others).
+    chunked = "auto" if chunked and layout.pp > 1 else chunked
     accelerator = Accelerator(parallelism_config=pc, fsdp_plugin=plugin, mixed_precision=precision,
                               gradient_accumulation_steps=accumulation, cpu=True,
                               kwargs_handlers=[MemoryKwargs(chunked_loss=chunked, tiled_mlp=tiled,
@@ -118,8 +123,15 @@ CASES = ([(name, "no", 1, False) for name in LAYOUTS]
 # point to point): cp 2 in fp32, cp 4 in bf16 with two micro-steps and every layer checkpointed (the rerun forward
 # passes the blocks again), cp 2 x sp 2 in bf16 with two micro-steps (the ring inside Ulysses). Layouts by name:
 # benchmarks/run.py's and `cp4`.
-CASE_LAYOUTS = {**LAYOUTS, "cp4": Layout(cp=4)}
+CASE_LAYOUTS = {**LAYOUTS, "cp4": Layout(cp=4), "pp": Layout(pp=2), "pp3": Layout(pp=3)}
 RING_CASES = [("cp", "no", 1, False), ("cp4", "bf16", 2, True), ("cp_sp", "bf16", 2, False)]
+
+# Pipeline stages (the library's default schedule, 1F1B with pp micro-batches per micro-step): pp 2 in fp32, pp 2 in
+# bf16 with two accumulation micro-steps, pp 3 in bf16 with two micro-steps and every layer checkpointed -- its middle
+# stage sends both ways. Each case with the sizes it changes: a stage needs a decoder layer, and a rank's samples
+# split into pp micro-batches (3 layers and 3 samples for pp 3).
+PP_CASES = [(("pp", "no", 1, False), {}), (("pp", "bf16", 2, False), {}),
+            (("pp3", "bf16", 2, True), {"layers": 3, "batch": 3})]
 
 
 def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int, checkpointing: bool,
@@ -172,18 +184,26 @@ def run_case(args: SimpleNamespace, case: tuple, cp_strategy: str = "allgather")
     return run_ranks(functools.partial(measure, cp_strategy=cp_strategy), layout.world, layout, args, *case[1:])
 
 
-TABLE_HEADER = ("| case | states B, measured / predicted | bytes per collective, measured (mean over the ranks) / "
+TABLE_HEADER = ("| case | states B, measured / predicted | bytes per collective, measured (mean over the ranks; "
+                "point to point the busiest rank's) / "
                 "predicted (calls) | saved for backward B, measured / predicted (mean / predicted) |\n"
                 "|---|---|---|---|")
 
 
 def table_row(name: str, ranks: list[dict], memory, items, checkpointed: bool) -> str:
     """One case of the table: model states (the largest rank's), bytes of each collective (the mean over the ranks:
-    a mixture of experts' all-to-alls depend on its routing) and calls, bytes saved for backward (the ranks' range,
-    and their mean over the prediction), each measured / predicted."""
+    a mixture of experts' all-to-alls depend on its routing; point to point the busiest rank's) and calls, bytes
+    saved for backward (the ranks' range, and their mean over the prediction), each measured / predicted."""
     states = max(sum(r["states"].values()) for r in ranks)
-    comm = ", ".join(f"{k} {sum(r['bytes'].get(k, 0) for r in ranks) / len(ranks):,.0f} / {v:,.0f} "
-                     f"({ranks[0]['calls'].get(k, 0)} / {sum(i.calls for i in items if i.kind == k)})"
+    # point to point: the busiest rank's, as the planner predicts it (a pipeline's middle stage sends both ways)
+    busiest = max(ranks, key=lambda r: r["bytes"].get("send_recv", 0))
+
+    def sent(k: str) -> tuple[float, int]:
+        if k == "send_recv":
+            return busiest["bytes"].get(k, 0), busiest["calls"].get(k, 0)
+        return sum(r["bytes"].get(k, 0) for r in ranks) / len(ranks), ranks[0]["calls"].get(k, 0)
+
+    comm = ", ".join(f"{k} {sent(k)[0]:,.0f} / {v:,.0f} ({sent(k)[1]} / {sum(i.calls for i in items if i.kind == k)})"
                      for k, v in by_kind(items).items())
     saved = [r["saved"] for r in ranks]
     act = "n/a (checkpointed)" if checkpointed else (f"{min(saved):,}..{max(saved):,} / {memory['activations']:,.0f} "
@@ -208,12 +228,13 @@ def main(argv: list[str] | None = None) -> None:
     args = SimpleNamespace(**{k: v for k, v in vars(parsed).items() if k != "peak"}, warmup=1, steps=1, repeats=1,
                            cpu=True, tile=None)  # workloads' fields
     print(TABLE_HEADER)
-    for strategy, cases in (("allgather", CASES), ("ring", RING_CASES)):
-        for case in cases:
-            name = (f"{case[0]}{' ring' if strategy == 'ring' else ''} {'bf16' if case[1] == 'bf16' else 'fp32'} "
-                    f"x{case[2]}{' AC' if case[3] else ''}")
-            print(table_row(name, run_case(args, case, strategy), *predict(args, *case, cp_strategy=strategy),
-                            checkpointed=case[3]), flush=True)
+    cases = ([(case, "allgather", args) for case in CASES] + [(case, "ring", args) for case in RING_CASES]
+             + [(case, "allgather", SimpleNamespace(**{**vars(args), **sizes})) for case, sizes in PP_CASES])
+    for case, strategy, sized in cases:
+        name = (f"{case[0]}{' ring' if strategy == 'ring' else ''} {'bf16' if case[1] == 'bf16' else 'fp32'} "
+                f"x{case[2]}{' AC' if case[3] else ''}")
+        print(table_row(name, run_case(sized, case, strategy), *predict(sized, *case, cp_strategy=strategy),
+                        checkpointed=case[3]), flush=True)
 
 
 if __name__ == "__main__":

@@ -111,8 +111,8 @@ def test_hsdp_over_two_nodes_sends_the_replica_all_reduce_across_nodes():
 
 def test_a_pipeline_stage_holds_its_layers_and_the_larger_end_and_pays_the_bubble():
     """pp 2 of Llama 3.1 8B (32 layers, untied): the busiest stage holds 16 layers and the head with the final norm
-    (the larger end); its micro-step's activations cross to the next stage and come back as gradients; with the
-    default one micro-batch per stage its compute is 1.5x that of two replicas."""
+    (the larger end); its micro-step's activations cross to the next stage and come back as gradients (each stage
+    sends one of them); with the default one micro-batch per stage its compute is 1.5x that of two replicas."""
     model = load_model("llama-3.1-8b")
     h, inter, vocab = 4096, 14336, 128256
     layer = 2 * h * 4096 + 2 * h * 1024 + 3 * h * inter + 2 * h  # attention, MLP, two norms
@@ -121,7 +121,9 @@ def test_a_pipeline_stage_holds_its_layers_and_the_larger_end_and_pays_the_bubbl
     memory = estimate(model, Layout(pp=2), recipe)
     assert (memory["params"], memory["optimizer"]) == (4 * held, 8 * held)
     items = transfers(model, Layout(pp=2), recipe, gpus_per_node=8)
-    assert by_kind(items)["send_recv"] == 2 * (2 * 4096) * h * 2  # both directions, 2 samples x 4096 tokens, bf16
+    # each stage an end: one direction (the first sends activations, the last their gradients), 2 samples x 4096
+    # tokens, bf16 (measured: test_planner_pipeline_traffic.py); and the last stage's fp32 loss to the other
+    assert by_kind(items)["send_recv"] == (2 * 4096) * h * 2 and by_kind(items)["broadcast"] == 4
     hw = get_hardware("h100")
     free = dataclasses.replace(hw, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, intra_node_latency_s=0.0,
                                inter_node_latency_s=0.0)

@@ -41,10 +41,17 @@ n tokens per rank per micro-step, L layers:
   all-reduces count the layers whose MLP it splits (`ModelSpec.split_mlp_layers`: 2 each) and attention (2 per
   layer); per-head q/k norms (Qwen3) all-reduce their weights' gradients over tp, 2 calls per layer.
 - Pipeline stages (pp > 1; the busiest stage: its ceil(L / pp) layers in every L above): between stages each
-  micro-step's activations go forward and their gradients come back, n h c each way (a middle stage sends both), in
-  pp micro-batches (the default schedule's); FSDP2 inside a stage gathers its parameters for every micro-batch's
-  forward (pp times) and once for the backward passes (torch's stage keeps them gathered between them): pp + 1
-  all-gathers per micro-step instead of 2.
+  micro-step's activations go forward and their gradients come back, n h c each way, in pp micro-batches (the
+  default schedule's), one message per micro-batch and direction; the busiest stage is a middle one, which sends both
+  (2 m n h c in 2 m pp messages), where pp > 2 -- with pp 2 each stage is an end and sends one way (the first the
+  activations, the last their gradients: m n h c in m pp). After each micro-step's schedule the last stage
+  broadcasts the fp32 loss to every stage (4 B, one call per micro-step; counted as the counter counts a broadcast,
+  its bytes on every rank). Measured (benchmarks/planner_check.py's PP_CASES,
+  tests/planner/test_planner_pipeline_traffic.py): bytes and calls exact on every rank of pp 2 (in fp32, and in
+  bf16 with two micro-steps) and on pp 3's middle stage (bf16, two micro-steps, checkpointing), its end stages half
+  of it; torch's shape inference sends its metadata in a schedule's first step only, outside the counted step.
+  FSDP2 inside a stage gathers its parameters for every micro-batch's forward (pp times) and once for the backward
+  passes (torch's stage keeps them gathered between them): pp + 1 all-gathers per micro-step instead of 2.
 
 A group whose ranks all sit in one node uses the node's links (NVLink); one that spans nodes is limited by the
 network (`layouts.cross_node`).
@@ -63,7 +70,7 @@ from .model import ModelSpec
 from .expert_costs import expert_elements, figures
 from .recipe import FP32, Recipe, loss_chunk_rows
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
 KV_TENSORS = 2  # the ring passes K and V (or their gradient accumulators) as two tensors: two messages a hop
 
 
@@ -196,9 +203,14 @@ def transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: i
     if model.moe is not None and layout.ep > 1:
         out += expert_transfers(model, layout, recipe, gpus_per_node)
     if layout.pp > 1:
+        # The busiest stage's sends: a middle stage (pp > 2) sends activations forward and their gradients back, an
+        # end stage one of them (the first the activations, the last the gradients) -- pp 2 has no middle stage.
+        directions = 2 if layout.pp > 2 else 1
         add("pipeline activations and their gradients", "send_recv", "pp",
-            steps * Product(2, "2 directions") * tokens * model.hidden * dtype, m * 2 * layout.pp, False,
-            f", in {layout.pp} micro-batches")
+            steps * Product(directions, f"{directions} direction{'s' if directions > 1 else ''}") * tokens
+            * model.hidden * dtype, m * directions * layout.pp, False, f", in {layout.pp} micro-batches")
+        add("pipeline loss broadcast", "broadcast", "pp", steps * Product(FP32, "4 B"), m, False,
+            " (the last stage's fp32 loss, to every stage)")
     add("loss token count", "all_reduce", "batch", 2 * ring(layout.batch) * Product(8, "8 B"), 1, False)
     return out
 
