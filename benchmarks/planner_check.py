@@ -123,15 +123,18 @@ CASES = ([(name, "no", 1, False) for name in LAYOUTS]
 # point to point): cp 2 in fp32, cp 4 in bf16 with two micro-steps and every layer checkpointed (the rerun forward
 # passes the blocks again), cp 2 x sp 2 in bf16 with two micro-steps (the ring inside Ulysses). Layouts by name:
 # benchmarks/run.py's and `cp4`.
-CASE_LAYOUTS = {**LAYOUTS, "cp4": Layout(cp=4), "pp": Layout(pp=2), "pp3": Layout(pp=3)}
+CASE_LAYOUTS = {**LAYOUTS, "cp4": Layout(cp=4), "pp": Layout(pp=2), "pp3": Layout(pp=3),
+                "pp_fsdp2": Layout(pp=2, dp_shard=2), "pp_ddp": Layout(pp=2, dp_replicate=2)}
 RING_CASES = [("cp", "no", 1, False), ("cp4", "bf16", 2, True), ("cp_sp", "bf16", 2, False)]
 
 # Pipeline stages (the library's default schedule, 1F1B with pp micro-batches per micro-step): pp 2 in fp32, pp 2 in
 # bf16 with two accumulation micro-steps, pp 3 in bf16 with two micro-steps and every layer checkpointed -- its middle
-# stage sends both ways. Each case with the sizes it changes: a stage needs a decoder layer, and a rank's samples
-# split into pp micro-batches (3 layers and 3 samples for pp 3).
+# stage sends both ways --, and FSDP2 inside the stages: pp 2 x dp_shard 2 in bf16 with two micro-steps and in fp32
+# checkpointed, pp 2 x dp_replicate 2 in bf16 with two micro-steps. Each case with the sizes it changes: a stage needs
+# a decoder layer, and a rank's samples split into pp micro-batches (3 layers and 3 samples for pp 3).
 PP_CASES = [(("pp", "no", 1, False), {}), (("pp", "bf16", 2, False), {}),
-            (("pp3", "bf16", 2, True), {"layers": 3, "batch": 3})]
+            (("pp3", "bf16", 2, True), {"layers": 3, "batch": 3}), (("pp_fsdp2", "bf16", 2, False), {}),
+            (("pp_fsdp2", "no", 1, True), {}), (("pp_ddp", "bf16", 2, False), {})]
 
 
 def predict(args: SimpleNamespace, name: str, precision: str, accumulation: int, checkpointing: bool,

@@ -8,8 +8,9 @@ n tokens per rank per micro-step, L layers:
 
 - FSDP2 over dp_shard x cp x sp (s ranks): all-gather m (s-1) (2 P_s - R_s) c (every layer forward and again in
   backward, the root unit's shard R_s once: it stays gathered into backward); reduce-scatter (s-1) P_s 4 once per
-  step (every micro-step with sync_each_batch).
-- HSDP over dp_replicate (r ranks): all-reduce 2 (r-1)/r x P_s x 4 once per step.
+  step (every micro-step with sync_each_batch, and under pipeline stages).
+- HSDP over dp_replicate (r ranks): all-reduce 2 (r-1)/r x P_s x 4 once per step (every micro-step under pipeline
+  stages).
 - TP (t ranks, Megatron): all-reduce 2 (t-1)/t x n h c x (4 L + 1) per micro-step (attention and MLP outputs
   forward, their input gradients backward, the head's input gradient), + 1 for a vocabulary-split tied embedding;
   all-gather (t-1) x n V/t c of the logits -- or, with the chunked loss, all-reduces 2 (t-1)/t x 12 B per counted
@@ -50,8 +51,14 @@ n tokens per rank per micro-step, L layers:
   tests/planner/test_planner_pipeline_traffic.py): bytes and calls exact on every rank of pp 2 (in fp32, and in
   bf16 with two micro-steps) and on pp 3's middle stage (bf16, two micro-steps, checkpointing), its end stages half
   of it; torch's shape inference sends its metadata in a schedule's first step only, outside the counted step.
-  FSDP2 inside a stage gathers its parameters for every micro-batch's forward (pp times) and once for the backward
-  passes (torch's stage keeps them gathered between them): pp + 1 all-gathers per micro-step instead of 2.
+  FSDP2 inside a stage gathers each layer unit for every micro-batch's forward (pp times) and once for the backward
+  passes (torch's stage reshards after its last backward only): pp + 1 all-gathers per micro-step instead of 2, the
+  stage's root unit once, m (s-1) ((pp+1) (P_s - R_s) + R_s) c in m ((pp+1) L + 1) calls; torch's schedule reduces
+  the stage's gradients at the end of each of its steps (`perform_reduce_grad`), so the reduce-scatter and HSDP's
+  all-reduce run every micro-step (m (L+1) calls each). Measured with the sends above (pp 2 x dp_shard 2 in bf16
+  with two micro-steps and in fp32 with checkpointing, pp 2 x dp_replicate 2 in bf16 with two micro-steps): bytes
+  exact on the busiest stage (the head's end), calls exact on every stage. These were (pp+1) (L+1) gathers of the
+  whole shard and one reduction per step before, 6 / 2 calls where the library makes 4 / 2 per micro-step.
 
 A group whose ranks all sit in one node uses the node's links (NVLink); one that spans nodes is limited by the
 network (`layouts.cross_node`).
@@ -128,22 +135,29 @@ def transfers(model: ModelSpec, layout: Layout, recipe: Recipe, gpus_per_node: i
     s, r = layout.fsdp, layout.dp_replicate
     shard = Product(held, f"{held:,}")
     units = L + 1  # one FSDP2 unit per decoder layer, and the root
+    # The root unit (embedding, final norm, head; a stage's own under pp) is gathered once per micro-step: it stays
+    # gathered from forward into backward, which starts with it (torch's default for the root).
+    root = sum(shard_numel(local_shape(shape, dim, t), s) for _, shape, dim in stage_root(model, layout))
     if layout.pp == 1:
-        # Forward and backward, but the root unit (embedding, final norm, head) once: it stays gathered from forward
-        # into backward, which starts with it (torch's default for the root).
-        root = sum(shard_numel(local_shape(shape, dim, t), s) for _, shape, dim in stage_root(model, layout))
         add("FSDP2 parameter all-gather", "all_gather", "fsdp",
             steps * Product(s - 1, f"({s}-1)") * Product(2 * held - root, f"(2 x {held:,} - root {root:,})") * dtype,
             m * (2 * units - 1), True)
     else:
-        gathers = layout.pp + 1  # per pipeline micro-batch forward, and once for the backward passes
+        # A layer unit: for every pipeline micro-batch's forward, and once for the backward passes (torch's stage
+        # reshards after its last backward only).
+        g = layout.pp + 1
         add("FSDP2 parameter all-gather", "all_gather", "fsdp",
-            Product(gathers) * steps * Product(s - 1, f"({s}-1)") * shard * dtype, gathers * m * units, True)
-    syncs = m if recipe.sync_each_batch else 1
+            steps * Product(s - 1, f"({s}-1)") * Product(g * held - (g - 1) * root,
+                                                         f"({g} x {held - root:,} + root {root:,})") * dtype,
+            m * (g * L + 1), True)
+    # torch's pipeline schedule reduces a stage's gradients at the end of each step it runs (`perform_reduce_grad`):
+    # every micro-step under stages.
+    syncs = m if recipe.sync_each_batch or layout.pp > 1 else 1
     add("FSDP2 gradient reduce-scatter", "reduce_scatter", "fsdp",
         Product(syncs) * Product(s - 1, f"({s}-1)") * shard * Product(FP32, "4 B"), syncs * units, True)
-    add("HSDP gradient all-reduce", "all_reduce", "dp_replicate", 2 * ring(r) * shard * Product(FP32, "4 B"), units,
-        True)
+    replicas = m if layout.pp > 1 else 1  # as the reduce-scatter: every micro-step under stages
+    add("HSDP gradient all-reduce", "all_reduce", "dp_replicate",
+        Product(replicas) * 2 * ring(r) * shard * Product(FP32, "4 B"), replicas * units, True)
     # With activation checkpointing each layer's forward runs again in backward, collectives included.
     forwards = 2 if recipe.checkpointing else 1
     if t > 1:
