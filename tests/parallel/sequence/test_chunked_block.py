@@ -8,8 +8,8 @@ the same head-chunked attention.
   matmuls, shared key/value heads' gradients over the chunks);
 - bf16: the gradients' errors against fp64 within 2.5x the module's own;
 - memory: the bytes alive at the peak of one attention block's forward + backward on one sp-2 rank, the chunked block
-  against the module's own (fails without the feature), and its backward's buffers against `block.backward_bytes`
-  (the planner's count); no host sync.
+  against the module's own (fails without the feature), and its forward's and backward's buffers against
+  `block.forward_bytes` / `backward_bytes` (the planner's counts), to the byte, with 4 and 2 chunks; no host sync.
 The prepared tiny Llama trained under head chunks runs this block too: test_ulysses_head_chunks.py's training tests
 compare it with the unchunked run and count the block's forwards (`block.chunked_calls`) -- once per layer and
 micro-batch under sp 2, cp 2, pp 2 x sp 2 and dp_shard 2 x sp 2, twice under activation checkpointing, never under

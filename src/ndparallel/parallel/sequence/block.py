@@ -274,10 +274,11 @@ def forward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len
     - under sp, as the chunk's output leaves (`ulysses._leave`): its full-sequence q/k/v and output
       (`ulysses.chunk_bytes`) and the output's all-to-all receive buffer, with the copy the all-to-all sends where
       ``parts_from_heads`` makes one (more than one batch element or head per rank). The buffers sent for q/k/v are
-      let go when their all-to-alls return (``_arrive``): with NCCL the process group releases them at the wait; gloo's
-      worker thread may release one late, so a reading can come out one such buffer high (tests take the least of
-      three). Exact with sp alone (plain attention, tests/parallel/sequence/test_chunked_block.py); with cp x sp the
-      strategy's buffers, the caller's to add, are counted at the same time as the output's two: an upper bound;
+      the block's to let go when their all-to-alls return (``_arrive``): counted so; gloo's worker thread may release
+      one late, so a reading can come out one such buffer high (tests take the least of three), and how long NCCL's
+      work objects hold one on a GPU is not measured here. Exact with sp alone (plain attention,
+      tests/parallel/sequence/test_chunked_block.py); with cp x sp the strategy's buffers, the caller's to add, are
+      counted at the same time as the output's two: an upper bound;
     - under cp alone (`sp_size` 1): the one copy `ulysses._send` makes of its q/k/v (``_arrive`` hands it on, nothing
       is exchanged), ``local_len`` long; its output is the attention's result, made after the attention's own peak
       (the strategy's buffers, the caller's to add: `allgather.forward_bytes`, `ring.forward_bytes`). Exact against
@@ -299,8 +300,9 @@ def backward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_le
     """Bytes `ChunkedBlock.backward` allocates on one rank beyond its saved tensors, the incoming gradient and the
     weights' gradients: the hidden states' gradient (``batch x local_len x hidden``), and of one chunk
     - under sp, on the chunk that holds the most: its q and k projected again (the distinct key/value heads it sends,
-      ``local_len`` long; its value projection is let go once sent), rotary's new q and k, the rows of q_proj's weight it takes (one copy: a span per sp rank)
-      and k_proj's and v_proj's (a copy where their heads are not one span), its full-sequence q/k/v and output, and
+      ``local_len`` long; its value projection is let go once sent), rotary's new q and k, the rows of q_proj's weight
+      it takes (one copy: a span per sp rank) and k_proj's and v_proj's (a copy where their heads are not one span),
+      its full-sequence q/k/v and output, and
       the larger of (a) at the attention's backward, the output's gradient and the q/k/v gradients it returns, and
       (b) as the output's gradient arrives (``_arrive``), its sequence-sharded gradient, the buffer sent and the one
       received, and their reshaped copy where ``heads_from_parts`` makes one (more than one batch element or head
@@ -313,9 +315,9 @@ def backward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_le
       `allgather.backward_bytes`, `ring.backward_bytes`): its q and k projected again (the value projection let go
       once sent), rotary's new q and k, `_send`'s copies of the three that the attention takes, its output and the
       output's gradient, and the query's gradient the attention returns -- 6 query-head and 4 key/value-head tensors
-      of ``local_len`` tokens (key/value heads as
-      `ulysses.chunk_plan` spreads them). Exact, on the busiest rank, against the bytes the block allocates with either
-      strategy (tests/planner/test_planner_context_parallel.py, test_planner_ring.py)."""
+      of ``local_len`` tokens (key/value heads as `ulysses.chunk_plan` spreads them). Exact, on the busiest rank,
+      against the bytes the block allocates with either strategy (tests/planner/test_planner_context_parallel.py,
+      test_planner_ring.py)."""
     grad = batch * local_len * hidden * element_size
     if sp_size == 1:
         kv = kv_heads * kv_repeats(heads, kv_heads, chunks)
