@@ -275,7 +275,7 @@ def forward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len
       (`ulysses.chunk_bytes`) and the output's all-to-all receive buffer, with the copy the all-to-all sends where
       ``parts_from_heads`` makes one (more than one batch element or head per rank). The buffers sent for q/k/v are
       the block's to let go when their all-to-alls return (``_arrive``): counted so; gloo's worker thread may release
-      one late, so a reading can come out one such buffer high (tests take the least of three), and how long NCCL's
+      one late, so a reading can come out one such buffer high (tests: the least reading exact), and how long NCCL's
       work objects hold one on a GPU is not measured here. Exact with sp alone (plain attention,
       tests/parallel/sequence/test_chunked_block.py); with cp x sp the strategy's buffers, the caller's to add, are
       counted at the same time as the output's two: an upper bound;
@@ -307,8 +307,8 @@ def backward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_le
       (b) as the output's gradient arrives (``_arrive``), its sequence-sharded gradient, the buffer sent and the one
       received, and their reshaped copy where ``heads_from_parts`` makes one (more than one batch element or head
       per rank); the attention's log-sum-exp is the caller's to add. Exact with sp alone against the bytes the block
-      allocates (tests/parallel/sequence/test_chunked_block.py; gloo may release a buffer it sent late: the least of
-      three readings); with cp x sp the strategy's buffers, the caller's to add, count the key/value gradients again:
+      allocates (tests/parallel/sequence/test_chunked_block.py; gloo may release a buffer it sent late: the least
+      reading); with cp x sp the strategy's buffers, the caller's to add, count the key/value gradients again:
       an upper bound. Not counted: biases' rows (``heads / chunks x head_dim`` elements), rotary's temporaries in its
       backward (one chunk's heads; below this peak in the tests);
     - under cp alone (`sp_size` 1), at the attention's backward (its own buffers and log-sum-exp the caller's to add:
