@@ -345,9 +345,9 @@ def attention_backward(model: ModelSpec, layout: Layout, recipe: Recipe) -> tupl
         forward = block.forward_bytes(*shape, c) + gathered_fwd
         backward = block.backward_bytes(*shape, model.hidden, c) + lse + gathered
         if layout.sp > 1:
-            chunk_fwd = f"one chunk's full-sequence q/k/v/o with their send buffers, 2 x {chunk:,} B"
-            chunk_bwd = (f"one chunk's full-sequence q/k/v/o and their gradients 2 x {chunk:,} B, its "
-                         "sequence-sharded ones and theirs")
+            chunk_fwd = f"one chunk's full-sequence q/k/v/o {chunk:,} B and its output's all-to-all buffers"
+            chunk_bwd = (f"one chunk's q and k projected again, rotary's, its full-sequence q/k/v/o {chunk:,} B and "
+                         "the larger of their gradients and the output's gradient arriving")
         else:  # cp alone: nothing exchanged (`block.forward_bytes` / `backward_bytes`)
             chunk_fwd = "one copy of a chunk's q/k/v for its attention"
             chunk_bwd = ("a chunk's q/k/v projected again, rotary's q and k, the attention's copies of q/k/v, its "

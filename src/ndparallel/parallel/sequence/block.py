@@ -148,6 +148,10 @@ class ChunkedBlock(torch.autograd.Function):
             # the chunk's full-sequence heads as leaves: what was sent is freed as soon as it has arrived
             heads = [_arrive(_send(t.detach(), r), spec.group).requires_grad_()
                      for t, r in zip((q, k, pre[2]), local_runs)]
+            # the value projection, sent, is done with (no graph holds it: rotary takes q and k): let it go before
+            # the attention, keeping its shape, dtype and layout for its gradient
+            v_like = pre.pop()
+            v_like = (v_like.new_empty(0), (b, n, v_like.shape[1], d))
             with torch.enable_grad():
                 out = spec.attend(*heads)
             # o_proj's backward for the chunk's columns: their weight gradient, and the chunk's output gradient
@@ -159,12 +163,12 @@ class ChunkedBlock(torch.autograd.Function):
             d_heads = list(torch.autograd.grad(out, heads, d_out))
             del out, d_out, heads
             d_local = []
-            for t, r in zip((q, k, pre[2]), local_runs):
-                into = torch.zeros_like(t)
+            for t, r in zip((q, k, v_like), local_runs):
+                into = torch.zeros_like(t) if isinstance(t, torch.Tensor) else t[0].new_zeros(t[1]).transpose(1, 2)
                 _add(into, _leave(d_heads.pop(0), spec.group, spec.size), r)
                 d_local.append(into)
-            d_pre = [*torch.autograd.grad((q, k), pre[:2], d_local[:2]), d_local[2]]
-            del q, k, pre, d_local
+            d_pre = [*torch.autograd.grad((q, k), pre, d_local[:2]), d_local[2]]
+            del q, k, pre, d_local, v_like
             for i, (dp, s) in enumerate(zip(d_pre, spans)):
                 dp2 = dp.transpose(1, 2).reshape(b * n, -1)
                 dx.addmm_(dp2, weights[i])
@@ -250,43 +254,81 @@ def chunked_calls(model: nn.Module) -> int:
     return sum(getattr(m, "_ndparallel_chunked_block_calls", 0) for m in model.modules())
 
 
+def _sp_chunk(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len: int, local_len: int, batch: int,
+              head_dim: int, element_size: int) -> tuple[int, int, bool]:
+    """Under sp: one chunk's query (or output) bytes on one rank (its ``heads / (sp * chunks)`` full-sequence heads,
+    as many bytes as its ``heads / chunks`` sequence-sharded ones), a key (or value) tensor's (repeated for the
+    chunk, `ulysses.chunk_bytes`' count), and whether `communication.heads_from_parts` / ``parts_from_heads`` copy a
+    chunk's query or output (all but one batch element of one head per rank: their reshapes are views)."""
+    per_head = batch * full_len * head_dim * element_size
+    q = heads // (sp_size * chunks)
+    kv = kv_heads * kv_repeats(heads, kv_heads, sp_size * chunks) // (sp_size * chunks)
+    return q * per_head, kv * per_head, batch * q > 1
+
+
 def forward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len: int, local_len: int, batch: int,
                   head_dim: int, element_size: int) -> int:
     """Bytes `ChunkedBlock.forward` allocates at its peak on one rank, in the attention: the shard's q/k/v (the
     key/value heads as projected; rotary in place) and its attention output (``batch x local_len x head_dim`` per
     head), and of one chunk
-    - under sp: its full-sequence q/k/v/o with the buffers sent for them, which the all-to-alls may hold until they
-      complete (2 x `ulysses.chunk_bytes`: an upper bound);
+    - under sp, as the chunk's output leaves (`ulysses._leave`): its full-sequence q/k/v and output
+      (`ulysses.chunk_bytes`) and the output's all-to-all receive buffer, with the copy the all-to-all sends where
+      ``parts_from_heads`` makes one (more than one batch element or head per rank). The buffers sent for q/k/v are
+      the block's to let go when their all-to-alls return (``_arrive``): counted so; gloo's worker thread may release
+      one late, so a reading can come out one such buffer high (tests: the least reading exact), and how long NCCL's
+      work objects hold one on a GPU is not measured here. Exact with sp alone (plain attention,
+      tests/parallel/sequence/test_chunked_block.py); with cp x sp the strategy's buffers, the caller's to add, are
+      counted at the same time as the output's two: an upper bound;
     - under cp alone (`sp_size` 1): the one copy `ulysses._send` makes of its q/k/v (``_arrive`` hands it on, nothing
       is exchanged), ``local_len`` long; its output is the attention's result, made after the attention's own peak
       (the strategy's buffers, the caller's to add: `allgather.forward_bytes`, `ring.forward_bytes`). Exact against
       the bytes the block allocates with either strategy (tests/planner/test_planner_context_parallel.py,
       test_planner_ring.py).
-    The module's own forward holds as much, and a second q and k for rotary."""
+    Not counted: rotary's temporaries before the attention (one key/value head's query heads at a time). The module's
+    own forward holds as much, and a second q and k for rotary."""
     shard = batch * local_len * head_dim * element_size * (2 * heads + 2 * kv_heads)
     if sp_size == 1:
         kv = kv_heads * kv_repeats(heads, kv_heads, chunks)  # key/value heads as `chunk_plan` spreads them
         return shard + (heads // chunks + 2 * (kv // chunks)) * batch * local_len * head_dim * element_size
-    return shard + 2 * chunk_bytes(heads, kv_heads, sp_size, chunks, full_len, batch, head_dim, element_size)
+    q, _, copies = _sp_chunk(heads, kv_heads, sp_size, chunks, full_len, local_len, batch, head_dim, element_size)
+    chunk = chunk_bytes(heads, kv_heads, sp_size, chunks, full_len, batch, head_dim, element_size)
+    return shard + chunk + q * (1 + copies)
 
 
 def backward_bytes(heads: int, kv_heads: int, sp_size: int, chunks: int, full_len: int, local_len: int, batch: int,
                    head_dim: int, hidden: int, element_size: int) -> int:
     """Bytes `ChunkedBlock.backward` allocates on one rank beyond its saved tensors, the incoming gradient and the
     weights' gradients: the hidden states' gradient (``batch x local_len x hidden``), and of one chunk
-    - under sp: its full-sequence q/k/v/o and their gradients (2 x `ulysses.chunk_bytes`) and its sequence-sharded
-      q/k/v/o (rotary in place of a second q and k) and their gradients (2 x `ulysses.chunk_bytes` at
-      ``sp_size x local_len``): an upper bound;
+    - under sp, on the chunk that holds the most: its q and k projected again (the distinct key/value heads it sends,
+      ``local_len`` long; its value projection is let go once sent), rotary's new q and k, the rows of q_proj's weight
+      it takes (one copy: a span per sp rank) and k_proj's and v_proj's (a copy where their heads are not one span),
+      its full-sequence q/k/v and output, and
+      the larger of (a) at the attention's backward, the output's gradient and the q/k/v gradients it returns, and
+      (b) as the output's gradient arrives (``_arrive``), its sequence-sharded gradient, the buffer sent and the one
+      received, and their reshaped copy where ``heads_from_parts`` makes one (more than one batch element or head
+      per rank); the attention's log-sum-exp is the caller's to add. Exact with sp alone against the bytes the block
+      allocates (tests/parallel/sequence/test_chunked_block.py; gloo may release a buffer it sent late: the least
+      reading); with cp x sp the strategy's buffers, the caller's to add, count the key/value gradients again:
+      an upper bound. Not counted: biases' rows (``heads / chunks x head_dim`` elements), rotary's temporaries in its
+      backward (one chunk's heads; below this peak in the tests);
     - under cp alone (`sp_size` 1), at the attention's backward (its own buffers and log-sum-exp the caller's to add:
-      `allgather.backward_bytes`, `ring.backward_bytes`): its q/k/v projected again, rotary's new q and k, `_send`'s
-      copies of the three that the attention takes, its output and the output's gradient, and the query's gradient
-      the attention returns -- 6 query-head and 5 key/value-head tensors of ``local_len`` tokens (key/value heads as
-      `ulysses.chunk_plan` spreads them). Exact, on the busiest rank, against the bytes the block allocates with either
-      strategy (tests/planner/test_planner_context_parallel.py, test_planner_ring.py)."""
+      `allgather.backward_bytes`, `ring.backward_bytes`): its q and k projected again (the value projection let go
+      once sent), rotary's new q and k, `_send`'s copies of the three that the attention takes, its output and the
+      output's gradient, and the query's gradient the attention returns -- 6 query-head and 4 key/value-head tensors
+      of ``local_len`` tokens (key/value heads as `ulysses.chunk_plan` spreads them). Exact, on the busiest rank,
+      against the bytes the block allocates with either strategy (tests/planner/test_planner_context_parallel.py,
+      test_planner_ring.py)."""
     grad = batch * local_len * hidden * element_size
     if sp_size == 1:
         kv = kv_heads * kv_repeats(heads, kv_heads, chunks)
-        return grad + (6 * (heads // chunks) + 5 * (kv // chunks)) * batch * local_len * head_dim * element_size
-    full = chunk_bytes(heads, kv_heads, sp_size, chunks, full_len, batch, head_dim, element_size)
-    sharded = chunk_bytes(heads, kv_heads, sp_size, chunks, sp_size * local_len, batch, head_dim, element_size)
-    return grad + 2 * full + 2 * sharded
+        return grad + (6 * (heads // chunks) + 4 * (kv // chunks)) * batch * local_len * head_dim * element_size
+    q, kv, copies = _sp_chunk(heads, kv_heads, sp_size, chunks, full_len, local_len, batch, head_dim, element_size)
+    head, row = batch * local_len * head_dim * element_size, head_dim * hidden * element_size
+    most = 0
+    for runs in chunk_plan(heads, kv_heads, sp_size, chunks):
+        kv_spans = _local(runs[1])[0]
+        distinct = sum(n for _, n in kv_spans)  # the chunk's key heads as projected again
+        weights = heads // chunks * row + (2 * distinct * row if len(kv_spans) > 1 else 0)
+        most = max(most, 2 * q + 2 * distinct * head + weights)  # projected q and k, rotary's q and k
+    held = 2 * q + 2 * kv  # the full-sequence q/k/v and output
+    return grad + most + held + max(q + q + 2 * kv, q * (3 + copies))
