@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ndparallel.cli import main
-from ndparallel.planner import Layout, Recipe, Request, get_hardware, load_model, plan
+from ndparallel.planner import Recipe, Request, get_hardware, load_model, plan
 from ndparallel.planner.footprint import estimate
 from ndparallel.planner.longest import QUANTUM, longest
 

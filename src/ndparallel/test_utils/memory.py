@@ -7,16 +7,22 @@ weak reference when its last tensor dies) and keeps the largest sum of their byt
 region holds, on any device. Buffers a kernel allocates inside itself (workspaces) are not seen; the same kernels on
 both sides of a comparison keep that fair.
 
-Under gloo a reading can come out high: gloo's worker thread lets go of a collective's tensors when it is done with
-them, which can be after the caller's ``wait()`` returned, so on a loaded machine a storage dies late and a peak counts
-it a while longer. `least_of` takes each reading's least over a few runs, which is the code's own.
+Under gloo a reading could come out high: gloo's worker thread lets go of a collective's tensors when it is done with
+them, which can be after the caller's ``wait()`` returned (in about half the runs of the chunked block's all-gather,
+its send buffer was still alive during the attention that followed). So while `LiveBytes` is on, torch.distributed's
+blocking collectives return only once the backend holds none of their tensors (`settled_collectives`): the bytes
+counted are then those the code itself keeps alive, in every run. `least_of` takes each reading's least over a few
+runs, for what is left (collectives with ``async_op=True`` are not waited on).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
+import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -65,14 +71,71 @@ def _storages(x: Any) -> list[torch.UntypedStorage]:
     return []
 
 
+# torch.distributed's blocking collectives that the library calls (by module attribute, so the patch reaches them)
+BLOCKING_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                        "all_to_all", "all_to_all_single", "all_reduce", "broadcast")
+SETTLE_SECONDS = 2.0  # then the call returns anyway: a reading may count the buffer late, never hang
+
+
+def _settled(collective: Callable) -> Callable:
+    @functools.wraps(collective)
+    def call(*args, **kwargs):
+        tensors = [t for t in _tensors((args, list(kwargs.values()))) if not t.is_meta]
+        before = [t._use_count() for t in tensors]  # C++ references to each tensor: the backend's add to them
+        out = collective(*args, **kwargs)
+        if not kwargs.get("async_op"):
+            deadline = time.monotonic() + SETTLE_SECONDS
+            while any(t._use_count() > n for t, n in zip(tensors, before)) and time.monotonic() < deadline:
+                time.sleep(1e-4)
+        return out
+    return call
+
+
+@contextlib.contextmanager
+def settled_collectives() -> Iterator[None]:
+    """While on, each of `BLOCKING_COLLECTIVES` returns only once the backend holds none of the tensors it was given
+    (each tensor's C++ use count back to what it was before the call; at most `SETTLE_SECONDS`): gloo's worker thread
+    drops a finished collective's tensors on its own time, after ``wait()`` returned to the caller."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in BLOCKING_COLLECTIVES if hasattr(dist, name)}
+    for name, collective in originals.items():
+        setattr(dist, name, _settled(collective))
+    try:
+        yield
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
 class LiveBytes(TorchDispatchMode):
     """``with LiveBytes() as m:`` then ``m.peak``: the most bytes of storages created inside that were alive at once
-    (``m.live`` now). Storages that existed before the region (inputs, parameters) are not counted."""
+    (``m.live`` now). Storages that existed before the region (inputs, parameters) are not counted. Blocking
+    collectives are settled while it is on (`settled_collectives`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
         self._seen: dict[int, int] = {}  # storage key -> bytes, while alive
+        self._settled = contextlib.ExitStack()
+
+    def __enter__(self) -> "LiveBytes":
+        self._settled.enter_context(settled_collectives())
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._settled.close()
 
     def _release(self, key: int, _ref: Any = None) -> None:
         self.live -= self._seen.pop(key, 0)
