@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ndparallel.test_utils.collectives import _tensors
+
 
 def kept_bytes(run: Callable[[], object], parameters: Iterable[torch.Tensor]) -> int:
     """Bytes of the storages `run()` saves for backward (each storage once), less those of `parameters`."""
@@ -106,14 +108,6 @@ def settled_collectives() -> Iterator[None]:
     finally:
         for name, collective in originals.items():
             setattr(dist, name, collective)
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
 
 
 class LiveBytes(TorchDispatchMode):
